@@ -1,0 +1,44 @@
+"""Diffusion language models on mlx-lm's doors: load, generate, stream_generate, CLI."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+from model_adapters import FAMILIES, family_module, register
+
+register()  # mlx-lm resolves our model types from here on
+
+from .engine import Engine, Step  # noqa: E402
+from .generate import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: E402
+from .options import DecodeOptions  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def load(
+    path_or_hf_repo: str,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    revision: Optional[str] = None,
+):
+    """Load a diffusion checkpoint (Hugging Face layout or converted MLX) with mlx-lm's
+    own loader; returns (model, tokenizer) as `mlx_lm.load` does."""
+    from mlx_lm.utils import _download, load as mlx_lm_load, load_config
+
+    model_path = _download(path_or_hf_repo, revision=revision)
+    config = load_config(model_path)
+    family_module(str(config.get("model_type")))  # clear error for other model types
+    return mlx_lm_load(str(model_path), tokenizer_config=tokenizer_config, model_config=model_config)
+
+
+__all__ = [
+    "load",
+    "generate",
+    "stream_generate",
+    "generate_batch",
+    "DiffusionResponse",
+    "DecodeOptions",
+    "Engine",
+    "Step",
+    "FAMILIES",
+]

@@ -1,0 +1,220 @@
+"""Commit rules: which masked positions of the current block to fill at a step.
+
+One small class per decoding algorithm behind one interface, selected by name
+(`make_rule`). The ranking and the commit itself are mlx-arsenal's primitives;
+a rule only chooses the score and the count. Every rule works per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_arsenal.diffusion import (
+    entropy_bound_transfer,
+    factor_transfer,
+    threshold_transfer,
+    topk_transfer,
+    transfer_schedule,
+)
+
+
+@dataclass
+class StepInputs:
+    """What a rule sees at one step of one block (block-local (B, Lb) arrays)."""
+
+    x0: mx.array  # proposed tokens
+    prob: mx.array  # probability of x0 under the temperature-1 softmax
+    entropy: mx.array  # entropy of the temperature-1 softmax
+    logprobs: mx.array  # (B, Lb, V) log-softmax of the processed logits
+    candidates: mx.array  # bool: masked positions of unfinished rows
+    step: int  # index of this step within the block
+    steps: int  # the block's step budget
+
+
+class CommitRule:
+    """Interface: `start_block` once per block, then `select` once per step."""
+
+    name: ClassVar[str]
+    # True: the rule ends a block within `steps` (its last step commits the rest).
+    # False: it commits at least one token per step, so it ends within the block length.
+    fixed_steps: ClassVar[bool] = True
+
+    def start_block(self, candidates: mx.array, steps: int) -> None:
+        pass
+
+    def select(self, s: StepInputs) -> mx.array:
+        raise NotImplementedError
+
+
+class LowConfidence(CommitRule):
+    """LLaDA `generate`, remasking="low_confidence": LLaDA's even split of the block's
+    masks over its steps (`get_num_transfer_tokens`), filled by the most confident
+    proposals first. Deviation: the quota is per row (the reference is batch 1)."""
+
+    name = "low_confidence"
+
+    def start_block(self, candidates: mx.array, steps: int) -> None:
+        self.quota = transfer_schedule(mx.sum(candidates, axis=1), steps)
+
+    def scores(self, s: StepInputs) -> mx.array:
+        return s.prob
+
+    def select(self, s: StepInputs) -> mx.array:
+        return topk_transfer(self.scores(s), s.candidates, self.quota[:, s.step])
+
+
+class RandomRemasking(LowConfidence):
+    """LLaDA `generate`, remasking="random": the same quota, positions in random order."""
+
+    name = "random"
+
+    def scores(self, s: StepInputs) -> mx.array:
+        return mx.random.uniform(shape=s.prob.shape)
+
+
+@dataclass
+class Threshold(CommitRule):
+    """Fast-dLLM `get_transfer_index` with a threshold: commit every proposal with
+    probability >= threshold, and the most confident one when none passes."""
+
+    threshold: float = 0.9
+    name: ClassVar[str] = "threshold"
+    fixed_steps: ClassVar[bool] = False
+
+    def select(self, s: StepInputs) -> mx.array:
+        return threshold_transfer(s.prob, s.candidates, self.threshold)
+
+
+@dataclass
+class Factor(CommitRule):
+    """Fast-dLLM `get_transfer_index_dynamic`: the longest confidence-sorted prefix with
+    (i + 1)(1 - c_i) <= factor (without the reference's last-candidate off-by-one)."""
+
+    factor: float = 1.0
+    name: ClassVar[str] = "factor"
+    fixed_steps: ClassVar[bool] = False
+
+    def select(self, s: StepInputs) -> mx.array:
+        return factor_transfer(s.prob, s.candidates, self.factor)
+
+
+@dataclass
+class EntropyBound(CommitRule):
+    """EB-Sampler: the longest entropy-sorted prefix whose entropy, less its last
+    term, stays within `bound`; at least one per step."""
+
+    bound: float = 0.35
+    name: ClassVar[str] = "entropy_bound"
+    fixed_steps: ClassVar[bool] = False
+
+    def select(self, s: StepInputs) -> mx.array:
+        return entropy_bound_transfer(s.entropy, s.candidates, self.bound)
+
+
+def dream_timesteps(steps: int, eps: float = 1e-3) -> np.ndarray:
+    """Dream's `torch.linspace(1, eps, steps + 1)`, in float32 as the reference."""
+    return np.linspace(1.0, eps, steps + 1, dtype=np.float64).astype(np.float32)
+
+
+@dataclass
+class DreamConfidence(CommitRule):
+    """Dream `diffusion_generate` with alg in {maskgit_plus, topk_margin, entropy}: at
+    step i of N, commit int(M * (1 - s / t)) of the M masks (all of them at the last
+    step), t, s = linspace(1, eps, N + 1)[i : i + 2], ranked by the algorithm's
+    confidence; alg_temp > 0 draws the positions from softmax(confidence / alg_temp)
+    without replacement (Gumbel top-k). Deviations: counts are per row (the reference
+    averages them over the batch); with sampling, confidence is taken from the
+    temperature-1 softmax rather than the tempered one."""
+
+    alg: str = "maskgit_plus"
+    alg_temp: float = 0.0
+    eps: float = 1e-3
+    name: ClassVar[str] = "maskgit_plus"
+
+    def start_block(self, candidates: mx.array, steps: int) -> None:
+        self.timesteps = dream_timesteps(steps, self.eps)
+
+    def confidence(self, s: StepInputs) -> mx.array:
+        if self.alg == "maskgit_plus":
+            return s.prob
+        if self.alg == "topk_margin":
+            top2 = mx.topk(s.logprobs, 2, axis=-1)  # unordered pair of the two largest
+            p = mx.exp(top2.astype(mx.float32))
+            return mx.abs(p[..., 0] - p[..., 1])
+        return -s.entropy  # "entropy": Dream ranks by negative entropy
+
+    def count(self, s: StepInputs) -> mx.array:
+        masked = mx.sum(s.candidates, axis=1)
+        if s.step >= s.steps - 1:
+            return masked
+        t, u = self.timesteps[s.step], self.timesteps[s.step + 1]
+        fraction = np.float32(1.0) - u / t  # float32 like the reference
+        # int() of a float32 product, per row
+        return mx.floor(masked.astype(mx.float32) * mx.array(fraction, dtype=mx.float32)).astype(
+            mx.int32
+        )
+
+    def select(self, s: StepInputs) -> mx.array:
+        conf = self.confidence(s)
+        if self.alg_temp > 0:
+            gumbel = -mx.log(-mx.log(mx.random.uniform(shape=conf.shape)))
+            conf = conf / self.alg_temp + gumbel
+        return topk_transfer(conf, s.candidates, self.count(s))
+
+
+@dataclass
+class DreamOrigin(DreamConfidence):
+    """Dream `diffusion_generate` with alg="origin": each mask is revealed independently
+    with probability 1 - s / t (1 at the last step)."""
+
+    alg: str = "origin"
+    name: ClassVar[str] = "origin"
+
+    def select(self, s: StepInputs) -> mx.array:
+        if s.step >= s.steps - 1:
+            return s.candidates
+        t, u = self.timesteps[s.step], self.timesteps[s.step + 1]
+        p = float(np.float32(1.0) - u / t)
+        return mx.logical_and(s.candidates, mx.random.uniform(shape=s.candidates.shape) < p)
+
+
+RULES: tuple[str, ...] = (
+    "low_confidence",
+    "random",
+    "threshold",
+    "factor",
+    "entropy_bound",
+    "maskgit_plus",
+    "topk_margin",
+    "entropy",
+    "origin",
+)
+
+
+def make_rule(
+    name: str,
+    *,
+    threshold: Optional[float] = None,
+    factor: float = 1.0,
+    entropy_bound: float = 0.35,
+    alg_temp: float = 0.0,
+) -> CommitRule:
+    """Build a commit rule by name (see `RULES`)."""
+    if name == "low_confidence":
+        return LowConfidence()
+    if name == "random":
+        return RandomRemasking()
+    if name == "threshold":
+        return Threshold(0.9 if threshold is None else threshold)
+    if name == "factor":
+        return Factor(factor)
+    if name == "entropy_bound":
+        return EntropyBound(entropy_bound)
+    if name in ("maskgit_plus", "topk_margin", "entropy"):
+        return DreamConfidence(alg=name, alg_temp=alg_temp)
+    if name == "origin":
+        return DreamOrigin()
+    raise ValueError(f"Unknown strategy {name!r}; choose one of: {', '.join(RULES)}")

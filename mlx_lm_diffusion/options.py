@@ -1,0 +1,113 @@
+"""Decoding options: what a caller may set, validated and resolved against a family."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from model_adapters import Adapter
+
+from .commit_rules import RULES, CommitRule, make_rule
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+@dataclass
+class DecodeOptions:
+    """Options of one decode. `None` means "the family's default"."""
+
+    max_tokens: int = 256
+    block_length: Optional[int] = None
+    steps: Optional[int] = None  # denoising steps per block
+    strategy: Optional[str] = None  # commit rule name, see commit_rules.RULES
+    threshold: Optional[float] = None  # a threshold means the "threshold" rule by default
+    factor: float = 1.0
+    entropy_bound: float = 0.35
+    alg_temp: float = 0.0
+    sampler: Optional[Sampler] = None  # mlx-lm sampler over log-probs; greedy if None
+    logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
+    seed: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ResolvedOptions:
+    """Options with every family default filled in and every value checked."""
+
+    max_tokens: int
+    block_length: int
+    steps: int
+    rule: CommitRule
+    sampler: Optional[Sampler]
+    logits_processors: tuple
+    seed: Optional[int]
+
+
+def _check_positive_int(name: str, value, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}; {hint}")
+
+
+def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> ResolvedOptions:
+    """Fill family defaults and validate; raises ValueError saying what to change."""
+    o = options
+    _check_positive_int("max_tokens", o.max_tokens, "ask for at least one token")
+    if o.block_length is not None:
+        _check_positive_int("block_length", o.block_length, "use a positive block size")
+    if o.steps is not None:
+        _check_positive_int("steps", o.steps, "use at least one denoising step per block")
+    if o.threshold is not None and not (
+        isinstance(o.threshold, (int, float)) and 0.0 <= o.threshold <= 1.0
+    ):
+        raise ValueError(f"threshold must lie in [0, 1], got {o.threshold!r}")
+    if not o.factor > 0:
+        raise ValueError(f"factor must be > 0, got {o.factor!r}")
+    if not o.entropy_bound >= 0:
+        raise ValueError(f"entropy_bound must be >= 0, got {o.entropy_bound!r}")
+    if not o.alg_temp >= 0:
+        raise ValueError(f"alg_temp must be >= 0, got {o.alg_temp!r}")
+
+    defaults = adapter.defaults
+    strategy = o.strategy
+    if strategy is None:
+        strategy = "threshold" if o.threshold is not None else defaults.strategy
+    if strategy not in RULES:
+        raise ValueError(f"Unknown strategy {strategy!r}; choose one of: {', '.join(RULES)}")
+    if o.threshold is not None and strategy != "threshold":
+        raise ValueError(
+            f"threshold applies to the 'threshold' strategy, not {strategy!r}; "
+            "drop threshold or set strategy='threshold'"
+        )
+    threshold = o.threshold if o.threshold is not None else defaults.threshold
+
+    block_length = o.block_length or defaults.block_length or o.max_tokens
+    if not adapter.align_blocks:  # aligned blocks keep the model's native size
+        block_length = min(block_length, o.max_tokens)
+    steps = o.steps or defaults.steps or block_length
+
+    if adapter.max_length is not None and prompt_len + o.max_tokens > adapter.max_length:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({o.max_tokens}) exceeds the model's "
+            f"context of {adapter.max_length} tokens; shorten the prompt or lower max_tokens"
+        )
+    rule = make_rule(
+        strategy,
+        threshold=threshold,
+        factor=o.factor,
+        entropy_bound=o.entropy_bound,
+        alg_temp=o.alg_temp,
+    )
+    return ResolvedOptions(
+        max_tokens=o.max_tokens,
+        block_length=block_length,
+        steps=steps,
+        rule=rule,
+        sampler=o.sampler,
+        logits_processors=tuple(o.logits_processors or ()),
+        seed=o.seed,
+    )
+
+
+__all__ = ["DecodeOptions", "ResolvedOptions", "resolve", "replace"]

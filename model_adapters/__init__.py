@@ -1,0 +1,60 @@
+"""One module per diffusion family; each defines `ModelArgs`, `Model` and `Adapter`.
+
+`register()` makes every family resolvable by mlx-lm's own loader, which imports
+`mlx_lm.models.<model_type>`: loading, quantized reloads, conversion, the server
+and chat then find these models like any other.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+from typing import Any
+
+import mlx.nn as nn
+
+from .base import Adapter, FamilyDefaults
+
+# model_type (as written in config.json) -> module under model_adapters
+FAMILIES: dict[str, str] = {
+    "llada": "llada",
+    "Dream": "dream",
+}
+
+
+def family_module(model_type: str) -> ModuleType:
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"Unsupported model_type {model_type!r}; supported diffusion families: "
+            + ", ".join(f"{t!r} ({_family_name(t)})" for t in FAMILIES)
+        )
+    return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}")
+
+
+def _family_name(model_type: str) -> str:
+    return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}").Adapter.family
+
+
+def register() -> None:
+    """Expose each family as `mlx_lm.models.<model_type>` (idempotent)."""
+    import mlx_lm.models
+
+    for model_type in FAMILIES:
+        module = family_module(model_type)
+        sys.modules[f"mlx_lm.models.{model_type}"] = module
+        setattr(mlx_lm.models, model_type, module)
+
+
+def is_diffusion_model(model: nn.Module) -> bool:
+    args = getattr(model, "args", None)
+    return getattr(args, "model_type", None) in FAMILIES
+
+
+def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
+    """The family adapter for a loaded model."""
+    model_type = getattr(getattr(model, "args", None), "model_type", None)
+    return family_module(str(model_type)).Adapter(model, tokenizer)
+
+
+__all__ = ["Adapter", "FamilyDefaults", "FAMILIES", "adapter_for", "register", "family_module"]

@@ -1,0 +1,80 @@
+"""The adapter contract between a model family and the decoding engine.
+
+An adapter wires one family's specifics (mask token, attention layout, logit
+shift, cache, reference defaults) behind four calls. The engine never sees
+any of that; an adapter never sees commit rules, schedules or streaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass(frozen=True)
+class FamilyDefaults:
+    """A family's reference decoding settings (what its own demo code uses)."""
+
+    block_length: Optional[int]  # None: the whole generation is one block
+    strategy: str
+    steps: Optional[int] = None  # None: one denoising step per block position
+    threshold: Optional[float] = None
+    options: dict = field(default_factory=dict)  # rule-specific extras (alg_temp, ...)
+
+
+class Adapter:
+    """Base adapter for a masked-diffusion family with full-canvas attention.
+
+    Subclasses set `family`, `defaults` and, when needed, override `predict`
+    (logit shift, caches) and `finish_block`.
+    """
+
+    family: ClassVar[str] = ""
+    defaults: ClassVar[FamilyDefaults]
+    align_blocks: ClassVar[bool] = False  # blocks on absolute multiples of block_length
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None):
+        self.model = model
+        args = model.args
+        self.mask_id: Optional[int] = args.mask_token_id
+        self.vocab_size: int = model.vocab_size
+        self.max_length: Optional[int] = model.max_length
+        self.eos_ids: frozenset[int] = frozenset(_stop_ids(args, tokenizer))
+
+    @property
+    def block_length(self) -> Optional[int]:
+        return self.defaults.block_length
+
+    def start(self, prompt: mx.array) -> Any:
+        """Prepare a decode of `prompt` (B, P); returns the adapter's state."""
+        return None
+
+    def predict(self, state: Any, canvas: mx.array, start: int, end: int) -> mx.array:
+        """Logits (B, end - start, V): row i predicts the token at position start + i."""
+        hidden = self.model.backbone(canvas)
+        return self.model.head(hidden[:, start:end])
+
+    def finish_block(self, state: Any, canvas: mx.array, start: int, end: int) -> None:
+        """Called once positions [start, end) are final (a cache may store them)."""
+
+
+def _stop_ids(args: Any, tokenizer: Any) -> set[int]:
+    """EOS ids from the config and the tokenizer; a pad id distinct from EOS stops too."""
+    ids: set[int] = set()
+    for name in ("eos_token_id", "pad_token_id"):
+        value = getattr(args, name, None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if tokenizer is not None:
+        ids.update(getattr(tokenizer, "eos_token_ids", ()) or ())
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+    mask_id = getattr(args, "mask_token_id", None)
+    ids.discard(mask_id)
+    return ids
