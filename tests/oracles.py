@@ -1,0 +1,89 @@
+"""Independent oracles of the reference decoding loops, written from the algorithms.
+
+Each oracle runs the reference loop literally (whole canvas through the model at
+every step, batch 1, numpy/torch for the loop arithmetic) over the same MLX
+forward, and counts forwards. One documented deviation is shared with the engine:
+the mask token is never proposed (its logit is removed before the softmax).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+def _logits(model, x: np.ndarray, mask_id: int) -> np.ndarray:
+    logits = np.array(model(mx.array(x))).astype(np.float64)
+    logits[..., mask_id] = -np.inf
+    return logits
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits - logits.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def llada_generate(model, prompt, *, gen_length, block_length, steps, mask_id):
+    """LLaDA's `generate` (remasking="low_confidence", temperature 0, no CFG), with
+    `steps` denoising steps per block and a last block that may be shorter."""
+    P = len(prompt)
+    x = np.full((1, P + gen_length), mask_id, dtype=np.int64)
+    x[0, :P] = prompt
+    forwards = 0
+    for start in range(P, P + gen_length, block_length):
+        end = min(start + block_length, P + gen_length)
+        n = int((x[0, start:end] == mask_id).sum())
+        quota = [n // steps + (1 if i < n % steps else 0) for i in range(steps)]
+        for i in range(steps):
+            mask_index = x == mask_id
+            logits = _logits(model, x, mask_id)
+            forwards += 1
+            x0 = logits.argmax(-1)
+            x0_p = np.take_along_axis(_softmax(logits), x0[..., None], -1)[..., 0]
+            x0_p[:, end:] = -np.inf
+            x0 = np.where(mask_index, x0, x)
+            confidence = np.where(mask_index, x0_p, -np.inf)
+            order = np.argsort(-confidence[0], kind="stable")[: quota[i]]
+            x[0, order] = x0[0, order]
+    return x[0, P:].tolist(), forwards
+
+
+def dream_generate(model, prompt, *, max_new_tokens, steps, alg, mask_id, eps=1e-3):
+    """Dream's `diffusion_generate` (temperature 0, alg in maskgit_plus / topk_margin /
+    entropy, alg_temp 0): shifted logits, count int(M * (1 - s / t))."""
+    import torch
+
+    P = len(prompt)
+    x = np.full((1, P + max_new_tokens), mask_id, dtype=np.int64)
+    x[0, :P] = prompt
+    timesteps = torch.linspace(1, eps, steps + 1)
+    forwards = 0
+    for i in range(steps):
+        mask_index = x == mask_id
+        logits = _logits(model, x, mask_id)
+        forwards += 1
+        logits = np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
+        probs = _softmax(logits[mask_index])
+        x0 = probs.argmax(-1)
+        if alg == "maskgit_plus":
+            confidence = probs.max(-1)
+        elif alg == "topk_margin":
+            top = -np.sort(-probs, axis=-1)
+            confidence = top[:, 0] - top[:, 1]
+        elif alg == "entropy":
+            with np.errstate(divide="ignore"):
+                confidence = np.sum(probs * np.log(probs + 1e-10), axis=-1)
+        else:
+            raise ValueError(alg)
+        t, s = timesteps[i], timesteps[i + 1]
+        num_mask = torch.tensor(float(mask_index.sum())) / 1
+        count = int(num_mask * (1 - s / t)) if i < steps - 1 else int(num_mask)
+        full = np.full(x.shape, -np.inf)
+        full[mask_index] = confidence
+        if count > 0:
+            order = np.argsort(-full[0], kind="stable")[:count]
+            proposal = np.full(x.shape, mask_id)
+            proposal[mask_index] = x0
+            x[0, order] = proposal[0, order]
+    return x[0, P:].tolist(), forwards
