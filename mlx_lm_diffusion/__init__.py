@@ -9,7 +9,7 @@ from model_adapters import FAMILIES, family_module, register
 register()  # mlx-lm resolves our model types from here on
 
 from .engine import Engine, Step  # noqa: E402
-from .generate import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: E402
+from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: E402
 from .options import DecodeOptions  # noqa: E402
 
 __version__ = "0.1.0"

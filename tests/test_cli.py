@@ -1,0 +1,64 @@
+"""The generate and convert CLIs: output, --show-canvas, and one-line errors with exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, stdin=None):
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        capture_output=True,
+        text=True,
+        input=stdin,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+
+
+def test_generate_prints_text_and_stats(llada_path):
+    r = run("mlx_lm_diffusion.generate", "--model", str(llada_path), "--prompt", "Hi", "--max-tokens", "8",
+            "--block-length", "4")
+    assert r.returncode == 0, r.stderr
+    assert "==========" in r.stdout and "forwards" in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_show_canvas_and_stdin_prompt(llada_path):
+    r = run("mlx_lm_diffusion.generate", "--model", str(llada_path), "--prompt", "-", "--max-tokens", "6",
+            "--steps", "3", "--block-length", "6", "--show-canvas", "--ignore-chat-template", "--verbose", "False",
+            stdin="Hello")
+    assert r.returncode == 0, r.stderr
+    frames = [line for line in r.stderr.splitlines() if line.startswith("[forward ")]
+    assert len(frames) == 3  # one frame per forward
+    assert frames[0].count("\u2591") == 4 and "\u2591" not in frames[-1]  # 2 of 6 unmasked per step
+
+
+@pytest.mark.parametrize(
+    "flags,word",
+    [
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--block-length", "0"], "block_length"),
+        (["--steps", "0"], "steps"),
+        (["--threshold", "2"], "threshold"),
+        (["--strategy", "bogus"], "strategy"),
+        (["--max-tokens", "100000"], "context"),
+        (["--prompt", "<|mdm_mask|>", "--ignore-chat-template"], "mask token"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(llada_path, flags, word):
+    r = run("mlx_lm_diffusion.generate", "--model", str(llada_path), *(["--prompt", "Hi"] + flags))
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and word in lines[0], r.stderr
+
+
+def test_unsupported_model_and_missing_path(tmp_path, llada_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    r = run("mlx_lm_diffusion.generate", "--model", str(tmp_path), "--prompt", "Hi")
+    assert r.returncode == 2 and "llada" in r.stderr and "Traceback" not in r.stderr
+    r = run("mlx_lm_diffusion.convert", "--hf-path", str(llada_path), "--mlx-path", str(tmp_path))
+    assert r.returncode == 2 and "exists" in r.stderr

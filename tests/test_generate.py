@@ -1,0 +1,204 @@
+"""The mlx-lm-compatible API: streaming contract, EOS, options, batching, bad input."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.sample_utils import make_sampler
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.commit_rules import RULES
+
+from checkpoints import EOS_ID, MASK_ID, VOCAB
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32]
+
+
+def boost_eos_at(offset_in_block):
+    """A logits processor that makes one block position certainly EOS."""
+
+    def processor(tokens, logits):
+        bias = mx.zeros(logits.shape)
+        bias[offset_in_block, EOS_ID] = 1e4
+        return logits + bias
+
+    return processor
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_stream_contract(family, request):
+    model, tok = request.getfixturevalue(family)
+    drafts = []
+    responses = list(
+        mld.stream_generate(
+            model, tok, PROMPT, max_tokens=24, block_length=8, draft_callback=lambda s: drafts.append(s.canvas.copy())
+        )
+    )
+    assert all(isinstance(r, GenerationResponse) for r in responses)
+    final = drafts[-1][0]
+    P = len(PROMPT)
+    tokens = [r.token for r in responses]
+    eos_cut = tokens[:-1] if responses[-1].finish_reason == "stop" else tokens
+    assert tokens == final[P : P + len(tokens)].tolist()
+    assert [r.generation_tokens for r in responses] == list(range(1, len(responses) + 1))
+    assert all(r.finish_reason is None for r in responses[:-1])
+    assert responses[-1].finish_reason in ("stop", "length")
+    detokenizer = tok.detokenizer  # the text is mlx-lm's detokenizer over the tokens
+    detokenizer.reset()
+    for t in eos_cut:
+        detokenizer.add_token(t)
+    detokenizer.finalize()
+    assert "".join(r.text for r in responses) == detokenizer.text
+    # every emitted token was already final: no later draft changes it
+    forwards_at = [r.forwards for r in responses]
+    assert forwards_at == sorted(forwards_at)
+    for i, r in enumerate(responses):
+        for canvas in drafts[r.forwards - 1 :]:
+            assert canvas[0, P + i] == r.token
+    # prompt positions never change, and the mask never leaves the engine
+    for canvas in drafts:
+        assert canvas[0, :P].tolist() == PROMPT
+    assert MASK_ID not in tokens
+    r = responses[-1]
+    assert r.prompt_tokens == P and r.prompt_tps > 0 and r.generation_tps > 0 and r.peak_memory >= 0
+    assert r.logprobs.shape == (VOCAB,)
+    assert abs(float(mx.exp(r.logprobs).sum()) - 1) < 1e-4
+    assert int(mx.argmax(r.logprobs)) == r.token  # greedy
+
+
+def test_generate_equals_stream_text(llada):
+    model, tok = llada
+    text = mld.generate(model, tok, "Hello", max_tokens=16)
+    assert text == "".join(r.text for r in mld.stream_generate(model, tok, "Hello", max_tokens=16))
+
+
+def test_length_finish_and_limit(llada):
+    model, tok = llada
+    out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=5, logits_processors=[]))
+    assert len(out) <= 5
+    if out[-1].finish_reason == "length":
+        assert len(out) == 5
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_eos_stops_early_and_is_never_text(family, request):
+    model, tok = request.getfixturevalue(family)
+    responses = list(
+        mld.stream_generate(
+            model, tok, PROMPT, max_tokens=32, block_length=8, logits_processors=[boost_eos_at(3)]
+        )
+    )
+    assert [r.finish_reason for r in responses][-1] == "stop"
+    assert len(responses) == 4 and responses[-1].token == EOS_ID
+    assert tok.decode([EOS_ID]) not in "".join(r.text for r in responses)
+    assert responses[-1].forwards <= 8  # only the first block was decoded
+
+
+def test_batch_rows_match_single_prompts(llada, dream):
+    for model, tok in (llada, dream):
+        a, b = PROMPT, [80, 81, 82, 83, 84, 85, 86]
+        rows, _ = mld.generate_batch(model, tok, [a, b], max_tokens=16, block_length=8)
+        for prompt, row in zip((a, b), rows):
+            single, _ = mld.generate_batch(model, tok, [prompt], max_tokens=16, block_length=8)
+            assert row == single[0]
+
+
+@pytest.mark.parametrize("strategy", RULES)
+def test_every_rule_finishes_within_its_bound(llada, strategy):
+    model, tok = llada
+    steps = 3
+    responses = list(
+        mld.stream_generate(model, tok, PROMPT, max_tokens=16, block_length=8, steps=steps, strategy=strategy, seed=0)
+    )
+    forwards = responses[-1].forwards
+    if strategy in ("threshold", "factor", "entropy_bound"):
+        assert forwards <= 16  # at least one commit per step
+    else:
+        assert forwards <= 2 * steps  # a fixed schedule ends within its steps
+
+
+def test_threshold_commits_every_confident_token(llada):
+    model, tok = llada
+    # threshold 0 commits the whole block in one step; 1.0 exactly one per step
+    fast = list(mld.stream_generate(model, tok, PROMPT, max_tokens=16, block_length=8, threshold=0.0))
+    slow = list(mld.stream_generate(model, tok, PROMPT, max_tokens=16, block_length=8, threshold=1.0))
+    assert fast[-1].forwards <= 2
+    assert slow[-1].forwards == len(slow) or slow[-1].finish_reason == "stop"
+
+
+def test_sampling_is_seeded(llada):
+    model, tok = llada
+    kw = dict(max_tokens=16, sampler=make_sampler(1.0, 0.9))
+    a = mld.generate(model, tok, PROMPT, seed=3, **kw)
+    b = mld.generate(model, tok, PROMPT, seed=3, **kw)
+    assert a == b
+
+
+BAD_OPTIONS = [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(block_length=0), "block_length"),
+    (dict(steps=0), "steps"),
+    (dict(threshold=1.5), "threshold"),
+    (dict(threshold=-0.1), "threshold"),
+    (dict(strategy="nope"), "strategy"),
+    (dict(max_tokens=600), "context"),
+]
+
+
+@pytest.mark.parametrize("options,word", BAD_OPTIONS)
+def test_bad_options_raise_before_any_output(llada, options, word):
+    model, tok = llada
+    kw = dict(max_tokens=8) | options
+    with pytest.raises(ValueError, match=word):
+        next(mld.stream_generate(model, tok, PROMPT, **kw))
+
+
+def test_mask_token_never_enters_the_canvas_from_a_prompt(llada):
+    model, tok = llada
+    with pytest.raises(ValueError, match="mask token"):
+        mld.generate(model, tok, "Say <|mdm_mask|> now", max_tokens=4)
+    with pytest.raises(ValueError, match="mask token"):
+        mld.generate(model, tok, PROMPT + [MASK_ID], max_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        mld.generate(model, tok, [], max_tokens=4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        mld.generate(model, tok, [VOCAB + 5], max_tokens=4)
+
+
+def test_unsupported_model_type_names_the_families(tmp_path, llada_path):
+    import json
+    import shutil
+
+    shutil.copytree(llada_path, tmp_path / "m")
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="llada.*Dream"):
+        mld.load(str(tmp_path / "m"))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_load_after_convert(tmp_path, llada_path, bits):
+    from mlx_lm_diffusion.convert import convert
+
+    out = tmp_path / f"q{bits}"
+    convert(str(llada_path), str(out), quantize=True, q_bits=bits)
+    model, tok = mld.load(str(out))
+    assert type(model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
+    full, _ = mld.load(str(llada_path))
+    ids = mx.array([PROMPT])
+    q, f = np.array(model(ids)).ravel(), np.array(full(ids)).ravel()
+    corr = np.corrcoef(q, f)[0, 1]  # quantization noise, not a different model
+    assert corr > (0.999 if bits == 8 else 0.95)
+    text = mld.generate(model, tok, PROMPT, max_tokens=8)
+    assert isinstance(text, str)
+
+
+def test_plain_convert_reloads_identically(tmp_path, dream_path, dream):
+    from mlx_lm_diffusion.convert import convert
+
+    convert(str(dream_path), str(tmp_path / "mlx"))
+    model, _ = mld.load(str(tmp_path / "mlx"))
+    ids = mx.array([PROMPT])
+    assert float(mx.abs(model(ids) - dream[0](ids)).max()) == 0.0
