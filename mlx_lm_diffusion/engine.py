@@ -9,7 +9,7 @@ generated tokens per row are final (can no longer change), and the forward count
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import mlx.core as mx
@@ -33,7 +33,15 @@ class Step:
     forwards: int
     block: tuple[int, int]
     step: int  # step index within the block
-    logprobs: dict = field(default_factory=dict)  # (row, position) -> (V,) log-probs at commit
+    block_logprobs: Optional[mx.array] = None  # (B, block, V) log-probs each token had at commit
+
+    def logprobs(self, row: int, position: int) -> Optional[mx.array]:
+        """(V,) log-probs of the token at `position` when it was committed. Every token
+        becomes final while its block is current, so this covers every emitted token."""
+        start, end = self.block
+        if self.block_logprobs is None or not start <= position < end:
+            return None
+        return self.block_logprobs[row, position - start]
 
 
 class Engine:
@@ -60,7 +68,6 @@ class Engine:
         final = np.zeros(B, dtype=np.int64)
         done = np.zeros(B, dtype=bool)
         forwards = 0
-        logprobs_kept: dict = {}
         suppress = mx.zeros((a.vocab_size,), mx.float32)
         suppress[a.mask_id] = -mx.inf  # the mask token is never proposed
 
@@ -69,6 +76,7 @@ class Engine:
                 break
             rule = o.rule
             rule.start_block(mx.array(self._candidates(host, start, end, done)), o.steps)
+            kept = mx.zeros((B, end - start, a.vocab_size)) if self.keep_logprobs else None
             step = 0
             while True:
                 open_rows = self._candidates(host, start, end, done)
@@ -89,12 +97,12 @@ class Engine:
                 )
                 block = mx.where(commit, x0, canvas[:, start:end])
                 canvas = mx.concatenate([canvas[:, :start], block, canvas[:, end:]], axis=1)
-                mx.eval(canvas, commit)
+                if kept is not None:
+                    kept = mx.where(commit[..., None], logprobs, kept)
+                mx.eval(canvas, kept)  # the one host sync of a step
                 host = np.array(canvas)
-                if self.keep_logprobs:
-                    self._keep(logprobs_kept, np.array(commit), logprobs, start)
                 final, done = self._finality(host, P)
-                yield Step(host, P, final, done, forwards, (start, end), step, logprobs_kept)
+                yield Step(host, P, final, done, forwards, (start, end), step, kept)
                 step += 1
             a.finish_block(state, canvas, start, end)
 
@@ -127,16 +135,6 @@ class Engine:
         x0 = sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
         prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
         return x0, prob, stats.entropy
-
-    @staticmethod
-    def _keep(kept: dict, commit: np.ndarray, logprobs: mx.array, start: int) -> None:
-        rows, cols = np.nonzero(commit)
-        if rows.size == 0:
-            return
-        picked = logprobs[mx.array(rows), mx.array(cols)]
-        mx.eval(picked)
-        for i, (b, c) in enumerate(zip(rows.tolist(), cols.tolist())):
-            kept[(b, start + c)] = picked[i]
 
     def _finality(self, host: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray]:
         """Final = the committed prefix of the generation, up to and including its first

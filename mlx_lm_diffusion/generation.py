@@ -92,7 +92,7 @@ def stream_generate(
             draft_callback(step)
         while emitted < step.final[0]:
             token = int(step.canvas[0, P + emitted])
-            logprobs = step.logprobs.pop((0, P + emitted), None)
+            logprobs = step.logprobs(0, P + emitted)
             emitted += 1
             stop = token in adapter.eos_ids
             finish = "stop" if stop else ("length" if emitted == max_tokens else None)
