@@ -87,3 +87,27 @@ def dream_generate(model, prompt, *, max_new_tokens, steps, alg, mask_id, eps=1e
             proposal[mask_index] = x0
             x[0, order] = proposal[0, order]
     return x[0, P:].tolist(), forwards
+
+
+def fast_dllm_threshold(model, prompt, *, gen_length, block_length, threshold, mask_id):
+    """Fast-dLLM `generate` with a confidence threshold (no cache): per block, commit
+    every masked position whose probability is >= threshold, or the single most
+    confident one when none passes, until the block is full."""
+    P = len(prompt)
+    x = np.full((1, P + gen_length), mask_id, dtype=np.int64)
+    x[0, :P] = prompt
+    forwards = 0
+    for start in range(P, P + gen_length, block_length):
+        end = min(start + block_length, P + gen_length)
+        while (x[0, start:end] == mask_id).any():
+            logits = _logits(model, x, mask_id)
+            forwards += 1
+            probs = _softmax(logits[0, start:end])
+            x0, p = probs.argmax(-1), probs.max(-1)
+            masked = x[0, start:end] == mask_id
+            conf = np.where(masked, p, -np.inf)
+            chosen = masked & (conf >= threshold)
+            if not chosen.any():
+                chosen[int(np.argmax(conf))] = True
+            x[0, start:end] = np.where(chosen, x0, x[0, start:end])
+    return x[0, P:].tolist(), forwards

@@ -66,3 +66,15 @@ def test_dream_matches_reference(dream, prompt, alg, gen, steps):
     tokens, forwards = _engine_decode(model, tok, prompt, max_tokens=gen, steps=steps, strategy=alg)
     assert tokens == ref_tokens
     assert forwards == ref_forwards == steps
+
+
+@pytest.mark.parametrize("threshold", [0.0, 0.3, 0.5, 1.0])
+def test_fast_dllm_threshold_matches_reference(llada, threshold):
+    model, tok = llada
+    prompt = PROMPTS[1]
+    ref_tokens, ref_forwards = oracles.fast_dllm_threshold(
+        model, prompt, gen_length=24, block_length=8, threshold=threshold, mask_id=260
+    )
+    tokens, forwards = _engine_decode(model, tok, prompt, max_tokens=24, block_length=8, threshold=threshold)
+    assert tokens == ref_tokens
+    assert forwards == ref_forwards
