@@ -89,6 +89,23 @@ class Threshold(CommitRule):
 
 
 @dataclass
+class LowConfidenceDynamic(LowConfidence):
+    """SDAR `low_confidence_dynamic` and LLaDA2.x `generate`: commit every proposal whose
+    probability exceeds the threshold (strictly, as both references compare with >);
+    when fewer pass than the step's even-split quota, commit the quota's top-k instead."""
+
+    threshold: float = 0.9
+    strict: bool = True
+    name: ClassVar[str] = "low_confidence_dynamic"
+
+    def select(self, s: StepInputs) -> mx.array:
+        quota = self.quota[:, s.step]
+        passing = threshold_transfer(s.prob, s.candidates, self.threshold, force_one=False, strict=self.strict)
+        enough = mx.sum(passing, axis=1) >= quota
+        return mx.where(enough[:, None], passing, topk_transfer(s.prob, s.candidates, quota))
+
+
+@dataclass
 class Factor(CommitRule):
     """Fast-dLLM `get_transfer_index_dynamic`: the longest confidence-sorted prefix with
     (i + 1)(1 - c_i) <= factor (without the reference's last-candidate off-by-one)."""
@@ -183,6 +200,7 @@ class DreamOrigin(DreamConfidence):
 
 RULES: tuple[str, ...] = (
     "low_confidence",
+    "low_confidence_dynamic",
     "random",
     "threshold",
     "factor",
@@ -192,6 +210,10 @@ RULES: tuple[str, ...] = (
     "entropy",
     "origin",
 )
+
+
+# rules that read `threshold`
+THRESHOLD_RULES: tuple[str, ...] = ("threshold", "low_confidence_dynamic")
 
 
 def make_rule(
@@ -205,6 +227,8 @@ def make_rule(
     """Build a commit rule by name (see `RULES`)."""
     if name == "low_confidence":
         return LowConfidence()
+    if name == "low_confidence_dynamic":
+        return LowConfidenceDynamic(0.9 if threshold is None else threshold)
     if name == "random":
         return RandomRemasking()
     if name == "threshold":

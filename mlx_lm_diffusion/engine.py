@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_arsenal.diffusion import block_ranges, token_stats
+from mlx_arsenal.diffusion import block_ranges, edit_transfer, token_stats
 
 from model_adapters import Adapter
 
@@ -34,6 +34,7 @@ class Step:
     block: tuple[int, int]
     step: int  # step index within the block
     block_logprobs: Optional[mx.array] = None  # (B, block, V) log-probs each token had at commit
+    forward: bool = True  # False: a block-over event without a model forward
 
     def logprobs(self, row: int, position: int) -> Optional[mx.array]:
         """(V,) log-probs of the token at `position` when it was committed. Every token
@@ -59,56 +60,92 @@ class Engine:
         if prompt.ndim != 2 or prompt.shape[1] < 1:
             raise ValueError("prompt must be a (B, P) array of token ids with P >= 1")
         B, P = prompt.shape
-        N = o.max_tokens
         if o.seed is not None:
             mx.random.seed(o.seed)
-        canvas = mx.concatenate([prompt.astype(mx.int32), mx.full((B, N), a.mask_id, mx.int32)], 1)
+        mask = mx.full((B, o.max_tokens), a.mask_id, mx.int32)
+        self.canvas = mx.concatenate([prompt.astype(mx.int32), mask], axis=1)
+        self.host = np.array(self.canvas)
+        self.prompt_len = P
+        self.done = np.zeros(B, dtype=bool)
+        self.forwards = 0
+        self.suppress = mx.zeros((a.vocab_size,), mx.float32)
+        self.suppress[a.mask_id] = -mx.inf  # the mask token is never proposed
         state = a.start(prompt)
-        host = np.array(canvas)
-        final = np.zeros(B, dtype=np.int64)
-        done = np.zeros(B, dtype=bool)
-        forwards = 0
-        suppress = mx.zeros((a.vocab_size,), mx.float32)
-        suppress[a.mask_id] = -mx.inf  # the mask token is never proposed
-
-        for start, end in block_ranges(P, N, o.block_length, align=a.align_blocks):
-            if done.all():
+        for start, end in block_ranges(P, o.max_tokens, o.block_length, align=a.align_blocks):
+            if self.done.all():
                 break
-            rule = o.rule
-            rule.start_block(mx.array(self._candidates(host, start, end, done)), o.steps)
-            kept = mx.zeros((B, end - start, a.vocab_size)) if self.keep_logprobs else None
-            step = 0
-            while True:
-                open_rows = self._candidates(host, start, end, done)
-                if not open_rows.any():
-                    break
-                candidates = mx.array(open_rows)
-                if o.rule.fixed_steps and step >= o.steps:
-                    raise RuntimeError(f"{rule.name} left masks after its {o.steps} steps")
-                if not o.rule.fixed_steps and step >= end - start:
-                    raise RuntimeError(f"{rule.name} made no progress in a step")
-                logits = a.predict(state, canvas, start, end)
-                forwards += 1
-                logits = self._process(logits, host, P) + suppress
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                x0, prob, entropy = self._propose(logprobs)
-                commit = rule.select(
-                    StepInputs(x0, prob, entropy, logprobs, candidates, step, o.steps)
-                )
-                block = mx.where(commit, x0, canvas[:, start:end])
-                canvas = mx.concatenate([canvas[:, :start], block, canvas[:, end:]], axis=1)
-                if kept is not None:
-                    kept = mx.where(commit[..., None], logprobs, kept)
-                mx.eval(canvas, kept)  # the one host sync of a step
-                host = np.array(canvas)
-                final, done = self._finality(host, P)
-                yield Step(host, P, final, done, forwards, (start, end), step, kept)
-                step += 1
-            a.finish_block(state, canvas, start, end)
+            yield from self._decode_block(state, start, end)
+            a.finish_block(state, self.canvas, start, end)
 
-    def _candidates(self, host: np.ndarray, start: int, end: int, done: np.ndarray) -> np.ndarray:
+    def _decode_block(self, state, start: int, end: int) -> Iterator[Step]:
+        """Steps until the block has no masks (and, with editing, no more edits)."""
+        a, o, rule = self.adapter, self.options, self.options.rule
+        editing = o.editing_threshold is not None
+        rule.start_block(mx.array(self._candidates(start, end)), o.steps)
+        B = self.host.shape[0]
+        kept = mx.zeros((B, end - start, a.vocab_size)) if self.keep_logprobs else None
+        # A bound no rule may exceed: a fixed schedule ends within its steps, the others
+        # commit at least one token per step; editing adds at most max_post_steps passes.
+        limit = (o.steps if rule.fixed_steps else end - start) + (o.max_post_steps + 1) * editing
+        step = post_steps = 0
+        while True:
+            open_rows = self._candidates(start, end)
+            has_mask = bool(open_rows.any())
+            if not has_mask:
+                post_steps += 1
+                if not editing or post_steps > o.max_post_steps:
+                    break
+            if step >= limit:
+                raise RuntimeError(f"{rule.name} did not finish a block within {limit} steps")
+            x0, prob, entropy, logprobs = self._predict(state, start, end)
+            candidates = mx.array(open_rows)
+            commit = mx.zeros(candidates.shape, dtype=mx.bool_)
+            if has_mask:
+                commit = rule.select(StepInputs(x0, prob, entropy, logprobs, candidates, step, o.steps))
+            edited = False
+            if editing:
+                block = self.canvas[:, start:end]
+                editable = (block != a.mask_id) & mx.array(~self.done)[:, None]
+                edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
+                commit = commit | edit
+                edited = bool(mx.any(edit).item())
+            kept = self._apply(commit, x0, logprobs, kept, start, end)
+            block_over = editing and not has_mask and not edited
+            yield self._step(start, end, step, kept, block_over)
+            step += 1
+            if block_over:
+                return
+        if editing:  # the block is final now: one more event so its tokens are released
+            yield self._step(start, end, step, kept, True, forward=False)
+
+    def _predict(self, state, start: int, end: int):
+        logits = self.adapter.predict(state, self.canvas, start, end)
+        self.forwards += 1
+        logits = self._process(logits, self.host, self.prompt_len) + self.suppress
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return (*self._propose(logprobs), logprobs)
+
+    def _apply(self, commit, x0, logprobs, kept, start: int, end: int):
+        block = mx.where(commit, x0, self.canvas[:, start:end])
+        self.canvas = mx.concatenate([self.canvas[:, :start], block, self.canvas[:, end:]], axis=1)
+        if kept is not None:
+            kept = mx.where(commit[..., None], logprobs, kept)
+        mx.eval(self.canvas, kept)  # the one host sync of a step
+        self.host = np.array(self.canvas)
+        return kept
+
+    def _step(self, start, end, step, kept, block_over: bool, forward: bool = True) -> Step:
+        # With editing a token can change until its block is over: only earlier blocks
+        # (and this one once it is over) are final.
+        editing = self.options.editing_threshold is not None
+        horizon = end if (block_over or not editing) else start
+        final, self.done = self._finality(horizon)
+        return Step(self.host, self.prompt_len, final, self.done.copy(), self.forwards,
+                    (start, end), step, kept, forward)
+
+    def _candidates(self, start: int, end: int) -> np.ndarray:
         """Masked positions of the block in rows that are still decoding."""
-        return (host[:, start:end] == self.adapter.mask_id) & ~done[:, None]
+        return (self.host[:, start:end] == self.adapter.mask_id) & ~self.done[:, None]
 
     def _process(self, logits: mx.array, host: np.ndarray, P: int) -> mx.array:
         """mlx-lm logits processors, per row, over the row's committed tokens."""
@@ -136,13 +173,16 @@ class Engine:
         prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
         return x0, prob, stats.entropy
 
-    def _finality(self, host: np.ndarray, P: int) -> tuple[np.ndarray, np.ndarray]:
-        """Final = the committed prefix of the generation, up to and including its first
-        EOS; a row is done once that prefix holds an EOS or covers the whole canvas."""
-        gen = host[:, P:]
+    def _finality(self, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+        """Final = the committed prefix of the generation before `horizon`, up to and
+        including its first EOS; a row is done once that prefix holds an EOS or covers
+        the whole canvas."""
+        P = self.prompt_len
+        gen = self.host[:, P:]
         masked = gen == self.adapter.mask_id
         N = gen.shape[1]
         prefix = np.where(masked.any(axis=1), masked.argmax(axis=1), N)
+        prefix = np.minimum(prefix, horizon - P)
         final = prefix.copy()
         done = prefix == N
         eos = np.isin(gen, list(self.adapter.eos_ids)) if self.adapter.eos_ids else None

@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from model_adapters import Adapter
 
-from .commit_rules import RULES, CommitRule, make_rule
+from .commit_rules import RULES, THRESHOLD_RULES, CommitRule, make_rule
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -27,6 +27,8 @@ class DecodeOptions:
     factor: float = 1.0
     entropy_bound: float = 0.35
     alg_temp: float = 0.0
+    editing_threshold: Optional[float] = None  # revise committed tokens (LLaDA2.1 editing)
+    max_post_steps: Optional[int] = None  # editing passes once a block is full (default 16)
     sampler: Optional[Sampler] = None  # mlx-lm sampler over log-probs; greedy if None
     logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
     seed: Optional[int] = None
@@ -40,6 +42,8 @@ class ResolvedOptions:
     block_length: int
     steps: int
     rule: CommitRule
+    editing_threshold: Optional[float]
+    max_post_steps: int
     sampler: Optional[Sampler]
     logits_processors: tuple
     seed: Optional[int]
@@ -58,14 +62,16 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         _check_positive_int("block_length", o.block_length, "use a positive block size")
     if o.steps is not None:
         _check_positive_int("steps", o.steps, "use at least one denoising step per block")
-    if o.threshold is not None and not (
-        isinstance(o.threshold, (int, float)) and 0.0 <= o.threshold <= 1.0
-    ):
-        raise ValueError(f"threshold must lie in [0, 1], got {o.threshold!r}")
     if not o.factor > 0:
         raise ValueError(f"factor must be > 0, got {o.factor!r}")
     if not o.entropy_bound >= 0:
         raise ValueError(f"entropy_bound must be >= 0, got {o.entropy_bound!r}")
+    for name in ("threshold", "editing_threshold"):
+        value = getattr(o, name)
+        if value is not None and not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+            raise ValueError(f"{name} must lie in [0, 1], got {value!r}")
+    if o.max_post_steps is not None and (not isinstance(o.max_post_steps, int) or o.max_post_steps < 0):
+        raise ValueError(f"max_post_steps must be an integer >= 0, got {o.max_post_steps!r}")
     if not o.alg_temp >= 0:
         raise ValueError(f"alg_temp must be >= 0, got {o.alg_temp!r}")
 
@@ -75,10 +81,10 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         strategy = "threshold" if o.threshold is not None else defaults.strategy
     if strategy not in RULES:
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of: {', '.join(RULES)}")
-    if o.threshold is not None and strategy != "threshold":
+    if o.threshold is not None and strategy not in THRESHOLD_RULES:
         raise ValueError(
-            f"threshold applies to the 'threshold' strategy, not {strategy!r}; "
-            "drop threshold or set strategy='threshold'"
+            f"threshold applies to the {', '.join(THRESHOLD_RULES)} strategies, not {strategy!r}; "
+            "drop threshold or choose one of those"
         )
     threshold = o.threshold if o.threshold is not None else defaults.threshold
 
@@ -104,6 +110,10 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         block_length=block_length,
         steps=steps,
         rule=rule,
+        editing_threshold=(
+            o.editing_threshold if o.editing_threshold is not None else defaults.editing_threshold
+        ),
+        max_post_steps=o.max_post_steps if o.max_post_steps is not None else defaults.max_post_steps,
         sampler=o.sampler,
         logits_processors=tuple(o.logits_processors or ()),
         seed=o.seed,

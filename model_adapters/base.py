@@ -7,7 +7,7 @@ any of that; an adapter never sees commit rules, schedules or streaming.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
 import mlx.core as mx
@@ -22,7 +22,8 @@ class FamilyDefaults:
     strategy: str
     steps: Optional[int] = None  # None: one denoising step per block position
     threshold: Optional[float] = None
-    options: dict = field(default_factory=dict)  # rule-specific extras (alg_temp, ...)
+    editing_threshold: Optional[float] = None  # None: committed tokens never change
+    max_post_steps: int = 16  # editing passes allowed once a block has no masks
 
 
 class Adapter:

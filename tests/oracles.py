@@ -111,3 +111,36 @@ def fast_dllm_threshold(model, prompt, *, gen_length, block_length, threshold, m
                 chosen[int(np.argmax(conf))] = True
             x[0, start:end] = np.where(chosen, x0, x[0, start:end])
     return x[0, P:].tolist(), forwards
+
+
+def threshold_with_editing(model, prompt, *, gen_length, block_length, threshold,
+                           editing_threshold, max_post_steps, mask_id):
+    """The LLaDA2.1 editing loop (research note's reference, batch 1) over a full-canvas
+    model: commit masks with p >= threshold (at least one), then overwrite committed
+    block tokens whose new proposal differs with p > editing_threshold; a block ends
+    with no mask and no edit, or after max_post_steps passes once it is full."""
+    P = len(prompt)
+    x = np.full((1, P + gen_length), mask_id, dtype=np.int64)
+    x[0, :P] = prompt
+    forwards = 0
+    for start in range(P, P + gen_length, block_length):
+        end = min(start + block_length, P + gen_length)
+        post_steps = 0
+        while True:
+            masked = x[0, start:end] == mask_id
+            has_mask = masked.any()
+            if not has_mask:
+                post_steps += 1
+                if post_steps > max_post_steps:
+                    break
+            probs = _softmax(_logits(model, x, mask_id)[0, start:end])
+            forwards += 1
+            x0, p = probs.argmax(-1), probs.max(-1)
+            commit = masked & (p >= threshold)
+            if has_mask and not commit.any():
+                commit[int(np.argmax(np.where(masked, p, -np.inf)))] = True
+            edit = ~masked & (x0 != x[0, start:end]) & (p > editing_threshold)
+            x[0, start:end] = np.where(commit | edit, x0, x[0, start:end])
+            if not has_mask and not edit.any():
+                break
+    return x[0, P:].tolist(), forwards

@@ -78,3 +78,19 @@ def test_fast_dllm_threshold_matches_reference(llada, threshold):
     tokens, forwards = _engine_decode(model, tok, prompt, max_tokens=24, block_length=8, threshold=threshold)
     assert tokens == ref_tokens
     assert forwards == ref_forwards
+
+
+@pytest.mark.parametrize("editing_threshold,max_post_steps", [(0.3, 16), (0.1, 2), (0.0, 0)])
+def test_editing_matches_reference_loop(llada, editing_threshold, max_post_steps):
+    model, tok = llada
+    prompt = PROMPTS[0]
+    ref_tokens, ref_forwards = oracles.threshold_with_editing(
+        model, prompt, gen_length=16, block_length=8, threshold=0.5,
+        editing_threshold=editing_threshold, max_post_steps=max_post_steps, mask_id=260,
+    )
+    tokens, forwards = _engine_decode(
+        model, tok, prompt, max_tokens=16, block_length=8, threshold=0.5,
+        editing_threshold=editing_threshold, max_post_steps=max_post_steps,
+    )
+    assert tokens == ref_tokens
+    assert forwards == ref_forwards

@@ -25,15 +25,20 @@ def boost_eos_at(offset_in_block):
     return processor
 
 
-@pytest.mark.parametrize("family", ["llada", "dream"])
-def test_stream_contract(family, request):
+@pytest.mark.parametrize(
+    "family,options",
+    [("llada", {}), ("dream", {}), ("llada", dict(threshold=0.5, editing_threshold=0.3))],
+)
+def test_stream_contract(family, options, request):
     model, tok = request.getfixturevalue(family)
     drafts = []
     responses = list(
         mld.stream_generate(
-            model, tok, PROMPT, max_tokens=24, block_length=8, draft_callback=lambda s: drafts.append(s.canvas.copy())
+            model, tok, PROMPT, max_tokens=24, block_length=8,
+            draft_callback=lambda s: drafts.append(s.canvas.copy()), **options,
         )
     )
+    assert len(drafts) == responses[-1].forwards  # one draft per forward
     assert all(isinstance(r, GenerationResponse) for r in responses)
     final = drafts[-1][0]
     P = len(PROMPT)
@@ -141,6 +146,9 @@ BAD_OPTIONS = [
     (dict(steps=0), "steps"),
     (dict(threshold=1.5), "threshold"),
     (dict(threshold=-0.1), "threshold"),
+    (dict(editing_threshold=2.0), "editing_threshold"),
+    (dict(max_post_steps=-1), "max_post_steps"),
+    (dict(strategy="low_confidence", threshold=0.5), "threshold"),
     (dict(strategy="nope"), "strategy"),
     (dict(max_tokens=600), "context"),
 ]
