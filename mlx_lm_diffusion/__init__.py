@@ -10,6 +10,7 @@ register()  # mlx-lm resolves our model types from here on
 
 from .engine import Engine, Step  # noqa: E402
 from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: E402
+from .install import install, uninstall  # noqa: E402
 from .options import DecodeOptions  # noqa: E402
 
 __version__ = "0.1.0"
@@ -41,4 +42,6 @@ __all__ = [
     "Engine",
     "Step",
     "FAMILIES",
+    "install",
+    "uninstall",
 ]

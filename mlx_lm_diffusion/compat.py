@@ -1,0 +1,352 @@
+"""mlx-lm's generation calling convention for diffusion models.
+
+mlx-lm's server and chat call `stream_generate(model, tokenizer, prompt, max_tokens,
+prompt_cache=..., sampler=..., prompt_progress_callback=..., kv_bits=..., ...)` with
+`prompt` holding only the tokens the prompt cache does not cover, stop iterating
+whenever they like (stop strings, disconnects) and keep the cache under
+"prompt + tokens yielded". This module gives diffusion models that convention:
+
+* `TokenCache`: LLaDA and Dream attend bidirectionally over the whole canvas, so no
+  key/value state survives a decode. What a cache can honestly hold across calls is
+  the token sequence it stands for; the next decode re-reads it as the start of its
+  prompt. It is trimmable (mlx-lm's LRU prompt cache trims to shared prefixes) and
+  has no `merge`, so mlx-lm's server serves these models one request at a time
+  instead of batching them as causal models.
+* `stream_generate`: mlx-lm's signature around `mlx_lm_diffusion.stream_generate`;
+  the cache is extended by each token *before* that token is yielded.
+* `request_options`: per-request decoding options (the server's JSON fields) for
+  calls made by code that does not pass them through (mlx-lm's server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextvars
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import _BaseCache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from model_adapters import adapter_for, is_diffusion_model
+
+from .commit_rules import RULES
+from .engine import Step
+from .generation import DiffusionResponse
+from .generation import stream_generate as diffusion_stream_generate
+from .options import DecodeOptions, resolve
+
+# mlx-lm's generate_step options with no meaning without a key/value cache or prefill.
+_IGNORED = (
+    "stream",
+    "max_kv_size",
+    "prefill_step_size",
+    "kv_bits",
+    "kv_group_size",
+    "quantized_kv_start",
+    "num_draft_tokens",
+)
+
+# Decoding options a caller may set by name (the server's JSON fields, the CLI flags):
+# scalars checked here by type and range, and by `resolve` against the family.
+_NAMED_OPTIONS = (
+    "block_length",
+    "steps",
+    "strategy",
+    "threshold",
+    "factor",
+    "entropy_bound",
+    "alg_temp",
+    "editing_threshold",
+    "max_post_steps",
+)
+DECODE_FIELDS = tuple(n for n in _NAMED_OPTIONS if n in DecodeOptions.__dataclass_fields__)
+
+
+class TokenCache(_BaseCache):
+    """The prompt cache of a diffusion model: the token ids it stands for."""
+
+    def __init__(self, tokens: Optional[Sequence[int]] = None):
+        self.tokens: List[int] = [int(t) for t in tokens or ()]
+
+    def add(self, tokens: Sequence[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    @property
+    def offset(self) -> int:
+        return len(self.tokens)
+
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def state(self):
+        return mx.array(self.tokens, dtype=mx.int32)
+
+    @state.setter
+    def state(self, v):
+        self.tokens = [int(t) for t in v.tolist()] if v is not None else []
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = max(0, min(n, len(self.tokens)))
+        if n:
+            del self.tokens[-n:]
+        return n
+
+    def empty(self) -> bool:
+        return not self.tokens
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"TokenCache({len(self.tokens)} tokens)"
+
+
+def make_prompt_cache(model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
+    """mlx-lm's `make_prompt_cache` for a diffusion model: one `TokenCache`
+    (`max_kv_size` does not apply: there is no key/value cache to bound)."""
+    if not is_diffusion_model(model):
+        raise ValueError("make_prompt_cache here is for diffusion models; use mlx-lm's for others")
+    return [TokenCache()]
+
+
+# ----------------------------------------------------------------------------- options
+
+_REQUEST_OPTIONS: contextvars.ContextVar[dict] = contextvars.ContextVar(
+    "mlx_lm_diffusion_request_options", default={}
+)
+
+
+@contextmanager
+def request_options(**options) -> Iterator[None]:
+    """Decoding options (DECODE_FIELDS, draft_callback) for `stream_generate` calls made
+    inside the block by code that cannot pass them itself; explicit keywords win."""
+    token = _REQUEST_OPTIONS.set(dict(options))
+    try:
+        yield
+    finally:
+        _REQUEST_OPTIONS.reset(token)
+
+
+def _number(name: str, value: Any, low: float, high: Optional[float] = None, strict: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    too_low = value <= low if strict else value < low
+    if too_low or (high is not None and value > high):
+        bound = f"> {low}" if strict else f">= {low}"
+        span = f"in [{low}, {high}]" if high is not None else bound
+        raise ValueError(f"{name} must be {span}, got {value!r}")
+
+
+def check_decode_fields(fields: dict) -> dict:
+    """Type- and range-check decoding options given by name (JSON fields, flags);
+    `None` values are dropped (they mean "the family default"). Raises ValueError."""
+    out = {}
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name not in DECODE_FIELDS:
+            if name == "editing_threshold":
+                raise ValueError(
+                    "editing_threshold needs token editing, which this engine does not "
+                    "provide yet; drop the field"
+                )
+            raise ValueError(f"unknown decoding option {name!r}; known: {', '.join(DECODE_FIELDS)}")
+        if name in ("block_length", "steps", "max_post_steps"):
+            low = 0 if name == "max_post_steps" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        elif name == "strategy":
+            if value not in RULES:
+                raise ValueError(f"strategy must be one of {', '.join(RULES)}; got {value!r}")
+        elif name in ("threshold", "editing_threshold"):
+            _number(name, value, 0.0, 1.0)
+        elif name == "factor":
+            _number(name, value, 0.0, strict=True)
+        elif name in ("entropy_bound", "alg_temp"):
+            _number(name, value, 0.0)
+        out[name] = value
+    return out
+
+
+def add_decode_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The diffusion defaults as command-line flags (server, chat)."""
+    group = parser.add_argument_group("diffusion decoding (defaults: the model family's)")
+    group.add_argument("--block-length", type=int, default=None, help="Tokens per block")
+    group.add_argument("--steps", type=int, default=None, help="Denoising steps per block")
+    group.add_argument("--strategy", choices=RULES, default=None, help="Commit rule")
+    group.add_argument("--threshold", type=float, default=None,
+                       help="Confidence threshold (selects the 'threshold' strategy)")
+    group.add_argument("--factor", type=float, default=None, help="Factor of the 'factor' strategy")
+    group.add_argument("--entropy-bound", type=float, default=None,
+                       help="Bound of the 'entropy_bound' strategy")
+    group.add_argument("--alg-temp", type=float, default=None,
+                       help="Temperature of Dream's confidence ranking")
+    if "editing_threshold" in DECODE_FIELDS:
+        group.add_argument("--editing-threshold", type=float, default=None,
+                           help="Revise committed tokens whose replacement is this confident")
+    if "max_post_steps" in DECODE_FIELDS:
+        group.add_argument("--max-post-steps", type=int, default=None,
+                           help="Editing passes once a block is full")
+    return parser
+
+
+def decode_defaults(args: argparse.Namespace) -> dict:
+    """The decoding options set on the command line, checked (ValueError)."""
+    return check_decode_fields({name: getattr(args, name, None) for name in DECODE_FIELDS})
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _encode(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        add_special = bos is None or not prompt.startswith(bos)  # as mlx-lm does
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
+    if isinstance(prompt, mx.array):
+        return [int(t) for t in prompt.reshape(-1).tolist()]
+    return [int(t) for t in prompt]
+
+
+def _token_caches(prompt_cache: Optional[List[Any]]) -> List[TokenCache]:
+    if not prompt_cache:
+        return []
+    if not all(isinstance(c, TokenCache) for c in prompt_cache):
+        kinds = sorted({type(c).__name__ for c in prompt_cache})
+        raise ValueError(
+            f"a diffusion model keeps a TokenCache, not {', '.join(kinds)}: make the cache "
+            "with mlx_lm_diffusion.compat.make_prompt_cache(model), or with mlx-lm's "
+            "make_prompt_cache after mlx_lm_diffusion.install()"
+        )
+    if any(c.tokens != prompt_cache[0].tokens for c in prompt_cache):
+        raise ValueError("the TokenCache entries of one prompt cache disagree")
+    return list(prompt_cache)
+
+
+def fit_max_tokens(model: nn.Module, tokenizer: Any, prompt_len: int, max_tokens: Optional[int]) -> int:
+    """mlx-lm's max_tokens for a canvas: -1 (mlx-lm's "no limit") and values past the
+    model's context become what the context has room for after the prompt."""
+    if max_tokens is None:
+        max_tokens = -1
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or (max_tokens < 1 and max_tokens != -1):
+        raise ValueError(f"max_tokens must be >= 1 (or -1: as many as the context holds), got {max_tokens!r}")
+    limit = adapter_for(model, tokenizer).max_length
+    if limit is None:
+        if max_tokens == -1:
+            raise ValueError("max_tokens=-1 needs a model with a known context length")
+        return max_tokens
+    room = limit - prompt_len
+    if room < 1:
+        raise ValueError(
+            f"the prompt ({prompt_len} tokens) fills the model's context of {limit} tokens; "
+            "shorten it (or reset the conversation)"
+        )
+    return room if max_tokens == -1 else min(max_tokens, room)
+
+
+def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_tokens: int, options: dict) -> int:
+    """Everything `stream_generate` would reject about a decode, checked up front (the
+    server answers it with a 400 before streaming). Returns the fitted max_tokens."""
+    ids = list(prompt)
+    max_tokens = fit_max_tokens(model, tokenizer, len(ids), max_tokens)
+    adapter = adapter_for(model, tokenizer)
+    fields = {k: v for k, v in options.items() if k in DECODE_FIELDS}
+    resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
+    if not ids:
+        raise ValueError("the prompt is empty; give at least one token")
+    if adapter.mask_id is not None and adapter.mask_id in ids:
+        raise ValueError(
+            f"the prompt contains the mask token (id {adapter.mask_id}), which marks positions "
+            "still to be generated; remove it from the prompt"
+        )
+    bad = [t for t in ids if not 0 <= t < adapter.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {adapter.vocab_size})")
+    return max_tokens
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: Union[str, Sequence[int], mx.array],
+    max_tokens: int = 256,
+    draft_model: Optional[nn.Module] = None,
+    **kwargs,
+) -> Iterator[DiffusionResponse]:
+    """mlx-lm's `stream_generate` for a diffusion model.
+
+    `prompt` continues what `prompt_cache` (a list of `TokenCache`) holds; once the
+    decode starts the cache holds the whole prompt, and it is extended by every token
+    before that token is yielded, so at each yield it equals prompt + tokens yielded. Accepted and ignored (no key/value cache, no prefill): stream,
+    max_kv_size, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start,
+    num_draft_tokens. max_tokens -1 or past the context is fitted to the context.
+    Other keywords are decoding options (sampler, logits_processors, block_length,
+    steps, strategy, threshold, ..., draft_callback), over `request_options`.
+    """
+    if draft_model is not None:
+        raise ValueError("speculative decoding (draft_model) does not apply to diffusion models")
+    if kwargs.pop("input_embeddings", None) is not None:
+        raise ValueError("input_embeddings are not supported for diffusion models")
+    for name in _IGNORED:
+        kwargs.pop(name, None)
+    caches = _token_caches(kwargs.pop("prompt_cache", None))
+    progress = kwargs.pop("prompt_progress_callback", None)
+    options = {**_REQUEST_OPTIONS.get(), **kwargs}
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    new = _encode(tokenizer, prompt)
+    ids = (caches[0].tokens if caches else []) + new
+    max_tokens = fit_max_tokens(model, tokenizer, len(ids), max_tokens)
+    return _stream(model, tokenizer, ids, len(new), max_tokens, caches, progress, options)
+
+
+def _stream(
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    ids: List[int],
+    new_tokens: int,
+    max_tokens: int,
+    caches: List[TokenCache],
+    progress: Optional[Callable[[int, int], None]],
+    options: dict,
+) -> Iterator[DiffusionResponse]:
+    user_callback = options.pop("draft_callback", None)
+
+    def on_step(step: Step) -> None:
+        if progress is not None and step.forwards == 1:
+            progress(new_tokens, new_tokens)  # the prompt has been read once
+        if user_callback is not None:
+            user_callback(step)
+
+    for cache in caches:  # the decode reads the whole prompt, as a prefill fills a KV cache
+        cache.add(ids[cache.offset :])
+    if progress is not None:
+        progress(0, new_tokens)
+    for response in diffusion_stream_generate(
+        model, tokenizer, ids, max_tokens, draft_callback=on_step, **options
+    ):
+        for cache in caches:
+            cache.add([response.token])
+        yield response
+
+
+__all__ = [
+    "TokenCache",
+    "make_prompt_cache",
+    "stream_generate",
+    "request_options",
+    "check_request",
+    "check_decode_fields",
+    "fit_max_tokens",
+    "add_decode_arguments",
+    "decode_defaults",
+    "DECODE_FIELDS",
+]

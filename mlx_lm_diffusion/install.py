@@ -1,0 +1,97 @@
+"""`install()`: let stock mlx-lm callers drive diffusion models.
+
+After `install()`, `mlx_lm.load`, `mlx_lm.generate`, `mlx_lm.stream_generate`,
+`mlx_lm.server` and `mlx_lm.chat` work on LLaDA/Dream checkpoints: every place where
+mlx-lm looks up `stream_generate` or `make_prompt_cache` gets a dispatcher that sends
+diffusion models to `compat` and every other model to the original function with the
+original arguments, untouched. `uninstall()` puts the originals back.
+
+Callers that bound `from mlx_lm import stream_generate` before `install()` keep the
+original function: call `install()` first.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+from typing import Any, Callable, Dict, Tuple
+
+from model_adapters import is_diffusion_model, register
+
+from . import compat
+
+# (module, attribute) -> the diffusion implementation it dispatches to
+TARGETS: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
+    ("mlx_lm.generate", "stream_generate", compat.stream_generate),  # mlx_lm.generate() calls it
+    ("mlx_lm.generate", "make_prompt_cache", compat.make_prompt_cache),
+    ("mlx_lm", "stream_generate", compat.stream_generate),
+    ("mlx_lm.models.cache", "make_prompt_cache", compat.make_prompt_cache),
+    ("mlx_lm.server", "stream_generate", compat.stream_generate),
+    ("mlx_lm.server", "make_prompt_cache", compat.make_prompt_cache),
+    ("mlx_lm.chat", "stream_generate", compat.stream_generate),
+    ("mlx_lm.chat", "make_prompt_cache", compat.make_prompt_cache),
+)
+
+_lock = threading.Lock()
+_originals: Dict[Tuple[str, str], Callable[..., Any]] = {}
+_dispatchers: Dict[Tuple[str, str], Callable[..., Any]] = {}
+
+
+def _model_of(args: tuple, kwargs: dict) -> Any:
+    return args[0] if args else kwargs.get("model")
+
+
+def _dispatcher(original: Callable[..., Any], diffusion: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        if is_diffusion_model(_model_of(args, kwargs)):
+            return diffusion(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    dispatch.__mlx_lm_diffusion__ = True
+    return dispatch
+
+
+def _module(name: str):
+    # `import mlx_lm.generate` names the function, not the module: go through importlib.
+    return importlib.import_module(name)
+
+
+def install() -> None:
+    """Route mlx-lm's generation entry points to the diffusion engine for diffusion
+    models (idempotent). Autoregressive models take the original code paths."""
+    register()
+    with _lock:
+        for module_name, attr, diffusion in TARGETS:
+            key = (module_name, attr)
+            module = _module(module_name)
+            current = getattr(module, attr)
+            if key in _dispatchers and current is _dispatchers[key]:
+                continue
+            _originals[key] = current
+            _dispatchers[key] = _dispatcher(current, diffusion)
+            setattr(module, attr, _dispatchers[key])
+
+
+def uninstall() -> None:
+    """Put mlx-lm's original functions back (idempotent). A name rebound by someone
+    else since `install()` is left as it is."""
+    with _lock:
+        for (module_name, attr), original in list(_originals.items()):
+            module = _module(module_name)
+            if getattr(module, attr) is _dispatchers.get((module_name, attr)):
+                setattr(module, attr, original)
+            _originals.pop((module_name, attr))
+            _dispatchers.pop((module_name, attr), None)
+
+
+def installed() -> bool:
+    """Whether every target currently dispatches diffusion models."""
+    with _lock:
+        return all(
+            getattr(_module(m), a) is _dispatchers.get((m, a)) for m, a, _ in TARGETS
+        )
+
+
+__all__ = ["install", "uninstall", "installed", "TARGETS"]
