@@ -21,14 +21,19 @@ def load(
     tokenizer_config: Optional[Dict[str, Any]] = None,
     model_config: Optional[Dict[str, Any]] = None,
     revision: Optional[str] = None,
+    autoregressive: bool = False,
 ):
     """Load a diffusion checkpoint (Hugging Face layout or converted MLX) with mlx-lm's
-    own loader; returns (model, tokenizer) as `mlx_lm.load` does."""
+    own loader; returns (model, tokenizer) as `mlx_lm.load` does.
+
+    With `autoregressive=True` any mlx-lm causal LM loads too and is decoded through
+    the "ar" adapter (a degenerate diffusion model: model_adapters.ar)."""
     from mlx_lm.utils import _download, load as mlx_lm_load, load_config
 
     model_path = _download(path_or_hf_repo, revision=revision)
     config = load_config(model_path)
-    family_module(str(config.get("model_type")))  # clear error for other model types
+    if not autoregressive or str(config.get("model_type")) in FAMILIES:
+        family_module(str(config.get("model_type")))  # clear error for other model types
     return mlx_lm_load(str(model_path), tokenizer_config=tokenizer_config, model_config=model_config)
 
 

@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 import mlx.core as mx
 import numpy as np
 from mlx_arsenal.diffusion import block_ranges, edit_transfer, token_stats
+from mlx_lm.sample_utils import apply_top_p
 
 from model_adapters import Adapter
 
@@ -35,6 +36,7 @@ class Step:
     step: int  # step index within the block
     block_logprobs: Optional[mx.array] = None  # (B, block, V) log-probs each token had at commit
     forward: bool = True  # False: a block-over event without a model forward
+    block_confidence: Optional[mx.array] = None  # (B, block) each token's confidence at commit
 
     def logprobs(self, row: int, position: int) -> Optional[mx.array]:
         """(V,) log-probs of the token at `position` when it was committed. Every token
@@ -69,7 +71,8 @@ class Engine:
         self.done = np.zeros(B, dtype=bool)
         self.forwards = 0
         self.suppress = mx.zeros((a.vocab_size,), mx.float32)
-        self.suppress[a.mask_id] = -mx.inf  # the mask token is never proposed
+        if 0 <= a.mask_id < a.vocab_size:  # (the "ar" adapter's mask lies outside the vocabulary)
+            self.suppress[a.mask_id] = -mx.inf  # the mask token is never proposed
         state = a.start(prompt)
         for start, end in block_ranges(P, o.max_tokens, o.block_length, align=a.align_blocks):
             if self.done.all():
@@ -84,6 +87,7 @@ class Engine:
         rule.start_block(mx.array(self._candidates(start, end)), o.steps)
         B = self.host.shape[0]
         kept = mx.zeros((B, end - start, a.vocab_size)) if self.keep_logprobs else None
+        self.confidence = mx.zeros((B, end - start))
         # A bound no rule may exceed: a fixed schedule ends within its steps, the others
         # commit at least one token per step; editing adds at most max_post_steps passes.
         limit = (o.steps if rule.fixed_steps else end - start) + (o.max_post_steps + 1) * editing
@@ -97,7 +101,7 @@ class Engine:
                     break
             if step >= limit:
                 raise RuntimeError(f"{rule.name} did not finish a block within {limit} steps")
-            x0, prob, entropy, logprobs = self._predict(state, start, end)
+            x0, prob, entropy, logprobs = self._predict(state, start, end, step)
             candidates = mx.array(open_rows)
             commit = mx.zeros(candidates.shape, dtype=mx.bool_)
             if has_mask:
@@ -109,7 +113,7 @@ class Engine:
                 edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
                 commit = commit | edit
                 edited = bool(mx.any(edit).item())
-            kept = self._apply(commit, x0, logprobs, kept, start, end)
+            kept = self._apply(commit, x0, prob, logprobs, kept, start, end)
             block_over = editing and not has_mask and not edited
             yield self._step(start, end, step, kept, block_over)
             step += 1
@@ -118,19 +122,24 @@ class Engine:
         if editing:  # the block is final now: one more event so its tokens are released
             yield self._step(start, end, step, kept, True, forward=False)
 
-    def _predict(self, state, start: int, end: int):
+    def _predict(self, state, start: int, end: int, step: int):
         logits = self.adapter.predict(state, self.canvas, start, end)
         self.forwards += 1
         logits = self._process(logits, self.host, self.prompt_len) + self.suppress
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        temperatures = self.options.temperature_schedule
+        if temperatures is not None:
+            temperature = temperatures[min(step, len(temperatures) - 1)]
+            return (*self._propose_tempered(logprobs, temperature), logprobs)
         return (*self._propose(logprobs), logprobs)
 
-    def _apply(self, commit, x0, logprobs, kept, start: int, end: int):
+    def _apply(self, commit, x0, prob, logprobs, kept, start: int, end: int):
         block = mx.where(commit, x0, self.canvas[:, start:end])
         self.canvas = mx.concatenate([self.canvas[:, :start], block, self.canvas[:, end:]], axis=1)
         if kept is not None:
             kept = mx.where(commit[..., None], logprobs, kept)
-        mx.eval(self.canvas, kept)  # the one host sync of a step
+        self.confidence = mx.where(commit, prob, self.confidence)
+        mx.eval(self.canvas, kept, self.confidence)  # the one host sync of a step
         self.host = np.array(self.canvas)
         return kept
 
@@ -141,7 +150,7 @@ class Engine:
         horizon = end if (block_over or not editing) else start
         final, self.done = self._finality(horizon)
         return Step(self.host, self.prompt_len, final, self.done.copy(), self.forwards,
-                    (start, end), step, kept, forward)
+                    (start, end), step, kept, forward, self.confidence)
 
     def _candidates(self, start: int, end: int) -> np.ndarray:
         """Masked positions of the block in rows that are still decoding."""
@@ -172,6 +181,20 @@ class Engine:
         x0 = sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
         prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
         return x0, prob, stats.entropy
+
+    def _propose_tempered(self, logprobs: mx.array, temperature: float):
+        """The step-schedule protocol's proposal: logits / temperature (greedy at 0),
+        confidence = the largest tempered probability, tokens drawn with nucleus top_p."""
+        stats = token_stats(logprobs)
+        if temperature == 0:
+            return stats.x0, stats.prob, stats.entropy
+        tempered = logprobs / temperature
+        tempered = tempered - mx.logsumexp(tempered, axis=-1, keepdims=True)
+        confidence = mx.exp(mx.max(tempered, axis=-1))
+        if self.options.top_p < 1.0:
+            tempered = apply_top_p(tempered, self.options.top_p)
+        x0 = mx.random.categorical(tempered).astype(mx.int32)
+        return x0, confidence, stats.entropy
 
     def _finality(self, horizon: int) -> tuple[np.ndarray, np.ndarray]:
         """Final = the committed prefix of the generation before `horizon`, up to and

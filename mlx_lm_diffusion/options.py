@@ -10,6 +10,7 @@ import mlx.core as mx
 from model_adapters import Adapter
 
 from .commit_rules import RULES, THRESHOLD_RULES, CommitRule, make_rule
+from .schedules import ScheduleQuota, schedule_name
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -29,6 +30,9 @@ class DecodeOptions:
     alg_temp: float = 0.0
     editing_threshold: Optional[float] = None  # revise committed tokens (LLaDA2.1 editing)
     max_post_steps: Optional[int] = None  # editing passes once a block is full (default 16)
+    schedule: Optional[str] = None  # mask schedule (linear, cosine, sigmoid) as the quota rule
+    temperature_schedule: Optional[Sequence[float]] = None  # one temperature per step (0: greedy)
+    top_p: float = 1.0  # nucleus sampling with temperature_schedule
     sampler: Optional[Sampler] = None  # mlx-lm sampler over log-probs; greedy if None
     logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
     seed: Optional[int] = None
@@ -44,6 +48,8 @@ class ResolvedOptions:
     rule: CommitRule
     editing_threshold: Optional[float]
     max_post_steps: int
+    temperature_schedule: Optional[tuple]
+    top_p: float
     sampler: Optional[Sampler]
     logits_processors: tuple
     seed: Optional[int]
@@ -52,6 +58,24 @@ class ResolvedOptions:
 def _check_positive_int(name: str, value, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}; {hint}")
+
+
+def _check_temperatures(o: DecodeOptions, steps: int) -> Optional[tuple]:
+    if not (isinstance(o.top_p, (int, float)) and 0.0 < o.top_p <= 1.0):
+        raise ValueError(f"top_p must lie in (0, 1], got {o.top_p!r}")
+    if o.temperature_schedule is None:
+        return None
+    temperatures = tuple(o.temperature_schedule)
+    if len(temperatures) != steps:
+        raise ValueError(
+            f"temperature_schedule has {len(temperatures)} values but there are {steps} steps "
+            "per block; give one temperature per step"
+        )
+    if any(not isinstance(t, (int, float)) or not t >= 0 for t in temperatures):
+        raise ValueError("temperature_schedule values must be numbers >= 0 (0 means greedy)")
+    if o.sampler is not None:
+        raise ValueError("give either sampler or temperature_schedule, not both")
+    return tuple(float(t) for t in temperatures)
 
 
 def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> ResolvedOptions:
@@ -77,9 +101,15 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
 
     defaults = adapter.defaults
     strategy = o.strategy
-    if strategy is None:
+    if isinstance(strategy, CommitRule):  # a ready-made rule (the protocol builds its own)
+        pass
+    elif o.schedule is not None:
+        if strategy is not None:
+            raise ValueError("give either schedule or strategy, not both")
+        strategy = ScheduleQuota(schedule_name(o.schedule))
+    elif strategy is None:
         strategy = "threshold" if o.threshold is not None else defaults.strategy
-    if strategy not in RULES:
+    if isinstance(strategy, str) and strategy not in RULES:
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of: {', '.join(RULES)}")
     if o.threshold is not None and strategy not in THRESHOLD_RULES:
         raise ValueError(
@@ -98,7 +128,8 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
             f"prompt ({prompt_len} tokens) + max_tokens ({o.max_tokens}) exceeds the model's "
             f"context of {adapter.max_length} tokens; shorten the prompt or lower max_tokens"
         )
-    rule = make_rule(
+    temperatures = _check_temperatures(o, steps)
+    rule = strategy if isinstance(strategy, CommitRule) else make_rule(
         strategy,
         threshold=threshold,
         factor=o.factor,
@@ -114,6 +145,8 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
             o.editing_threshold if o.editing_threshold is not None else defaults.editing_threshold
         ),
         max_post_steps=o.max_post_steps if o.max_post_steps is not None else defaults.max_post_steps,
+        temperature_schedule=temperatures,
+        top_p=float(o.top_p),
         sampler=o.sampler,
         logits_processors=tuple(o.logits_processors or ()),
         seed=o.seed,

@@ -52,8 +52,13 @@ def is_diffusion_model(model: nn.Module) -> bool:
 
 
 def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
-    """The family adapter for a loaded model."""
+    """The family adapter for a loaded model; any other mlx-lm causal LM gets the
+    autoregressive adapter (a degenerate diffusion model, see model_adapters.ar)."""
     model_type = getattr(getattr(model, "args", None), "model_type", None)
+    if model_type not in FAMILIES and hasattr(model, "layers"):
+        from .ar import ArAdapter
+
+        return ArAdapter(model, tokenizer)
     return family_module(str(model_type)).Adapter(model, tokenizer)
 
 

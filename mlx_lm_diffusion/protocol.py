@@ -1,0 +1,177 @@
+"""The step-schedule protocol (shared/seeds/004): InferenceRequest in, InferenceResponse out.
+
+`run_request(model, tokenizer, request)` validates the request against the spec's JSON
+schema, decodes it through the shared engine (one block over the whole generation,
+the schedule's quota per step, a temperature per step, nucleus top_p) and returns a
+response that validates against the spec's response schema.
+
+Corrections to the spec, each deliberate:
+- Its request schema declares draft-07 but writes top_p's bound in draft-04 form
+  (`"exclusiveMinimum": true`), which a draft-07 validator reads as a bound of 1 and so
+  rejects every top_p. Here: `"exclusiveMinimum": 0, "maximum": 1`, i.e. 0 < top_p <= 1.
+- The schedule counts (see `schedules`): positions still masked after step t are
+  floor(M * gamma((t + 1) / N)), so the canvas is full after N steps.
+- Extension `confidence_threshold` (optional, in (0, 1]): after a step's scheduled
+  commit, when every position still masked is predicted with at least this
+  confidence, all of them are committed at once and the reason is
+  "confidence_threshold_met".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+
+from model_adapters import adapter_for
+
+from .commit_rules import StepInputs
+from .engine import Engine
+from .options import DecodeOptions, resolve
+from .schedules import GAMMAS, ScheduleQuota
+
+REQUEST_SCHEMA: dict = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "title": "InferenceRequest",
+    "type": "object",
+    "properties": {
+        "prompt_tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "target_length": {"type": "integer"},
+        "num_steps": {"type": "integer", "minimum": 1},
+        "mask_schedule": {"type": "string", "enum": sorted(GAMMAS)},
+        "temperature_schedule": {"type": "array", "items": {"type": "number", "minimum": 0.0}},
+        "top_p": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},  # draft-07 form
+        "confidence_threshold": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},
+        "seed": {"type": "integer"},
+    },
+    "required": [
+        "prompt_tokens",
+        "target_length",
+        "num_steps",
+        "mask_schedule",
+        "temperature_schedule",
+        "top_p",
+    ],
+}
+
+RESPONSE_SCHEMA: dict = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "title": "InferenceResponse",
+    "type": "object",
+    "properties": {
+        "final_tokens": {"type": "array", "items": {"type": "integer"}},
+        "per_step_unmasked": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "step": {"type": "integer"},
+                    "token_indices": {"type": "array", "items": {"type": "integer"}},
+                    "unmasked_tokens": {"type": "array", "items": {"type": "integer"}},
+                },
+                "required": ["step", "token_indices", "unmasked_tokens"],
+            },
+        },
+        "confidence": {"type": "array", "items": {"type": "number", "minimum": 0.0, "maximum": 1.0}},
+        "termination_reason": {
+            "type": "string",
+            "enum": ["max_steps_reached", "fully_unmasked", "confidence_threshold_met"],
+        },
+    },
+    "required": ["final_tokens", "per_step_unmasked", "confidence", "termination_reason"],
+}
+
+
+def validate_request(request: Any) -> None:
+    """Raise ValueError carrying the first schema violation (or a semantic one)."""
+    validator = jsonschema.Draft7Validator(REQUEST_SCHEMA)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(request))
+    if error is not None:
+        where = "/".join(str(p) for p in error.absolute_path) or "request"
+        raise ValueError(f"invalid InferenceRequest at {where}: {error.message}")
+    if request["target_length"] <= len(request["prompt_tokens"]):
+        raise ValueError(
+            f"target_length ({request['target_length']}) must exceed the prompt length "
+            f"({len(request['prompt_tokens'])})"
+        )
+    if not request["prompt_tokens"]:
+        raise ValueError("prompt_tokens must hold at least one token")
+    if len(request["temperature_schedule"]) != request["num_steps"]:
+        raise ValueError(
+            f"temperature_schedule has {len(request['temperature_schedule'])} values; "
+            f"num_steps is {request['num_steps']}: give one temperature per step"
+        )
+
+
+@dataclass
+class ScheduleWithEarlyExit(ScheduleQuota):
+    """The protocol's selection plus the `confidence_threshold` extension."""
+
+    confidence_threshold: Optional[float] = None
+    threshold_met: bool = False
+    name: ClassVar[str] = "protocol"
+
+    def select(self, s: StepInputs) -> mx.array:
+        commit = super().select(s)
+        if self.confidence_threshold is None:
+            return commit
+        rest = mx.logical_and(s.candidates, mx.logical_not(commit))
+        unsure = mx.logical_and(rest, s.prob < self.confidence_threshold)
+        if mx.any(rest).item() and not mx.any(unsure).item():
+            self.threshold_met = True
+            return s.candidates
+        return commit
+
+
+def run_request(model, tokenizer, request: dict) -> dict:
+    """Decode one InferenceRequest; returns an InferenceResponse (a dict)."""
+    validate_request(request)
+    adapter = adapter_for(model, tokenizer)
+    if adapter.mask_id is None:
+        raise ValueError(f"{adapter.family} has no mask token; the step-schedule protocol needs one")
+    adapter.eos_ids = frozenset()  # the protocol fills target_length
+    prompt = [int(t) for t in request["prompt_tokens"]]
+    if adapter.mask_id in prompt or max(prompt) >= adapter.vocab_size:
+        raise ValueError("prompt_tokens must be vocabulary ids other than the mask token")
+    P, total, steps = len(prompt), int(request["target_length"]), int(request["num_steps"])
+    rule = ScheduleWithEarlyExit(request["mask_schedule"], request.get("confidence_threshold"))
+    options = DecodeOptions(
+        max_tokens=total - P,
+        block_length=total - P,
+        steps=steps,
+        strategy=rule,
+        temperature_schedule=request["temperature_schedule"],
+        top_p=request["top_p"],
+        seed=request.get("seed"),
+    )
+    engine = Engine(adapter, resolve(options, adapter, P), keep_logprobs=False)
+    trace, last, previous = [], None, np.array([prompt + [adapter.mask_id] * (total - P)])
+    for last in engine.run(mx.array([prompt])):
+        newly = np.flatnonzero((previous[0] == adapter.mask_id) & (last.canvas[0] != adapter.mask_id))
+        if newly.size:
+            trace.append({
+                "step": last.step,
+                "token_indices": newly.tolist(),
+                "unmasked_tokens": last.canvas[0, newly].tolist(),
+            })
+        previous = last.canvas
+    if rule.threshold_met:
+        reason = "confidence_threshold_met"
+    elif last.forwards >= steps:
+        reason = "max_steps_reached"
+    else:
+        reason = "fully_unmasked"
+    confidence = np.clip(np.array(last.block_confidence[0], dtype=np.float64), 0.0, 1.0)
+    return {
+        "final_tokens": last.canvas[0].tolist(),
+        "per_step_unmasked": trace,
+        "confidence": confidence.tolist(),
+        "termination_reason": reason,
+    }
+
+
+def validate_response(response: dict) -> None:
+    jsonschema.Draft7Validator(RESPONSE_SCHEMA).validate(response)

@@ -1,0 +1,70 @@
+"""Any mlx-lm causal LM as a degenerate diffusion model (the protocol's "ar" adapter).
+
+Causal attention, the autoregressive logit shift and an exact prefix KV cache: the
+first masked position gets the model's prediction (read from the position before it),
+every other masked position a uniform distribution. Under a schedule that unmasks
+one most-confident position per step this is greedy autoregressive decoding, which is
+the step-schedule protocol's autoregressive-equivalence invariant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from .base import Adapter, FamilyDefaults, _stop_ids
+
+# A canvas sentinel outside every vocabulary: it is never embedded (only the committed
+# prefix is fed to the model) and never proposed.
+AR_MASK_ID = -1
+
+
+class ArAdapter(Adapter):
+    family = "autoregressive (any mlx-lm causal LM)"
+    # One position per block and one step per block: next-token decoding.
+    defaults = FamilyDefaults(block_length=1, strategy="low_confidence")
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None):
+        self.model = model
+        args = model.args
+        self.mask_id = AR_MASK_ID
+        self.vocab_size = int(args.vocab_size)
+        self.max_length = getattr(args, "max_position_embeddings", None)
+        self.eos_ids = frozenset(_stop_ids(args, tokenizer))
+
+    def start(self, prompt: mx.array) -> dict:
+        if prompt.shape[0] != 1:
+            raise ValueError("the autoregressive adapter decodes one prompt at a time")
+        cache = make_prompt_cache(self.model)
+        if not can_trim_prompt_cache(cache):
+            raise ValueError("this model's cache cannot be trimmed; the ar adapter needs KVCache layers")
+        return {"cache": cache, "fed": np.zeros((0,), dtype=np.int64), "next": None}
+
+    def predict(self, state: dict, canvas: mx.array, start: int, end: int) -> mx.array:
+        row = np.array(canvas[0])
+        masked = np.flatnonzero(row == self.mask_id)
+        first = int(masked[0]) if masked.size else row.size
+        self._sync_cache(state, row, first)
+        logits = mx.zeros((1, end - start, self.vocab_size))
+        if start <= first < end:
+            logits[:, first - start] = state["next"]
+        return logits
+
+    def _sync_cache(self, state: dict, row: np.ndarray, first: int) -> None:
+        """Make the cache hold exactly row[:first] and `next` the prediction for `first`."""
+        fed = state["fed"]
+        same = np.flatnonzero(fed != row[: fed.size])  # a committed token changed (editing)
+        keep = int(same[0]) if same.size else fed.size
+        if state["next"] is None or keep < fed.size or fed.size > first:
+            keep = min(keep, first - 1, fed.size)  # re-feed at least the token before `first`
+        if keep < fed.size:
+            trim_prompt_cache(state["cache"], fed.size - keep)
+            state["fed"] = fed = fed[:keep]
+        if fed.size < first:
+            out = self.model(mx.array(row[None, fed.size : first]), cache=state["cache"])
+            state["next"] = out[0, -1].astype(mx.float32)
+            state["fed"] = row[:first].copy()

@@ -1,0 +1,160 @@
+"""The step-schedule protocol: schema validation, schedules, traces, bad requests, and the
+autoregressive-equivalence invariant against mlx-lm's own greedy generate."""
+
+import copy
+
+import jsonschema
+import mlx_lm
+import pytest
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.protocol import REQUEST_SCHEMA, run_request, validate_response
+from mlx_lm_diffusion.schedules import masked_after, quotas
+
+from checkpoints import EOS_ID, MASK_ID
+from checkpoints_ar import write_causal
+
+BASE = {
+    "prompt_tokens": [72, 101, 108, 108, 111],
+    "target_length": 17,
+    "num_steps": 5,
+    "mask_schedule": "linear",
+    "temperature_schedule": [0.0] * 5,
+    "top_p": 1.0,
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def causal(request, tmp_path_factory):
+    path = write_causal(tmp_path_factory.mktemp(request.param), request.param)
+    return mld.load(str(path), autoregressive=True)
+
+
+def test_schedules_sum_to_M_and_end_full():
+    for name in ("linear", "cosine", "sigmoid"):
+        for total, steps in [(12, 5), (1, 1), (7, 20), (200, 8), (64, 64)]:
+            k = quotas(name, total, steps)
+            assert sum(k) == total and min(k) >= 0 and len(k) == steps
+            assert masked_after(name, total, steps)[-1] == 0
+    assert quotas("linear", 64, 64) == [1] * 64  # the AR-equivalence configuration
+    assert quotas("linear", 10, 4) == [3, 2, 3, 2]  # floor(10 (1 - (t+1)/4)) = 7, 5, 2, 0
+    c = quotas("cosine", 100, 10)
+    assert c[0] < c[4]  # cosine starts slow
+    s = quotas("sigmoid", 100, 10)
+    assert s[0] < s[5] and s[-1] < s[5]  # sigmoid: slow start, slow end
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "sigmoid"])
+@pytest.mark.parametrize("temperatures,top_p", [([0.0] * 6, 1.0), ([1.0, 0.7, 0.5, 0.0, 2.0, 0.3], 0.9)])
+def test_response_validates_and_follows_the_schedule(llada, schedule, temperatures, top_p):
+    model, tok = llada
+    request = dict(BASE, num_steps=6, mask_schedule=schedule, temperature_schedule=temperatures,
+                   top_p=top_p, seed=7)
+    response = run_request(model, tok, request)
+    validate_response(response)
+    P, M = len(BASE["prompt_tokens"]), BASE["target_length"] - len(BASE["prompt_tokens"])
+    assert response["final_tokens"][:P] == BASE["prompt_tokens"]
+    assert len(response["final_tokens"]) == BASE["target_length"]
+    assert MASK_ID not in response["final_tokens"]
+    assert len(response["confidence"]) == M
+    expected = quotas(schedule, M, 6)
+    counts = {s["step"]: len(s["token_indices"]) for s in response["per_step_unmasked"]}
+    assert [counts.get(t, 0) for t in range(6)] == expected
+    seen = [i for s in response["per_step_unmasked"] for i in s["token_indices"]]
+    assert sorted(seen) == list(range(P, P + M))  # absolute positions, each once
+    for s in response["per_step_unmasked"]:
+        assert [response["final_tokens"][i] for i in s["token_indices"]] == s["unmasked_tokens"]
+    full_at_end = sum(expected[:-1]) < M
+    assert response["termination_reason"] == ("max_steps_reached" if full_at_end else "fully_unmasked")
+
+
+def test_sampling_is_reproducible_with_a_seed(llada):
+    model, tok = llada
+    request = dict(BASE, temperature_schedule=[1.5] * 5, top_p=0.8, seed=11)
+    assert run_request(model, tok, request) == run_request(model, tok, request)
+
+
+def test_confidence_threshold_extension(llada):
+    model, tok = llada
+    response = run_request(model, tok, dict(BASE, confidence_threshold=1e-6))
+    validate_response(response)
+    assert response["termination_reason"] == "confidence_threshold_met"
+    assert len(response["per_step_unmasked"]) == 1  # everything left was confident enough
+
+
+def _without(key):
+    r = copy.deepcopy(BASE)
+    del r[key]
+    return r
+
+
+BAD_REQUESTS = [
+    (_without("num_steps"), "num_steps"),
+    (_without("top_p"), "top_p"),
+    (dict(BASE, num_steps=0, temperature_schedule=[]), "num_steps"),
+    (dict(BASE, target_length=5), "target_length"),
+    (dict(BASE, target_length=3), "target_length"),
+    (dict(BASE, top_p=0), "top_p"),
+    (dict(BASE, top_p=1.5), "top_p"),
+    (dict(BASE, temperature_schedule=[0.0] * 4), "temperature_schedule"),
+    (dict(BASE, mask_schedule="exponential"), "mask_schedule"),
+    (dict(BASE, temperature_schedule=[0.0, -1.0, 0.0, 0.0, 0.0]), "temperature_schedule"),
+    (dict(BASE, prompt_tokens=[1, MASK_ID]), "mask"),
+    ("not an object", "object"),
+]
+
+
+@pytest.mark.parametrize("request_body,word", BAD_REQUESTS)
+def test_bad_requests_are_clear_errors(llada, request_body, word):
+    model, tok = llada
+    with pytest.raises(ValueError, match=word):
+        run_request(model, tok, request_body)
+
+
+def test_spec_top_p_bound_is_corrected():
+    """The spec's draft-04 `exclusiveMinimum: true` rejects every top_p under draft-07."""
+    spec_form = copy.deepcopy(REQUEST_SCHEMA)
+    spec_form["properties"]["top_p"] = {"type": "number", "minimum": 0.0, "exclusiveMinimum": True,
+                                        "maximum": 1.0}
+    literal = jsonschema.Draft7Validator(spec_form)  # the spec as written, not meta-checked
+    for top_p in (0.5, 1.0):
+        with pytest.raises(jsonschema.ValidationError):
+            literal.validate(dict(BASE, top_p=top_p))
+        jsonschema.Draft7Validator(REQUEST_SCHEMA).validate(dict(BASE, top_p=top_p))
+
+
+def _mlx_lm_greedy(model, tok, prompt, max_tokens):
+    return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=max_tokens)]
+
+
+@pytest.mark.parametrize("prompt", [[72, 101, 108, 108, 111], [5, 9, 200, 31, 7, 64, 250]])
+def test_autoregressive_equivalence(causal, prompt):
+    """num_steps = M, linear, temperature 0, top_p 1 gives mlx_lm.generate's greedy tokens,
+    through the protocol and through generate with block_length 1."""
+    model, tok = causal
+    M = 24
+    reference = _mlx_lm_greedy(model, tok, prompt, M)
+    response = run_request(model, tok, {
+        "prompt_tokens": prompt, "target_length": len(prompt) + M, "num_steps": M,
+        "mask_schedule": "linear", "temperature_schedule": [0.0] * M, "top_p": 1.0,
+    })
+    validate_response(response)
+    generated = response["final_tokens"][len(prompt):]
+    assert generated[: len(reference)] == reference  # mlx-lm yields EOS last, if it stops there
+    stream = [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=M, block_length=1)]
+    assert stream == reference
+    assert all(len(s["token_indices"]) == 1 for s in response["per_step_unmasked"])
+    assert [s["token_indices"][0] for s in response["per_step_unmasked"]] == list(
+        range(len(prompt), len(prompt) + M)
+    )  # left to right, one per step
+
+
+def test_generate_accepts_schedule(llada):
+    model, tok = llada
+    out = list(mld.stream_generate(model, tok, BASE["prompt_tokens"], max_tokens=16, block_length=8,
+                                   steps=4, schedule="cosine"))
+    assert out[-1].forwards <= 8
+    with pytest.raises(ValueError, match="schedule"):
+        mld.generate(model, tok, [72], max_tokens=4, schedule="exp")
+    with pytest.raises(ValueError, match="schedule or strategy"):
+        mld.generate(model, tok, [72], max_tokens=4, schedule="linear", strategy="low_confidence")
