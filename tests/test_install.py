@@ -1,0 +1,214 @@
+"""install(): stock mlx-lm entry points drive diffusion models; autoregressive models
+behave exactly as before; the prompt cache equals prompt + yielded tokens at every yield."""
+
+import importlib
+import json
+import threading
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import openai
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion import compat
+from mlx_lm_diffusion.compat import TokenCache
+
+from checkpoints import VOCAB, write_tokenizer
+
+install_module = importlib.import_module("mlx_lm_diffusion.install")
+cache_module = importlib.import_module("mlx_lm.models.cache")
+generate_module = importlib.import_module("mlx_lm.generate")
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32]
+
+
+@pytest.fixture
+def installed():
+    mld.install()
+    try:
+        yield
+    finally:
+        mld.uninstall()
+
+
+@pytest.fixture(scope="module")
+def ar_path(tmp_path_factory):
+    """A tiny random Llama checkpoint (mlx-lm layout) with the byte-level tokenizer."""
+    path = tmp_path_factory.mktemp("llama")
+    config = {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "tie_word_embeddings": False,
+        "rope_theta": 10000.0, "eos_token_id": 256,
+    }
+    mx.random.seed(3)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config))
+    write_tokenizer(path)
+    return path
+
+
+def ar_outputs(model, tok):
+    text = mlx_lm.generate(model, tok, PROMPT, max_tokens=10)
+    stream = [(r.token, r.text, r.finish_reason, r.logprobs.tolist())
+              for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=10)]
+    cache = cache_module.make_prompt_cache(model)
+    cached = [r.token for r in generate_module.stream_generate(
+        model, tok, PROMPT, max_tokens=6, prompt_cache=cache)]
+    return text, stream, cached, [type(c) for c in cache], cache[0].offset
+
+
+def test_autoregressive_models_unchanged(ar_path):
+    model, tok = mlx_lm.load(str(ar_path))
+    before = ar_outputs(model, tok)
+    assert before[3] == [KVCache, KVCache]
+    mld.install()
+    try:
+        assert mlx_lm.load(str(ar_path))[0].args.model_type == "llama"
+        during = ar_outputs(model, tok)
+    finally:
+        mld.uninstall()
+    assert ar_outputs(model, tok) == before
+    assert during == before
+
+
+def test_stock_generate_and_stream_generate_drive_diffusion(llada, installed):
+    model, tok = llada
+    reference = list(mld.stream_generate(model, tok, PROMPT, max_tokens=16))
+    stock = list(mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=16))
+    assert [r.token for r in stock] == [r.token for r in reference]
+    assert [r.finish_reason for r in stock] == [r.finish_reason for r in reference]
+    assert mlx_lm.generate(model, tok, PROMPT, max_tokens=16) == mld.generate(model, tok, PROMPT, max_tokens=16)
+    # mlx-lm's keyword-only calling style, as mlx_lm.server calls it
+    kw = list(generate_module.stream_generate(model=model, tokenizer=tok, prompt=PROMPT, max_tokens=16,
+                                              kv_bits=None, prefill_step_size=2048))
+    assert [r.token for r in kw] == [r.token for r in reference]
+
+
+def test_stock_load_of_a_diffusion_checkpoint(llada_path, installed):
+    model, tok = mlx_lm.load(str(llada_path))
+    assert model.args.model_type == "llada"
+    assert mlx_lm.generate(model, tok, PROMPT, max_tokens=8) == mld.generate(model, tok, PROMPT, max_tokens=8)
+
+
+@pytest.mark.parametrize("stop_after", [1, 5, None])
+def test_prompt_cache_is_prompt_plus_yielded_at_every_yield(llada, installed, stop_after):
+    model, tok = llada
+    cache = cache_module.make_prompt_cache(model)
+    assert [type(c) for c in cache] == [TokenCache]
+    assert not any(hasattr(c, "merge") for c in cache)  # mlx_lm.server will not batch it
+    yielded = []
+    for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=16, prompt_cache=cache):
+        yielded.append(r.token)
+        assert cache[0].tokens == PROMPT + yielded
+        if len(yielded) == stop_after:
+            break  # as the server and chat do on stop strings and disconnects
+    assert cache[0].tokens == PROMPT + yielded
+    # the next turn continues the cached conversation: same as decoding it whole
+    turn = [10, 65, 66]
+    after = [r.token for r in mlx_lm.stream_generate(model, tok, turn, max_tokens=8, prompt_cache=cache)]
+    whole = [r.token for r in mld.stream_generate(model, tok, PROMPT + yielded + turn, max_tokens=8)]
+    assert after == whole
+    assert cache[0].tokens == PROMPT + yielded + turn + after
+
+
+def test_lru_prompt_cache_trims_token_caches_exactly():
+    """mlx_lm.server's LRU prompt cache reuses TokenCaches by prefix, exactly."""
+    lru = cache_module.LRUPromptCache(max_size=4)
+    stored = list(range(10))
+    lru.insert_cache("m", stored, [TokenCache(stored)])
+    cache, rest = lru.fetch_nearest_cache("m", stored)  # exact
+    assert (cache[0].tokens, rest) == (stored, [])
+    cache[0].add([99])
+    assert lru.fetch_nearest_cache("m", stored)[0][0].tokens == stored  # a copy was handed out
+    query = stored[:6] + [50, 51]  # shares 6 tokens with a longer entry
+    cache, rest = lru.fetch_nearest_cache("m", query)
+    assert cache[0].tokens + rest == query
+    cache, rest = lru.fetch_nearest_cache("m", stored[:4])  # a prefix of the entry
+    assert cache[0].tokens + rest == stored[:4] and rest
+
+
+def test_install_is_idempotent_and_uninstall_restores():
+    targets = [(importlib.import_module(m), a) for m, a, _ in install_module.TARGETS]
+    originals = [getattr(m, a) for m, a in targets]
+    mld.install()
+    mld.install()
+    try:
+        assert install_module.installed()
+        for (module, attr), original in zip(targets, originals):
+            current = getattr(module, attr)
+            assert current is not original and current.__wrapped__ is original
+    finally:
+        mld.uninstall()
+    mld.uninstall()
+    assert not install_module.installed()
+    assert [getattr(m, a) for m, a in targets] == originals
+
+
+def test_compat_rejects_what_does_not_apply(llada):
+    model, tok = llada
+    with pytest.raises(ValueError, match="TokenCache"):
+        compat.stream_generate(model, tok, PROMPT, prompt_cache=[KVCache(), KVCache()])
+    with pytest.raises(ValueError, match="speculative"):
+        compat.stream_generate(model, tok, PROMPT, draft_model=model)
+    with pytest.raises(ValueError, match="max_tokens"):
+        compat.stream_generate(model, tok, PROMPT, max_tokens=0)
+    with pytest.raises(ValueError, match="context"):
+        compat.stream_generate(model, tok, [65] * 600)
+
+
+def test_max_tokens_fits_the_context(llada):
+    model, tok = llada
+    room = model.max_length - len(PROMPT)
+    assert compat.fit_max_tokens(model, tok, len(PROMPT), -1) == room  # mlx-lm's "no limit"
+    assert compat.fit_max_tokens(model, tok, len(PROMPT), 10**6) == room
+    assert compat.fit_max_tokens(model, tok, len(PROMPT), 7) == 7
+
+
+def test_request_options_apply_and_explicit_keywords_win(llada):
+    model, tok = llada
+    plain = [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=12)]
+    small = [r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=12, block_length=4, steps=2)]
+    with compat.request_options(block_length=4, steps=2):
+        scoped = [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=12)]
+        explicit = [r.token for r in compat.stream_generate(
+            model, tok, PROMPT, max_tokens=12, block_length=12, steps=12)]
+    assert scoped == small
+    assert explicit == [r.token for r in mld.stream_generate(
+        model, tok, PROMPT, max_tokens=12, block_length=12, steps=12)]
+    assert [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=12)] == plain
+
+
+def test_stock_mlx_lm_server_drives_diffusion(llada, llada_path, installed):
+    """mlx_lm.server's own ResponseGenerator and APIHandler, after install()."""
+    import mlx_lm.server as stock
+    from mlx_lm_diffusion import server as dserver
+
+    args = dserver.parse_args(["--model", str(llada_path), "--port", "0"])
+    generator = stock.ResponseGenerator(stock.ModelProvider(args), stock.LRUPromptCache(4))
+    httpd = dserver.make_http_server("127.0.0.1", 0, generator, handler_class=stock.APIHandler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
+                               api_key="x", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Hi"}]
+        r = client.chat.completions.create(model="default_model", messages=messages, max_tokens=8)
+        model, tok = llada
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        responses = list(mld.stream_generate(model, tok, ids, max_tokens=8))
+        keep = responses[:-1] if responses[-1].finish_reason == "stop" else responses
+        assert r.choices[0].message.content == "".join(x.text for x in keep)
+        assert not generator.model_provider.is_batchable  # served one at a time
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        generator.stop_and_join()
+        thread.join(timeout=60)
