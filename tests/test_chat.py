@@ -1,0 +1,103 @@
+"""The chat REPL: mlx_lm.chat's loop for diffusion models, multi-turn through the prompt cache."""
+
+import io
+
+import pytest
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion import chat
+
+
+class ScriptedUI:
+    """ChatUI's interface, fed from a list of queries (end of input after the last)."""
+
+    def __init__(self, queries):
+        self.queries = list(queries)
+        self.turns, self.current, self.events = [], "", []
+
+    def prompt(self):
+        if not self.queries:
+            raise EOFError
+        return self.queries.pop(0)
+
+    def stream_token(self, text):
+        self.current += text
+
+    def end_turn(self, response):
+        self.turns.append(self.current)
+        self.current = ""
+
+    def say_bye(self):
+        self.events.append("bye")
+
+    def say_reset(self):
+        self.events.append("reset")
+
+    def say_help(self):
+        self.events.append("help")
+
+
+def args_for(path, *extra):
+    return chat.setup_arg_parser().parse_args(["--model", str(path), "--max-tokens", "10", *extra])
+
+
+def turn_ids(tok, query):
+    return tok.apply_chat_template([{"role": "user", "content": query}], add_generation_prompt=True)
+
+
+def decode(model, tok, ids, **options):
+    responses = list(mld.stream_generate(model, tok, ids, max_tokens=10, **options))
+    tokens = [r.token for r in responses]
+    return tokens, "".join(r.text for r in responses)
+
+
+def test_turns_continue_the_conversation_in_the_prompt_cache(llada, llada_path):
+    model, tok = llada
+    ui = ScriptedUI(["Hello", "And then?", "h", "r", "And then?", "q", "never read"])
+    chat.chat_loop(model, tok, args_for(llada_path), ui)
+    first_ids = turn_ids(tok, "Hello")
+    first_tokens, first_text = decode(model, tok, first_ids)
+    second_ids = first_ids + first_tokens + turn_ids(tok, "And then?")
+    _, second_text = decode(model, tok, second_ids)
+    _, fresh_text = decode(model, tok, turn_ids(tok, "And then?"))
+    assert ui.turns == [first_text, second_text, fresh_text]
+    assert ui.events == ["help", "reset", "bye"]
+    assert ui.queries == ["never read"]
+
+
+def test_diffusion_flags_and_end_of_input(llada, llada_path):
+    model, tok = llada
+    ui = ScriptedUI(["Hello"])
+    chat.chat_loop(model, tok, args_for(llada_path, "--block-length", "4", "--steps", "2"), ui)
+    _, text = decode(model, tok, turn_ids(tok, "Hello"), block_length=4, steps=2)
+    assert ui.turns == [text]
+    assert ui.events == ["bye"]
+
+
+def test_a_turn_past_the_context_is_reported_not_fatal(llada, llada_path):
+    model, tok = llada
+    ui = ScriptedUI(["x" * 600, "r", "Hello"])
+    chat.chat_loop(model, tok, args_for(llada_path), ui)
+    assert "error" in ui.turns[0] and "context" in ui.turns[0]
+    assert ui.turns[1] == decode(model, tok, turn_ids(tok, "Hello"))[1]
+
+
+def test_flags_are_mlx_lm_chat_flags_plus_diffusion():
+    args = chat.setup_arg_parser().parse_args(
+        ["--model", "m", "--temp", "0.5", "--max-kv-size", "64", "--threshold", "0.8", "--show-canvas"]
+    )
+    assert (args.temp, args.max_kv_size, args.threshold, args.show_canvas) == (0.5, 64, 0.8, True)
+    assert args.system_prompt is None and args.seed == 0  # mlx_lm.chat's defaults
+
+
+def test_main_runs_the_repl(llada_path, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\nq\n"))
+    assert chat.main(["--model", str(llada_path), "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "bye" in out and "tokens" in out  # the goodbye and the turn's statistics
+
+
+def test_main_needs_a_diffusion_model(capsys):
+    with pytest.raises(SystemExit):
+        chat.main([])
+    assert "--model is required" in capsys.readouterr().err
