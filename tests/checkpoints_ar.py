@@ -25,9 +25,9 @@ CONFIGS = {
 }
 
 
-def write_causal(path: Path, model_type: str, seed: int = 0) -> Path:
+def write_causal(path: Path, model_type: str, seed: int = 0, **overrides) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    config = dict(CONFIGS[model_type], eos_token_id=EOS_ID)
+    config = dict(CONFIGS[model_type], eos_token_id=EOS_ID, **overrides)
     module = importlib.import_module(f"mlx_lm.models.{model_type}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))

@@ -1,0 +1,55 @@
+"""The "ar" adapter at block length 1 against mlx_lm.generate on the same causal LM.
+
+Both decode greedily the same prompt for the same number of tokens, side by side in
+one run; prints tokens/s of each, the time ratio (engine / mlx-lm; goal <= 1.10) and
+whether the tokens are identical.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python bench/bench_ar.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx_lm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import mlx_lm_diffusion as mld  # noqa: E402
+from checkpoints_ar import write_causal  # noqa: E402
+
+TOKENS, PROMPT = 128, list(range(40, 72))
+SIZE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4)  # a micro model
+
+
+def timed(fn):
+    tic = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - tic, out
+
+
+def main():
+    print(f"{'model':8} {'mlx-lm tok/s':>13} {'ar tok/s':>9} {'ratio':>6} identical")
+    for model_type in ("llama", "qwen3"):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "m"
+            write_causal(path, model_type, **SIZE)
+            cfg = json.loads((path / "config.json").read_text())
+            model, tok = mld.load(str(path), autoregressive=True)
+            ref = lambda: [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=TOKENS)]
+            ours = lambda: [r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=TOKENS,
+                                                                 block_length=1)]
+            ref(), ours()  # warm up
+            runs = [(timed(ref), timed(ours)) for _ in range(3)]  # alternate, keep the best
+            (t_ref, a), (t_ours, b) = min(r[0] for r in runs), min(r[1] for r in runs)
+            n = len(a)
+            print(f"{model_type:8} {n / t_ref:13.1f} {len(b) / t_ours:9.1f} {t_ours / t_ref:6.2f} {a == b}"
+                  f"   ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']})")
+
+
+if __name__ == "__main__":
+    main()
