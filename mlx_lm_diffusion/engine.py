@@ -56,6 +56,9 @@ class Engine:
         self.adapter = adapter
         self.options = options
         self.keep_logprobs = keep_logprobs
+        configure = getattr(adapter, "configure", None)
+        if configure is not None:  # family switches (e.g. Nemotron's causal_context)
+            configure(options)
 
     def run(self, prompt: mx.array) -> Iterator[Step]:
         a, o = self.adapter, self.options
@@ -84,10 +87,11 @@ class Engine:
         """Steps until the block has no masks (and, with editing, no more edits)."""
         a, o, rule = self.adapter, self.options, self.options.rule
         editing = o.editing_threshold is not None
-        rule.start_block(mx.array(self._candidates(start, end)), o.steps)
         B = self.host.shape[0]
         kept = mx.zeros((B, end - start, a.vocab_size)) if self.keep_logprobs else None
         self.confidence = mx.zeros((B, end - start))
+        kept = self._seed(state, start, kept)
+        rule.start_block(mx.array(self._candidates(start, end)), o.steps)
         # A bound no rule may exceed: a fixed schedule ends within its steps, the others
         # commit at least one token per step; editing adds at most max_post_steps passes.
         limit = (o.steps if rule.fixed_steps else end - start) + (o.max_post_steps + 1) * editing
@@ -119,8 +123,27 @@ class Engine:
             step += 1
             if block_over:
                 return
-        if editing:  # the block is final now: one more event so its tokens are released
+        if editing or step == 0:  # the block is final now: an event releases its tokens
             yield self._step(start, end, step, kept, True, forward=False)
+
+    def _seed(self, state, start: int, kept):
+        """Commit the block's first token when a causal pass already proposed it (the
+        adapter's `block_seed`: Nemotron's causal context), in rows still decoding."""
+        seed = getattr(self.adapter, "block_seed", None)
+        logits = seed(state, self.canvas, start) if seed is not None else None
+        if logits is None:
+            return kept
+        logits = self._process(logits[:, None], self.host[:, :start], self.prompt_len) + self.suppress
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        x0, prob, _ = self._propose(logprobs)
+        open_row = mx.array(~self.done) & (self.canvas[:, start] == self.adapter.mask_id)
+        self.canvas[:, start] = mx.where(open_row, x0[:, 0], self.canvas[:, start])
+        self.confidence[:, 0] = mx.where(open_row, prob[:, 0], self.confidence[:, 0])
+        if kept is not None:
+            kept[:, 0] = mx.where(open_row[:, None], logprobs[:, 0], kept[:, 0])
+        mx.eval(self.canvas, kept, self.confidence)
+        self.host = np.array(self.canvas)
+        return kept
 
     def _predict(self, state, start: int, end: int, step: int):
         logits = self.adapter.predict(state, self.canvas, start, end)

@@ -36,6 +36,7 @@ class DecodeOptions:
     sampler: Optional[Sampler] = None  # mlx-lm sampler over log-probs; greedy if None
     logits_processors: Sequence[LogitsProcessor] = field(default_factory=tuple)
     seed: Optional[int] = None
+    causal_context: Optional[bool] = None  # Nemotron-Labs Diffusion: causal prefix and block seeds
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ResolvedOptions:
     sampler: Optional[Sampler]
     logits_processors: tuple
     seed: Optional[int]
+    causal_context: Optional[bool] = None  # read by the adapter (Adapter.configure)
 
 
 def _check_positive_int(name: str, value, hint: str) -> None:
@@ -150,7 +152,18 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         sampler=o.sampler,
         logits_processors=tuple(o.logits_processors or ()),
         seed=o.seed,
+        causal_context=_check_causal_context(o, adapter),
     )
+
+
+def _check_causal_context(o: DecodeOptions, adapter: Adapter) -> Optional[bool]:
+    if o.causal_context is None:
+        return None
+    if not hasattr(adapter, "causal_context"):
+        raise ValueError(f"causal_context does not apply to {adapter.family}; drop it")
+    if not isinstance(o.causal_context, bool):
+        raise ValueError(f"causal_context must be True or False, got {o.causal_context!r}")
+    return o.causal_context
 
 
 __all__ = ["DecodeOptions", "ResolvedOptions", "resolve", "replace"]

@@ -20,6 +20,7 @@ from .base import Adapter, FamilyDefaults
 FAMILIES: dict[str, str] = {
     "llada": "llada",
     "Dream": "dream",
+    "nemotron_labs_diffusion": "nemotron_labs_diffusion",
 }
 
 

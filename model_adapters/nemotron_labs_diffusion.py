@@ -1,0 +1,225 @@
+"""Nemotron-Labs Diffusion: Ministral-3 layers with a diffusion head.
+
+The Hugging Face checkpoints name the backbone `encoder.*` (Ministral-3 names below it)
+and the output projection `diffusion_head`; mlx-vlm's conversions name them
+`language_model.model.*` and `language_model.diffusion_head`. `sanitize` accepts both.
+
+Decoding (NVIDIA's `generate`, `causal_context=True`): the prompt is encoded causally into
+a KV cache and its last position proposes the first token of the next block; each block
+[that token, masks...] is denoised with bidirectional attention on top of the cached
+prefix, without storing it; once final, the block is run causally to store its cache
+and to propose the next block's first token. With `causal_context=False` the prompt and
+the finished blocks are encoded bidirectionally and every block starts fully masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import ministral3
+from mlx_lm.models.base import BaseModelArgs, create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from .base import Adapter as _BaseAdapter
+from .base import FamilyDefaults
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-5
+    head_dim: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    max_position_embeddings: int = 262144
+    rope_theta: float = 1000000.0
+    rope_parameters: Optional[Dict[str, Any]] = None
+    rope_scaling: Optional[Dict[str, Any]] = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    dlm_paradigm: str = "bidirectional"
+    block_size: int = 32
+    mask_token_id: int = 100
+    eos_token_id: Optional[Union[int, list]] = None
+    pad_token_id: Optional[int] = None
+    bos_token_id: Optional[int] = None
+
+    def __post_init__(self):
+        if self.attention_bias or self.mlp_bias or self.hidden_act != "silu":
+            raise ValueError("Nemotron-Labs Diffusion checkpoints with biases or a non-SiLU MLP are not supported")
+        if self.dlm_paradigm not in ("bidirectional", "autoregressive"):
+            raise ValueError(
+                f"dlm_paradigm {self.dlm_paradigm!r} is not supported; "
+                "supported: 'bidirectional', 'autoregressive'"
+            )
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        rope = dict(self.rope_parameters or self.rope_scaling or {})
+        rope.setdefault("rope_type", rope.get("type", "default"))
+        rope.setdefault("rope_theta", self.rope_theta)
+        # Ministral-3's query scaling; without it in the config the scale is 1 everywhere
+        rope.setdefault("llama_4_scaling_beta", 0.0)
+        rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+        self.rope_parameters = rope
+
+    def ministral_args(self) -> ministral3.ModelArgs:
+        return ministral3.ModelArgs(
+            model_type="ministral3",
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            rms_norm_eps=self.rms_norm_eps,
+            vocab_size=self.vocab_size,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+            num_key_value_heads=self.num_key_value_heads,
+            rope_parameters=self.rope_parameters,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+
+
+class Encoder(nn.Module):
+    """Embeddings, Ministral-3 blocks and the final norm; the attention mask is the caller's
+    (None: bidirectional; "causal" or an array)."""
+
+    def __init__(self, args: ministral3.ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [ministral3.TransformerBlock(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        cache = cache or [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, None, mask, c)  # attn_scale None: each layer scales by its position
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.encoder = Encoder(args.ministral_args())
+        if not args.tie_word_embeddings:
+            self.diffusion_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self.args.max_position_embeddings
+
+    def backbone(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        return self.encoder(inputs, mask, cache)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.encoder.embed_tokens.as_linear(hidden)
+        return self.diffusion_head(hidden)
+
+    def __call__(self, inputs: mx.array, cache=None, mask=None) -> mx.array:
+        """Raw logits (B, L, V); bidirectional attention (the diffusion mode) unless a mask is given."""
+        return self.head(self.backbone(inputs, mask, cache))
+
+    @property
+    def layers(self):
+        return self.encoder.layers
+
+    def make_cache(self):
+        return [KVCache() for _ in self.layers]
+
+    def sanitize(self, weights: dict) -> dict:
+        out = {}
+        for key, value in weights.items():
+            if "rotary_emb.inv_freq" in key or key.endswith((".k_scale", ".v_scale")):
+                continue
+            if key.startswith("language_model.model."):  # mlx-vlm's layout
+                key = "encoder." + key[len("language_model.model."):]
+            elif key.startswith("language_model."):
+                key = key[len("language_model."):]
+            out[key] = value
+        if self.args.tie_word_embeddings:
+            out = {k: v for k, v in out.items() if not k.startswith("diffusion_head.")}
+        return out
+
+
+@dataclass
+class _State:
+    cache: list
+    seed: Optional[mx.array] = None  # (B, V) logits proposing the next block's first token
+    pending: Optional[tuple] = None  # a final block not yet encoded into the cache
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset
+
+
+class Adapter(_BaseAdapter):
+    """Causal-context block decoding over a prefix KV cache (NVIDIA's `generate`)."""
+
+    family = "Nemotron-Labs Diffusion"
+    # NVIDIA's model card: blocks of 32, confidence threshold 0.9 (>=, the most confident
+    # always commits); causal context on.
+    defaults = FamilyDefaults(block_length=32, strategy="threshold", threshold=0.9)
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None):
+        super().__init__(model, tokenizer)
+        self.causal_context = True
+
+    def configure(self, options: Any) -> None:
+        """Read the decode's family switches (the engine calls this once per decode)."""
+        if getattr(options, "causal_context", None) is not None:
+            self.causal_context = bool(options.causal_context)
+
+    def _encode(self, state: _State, tokens: mx.array) -> None:
+        """Store `tokens` in the cache: causally (causal context) or bidirectionally."""
+        cache = state.cache
+        mask = create_attention_mask(tokens, cache[0]) if self.causal_context else None
+        hidden = self.model.backbone(tokens, mask, cache)
+        state.seed = self.model.head(hidden[:, -1]) if self.causal_context else None
+
+    def _flush(self, state: _State, canvas: mx.array) -> None:
+        if state.pending is not None:
+            start, end = state.pending
+            if state.offset != start:
+                raise RuntimeError(f"cache holds {state.offset} positions, expected {start}")
+            state.pending = None
+            self._encode(state, canvas[:, start:end])
+
+    def start(self, prompt: mx.array) -> _State:
+        state = _State(self.model.make_cache())
+        self._encode(state, prompt)
+        return state
+
+    def block_seed(self, state: _State, canvas: mx.array, start: int) -> Optional[mx.array]:
+        """(B, V) logits for the block's first position, from the causal pass over everything
+        before it (causal context), or None (the block starts fully masked)."""
+        self._flush(state, canvas)
+        return state.seed
+
+    def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
+        self._flush(state, canvas)
+        if state.offset != start:
+            raise RuntimeError(f"cache holds {state.offset} positions, block starts at {start}")
+        hidden = self.model.backbone(canvas[:, start:end], None, state.cache)
+        for c in state.cache:  # attend to the prefix without storing the block
+            c.trim(end - start)
+        return self.model.head(hidden)
+
+    def finish_block(self, state: _State, canvas: mx.array, start: int, end: int) -> None:
+        # Encoded lazily, when the next block needs it: no pass after the last block.
+        state.pending = (start, end)
