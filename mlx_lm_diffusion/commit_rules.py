@@ -88,21 +88,74 @@ class Threshold(CommitRule):
         return threshold_transfer(s.prob, s.candidates, self.threshold)
 
 
+def _block_length_quota(rule: LowConfidence, candidates: mx.array, steps: int) -> None:
+    """With `rule.block_length`, SDAR's and LLaDA2.x's `get_num_transfer_tokens(
+    block_length, steps)`: the whole block length split evenly over the steps, whatever
+    the block holds (a first block that also holds the prompt's tail, a last block cut
+    at max_tokens), where LLaDA splits the masks left."""
+    LowConfidence.start_block(rule, candidates, steps)
+    if rule.block_length is not None:
+        rule.quota = transfer_schedule(mx.full((candidates.shape[0],), rule.block_length, mx.int32), steps)
+        rule.host_quota = np.array(rule.quota)
+
+
 @dataclass
 class LowConfidenceDynamic(LowConfidence):
     """SDAR `low_confidence_dynamic` and LLaDA2.x `generate`: commit every proposal whose
     probability exceeds the threshold (strictly, as both references compare with >);
-    when fewer pass than the step's even-split quota, commit the quota's top-k instead."""
+    when fewer pass than the step's even-split quota, commit the quota's top-k instead
+    (at most the masks left, as LLaDA2.x caps it; SDAR's uncapped top-k would overwrite
+    committed or prompt positions). With `block_length` the quota splits the block
+    length over the steps, as both references do."""
 
     threshold: float = 0.9
     strict: bool = True
+    block_length: Optional[int] = None
     name: ClassVar[str] = "low_confidence_dynamic"
+
+    def start_block(self, candidates: mx.array, steps: int) -> None:
+        _block_length_quota(self, candidates, steps)
 
     def select(self, s: StepInputs) -> mx.array:
         quota = self.quota[:, s.step]
         passing = threshold_transfer(s.prob, s.candidates, self.threshold, force_one=False, strict=self.strict)
         enough = mx.sum(passing, axis=1) >= quota
         return mx.where(enough[:, None], passing, topk_transfer(s.prob, s.candidates, quota))
+
+
+@dataclass
+class LowConfidenceStatic(LowConfidence):
+    """SDAR `low_confidence_static`: the step's even-split quota of the block length,
+    filled by the most confident masked proposals. Deviation: the count is capped at
+    the masks left (the reference's top-k then picks non-mask positions and overwrites
+    committed or prompt tokens)."""
+
+    block_length: Optional[int] = None
+    name: ClassVar[str] = "low_confidence_static"
+
+    def start_block(self, candidates: mx.array, steps: int) -> None:
+        _block_length_quota(self, candidates, steps)
+
+
+@dataclass
+class EntropyBounded(CommitRule):
+    """SDAR `entropy_bounded`: sort the masked positions by entropy (ascending) and
+    commit the longest prefix whose running entropy sum, its own term included, stays
+    strictly below `bound` (the reference's `searchsorted(cumsum, eb_threshold)`), at
+    least one. Unlike EB-Sampler (`entropy_bound`) the last term counts. Deviation, the
+    evident intent: the reference sums -p log p of the chosen token's probability over
+    the block (one number for every position) and never creates `transfer_index`;
+    here each position's entropy is that of its predictive distribution."""
+
+    bound: float = 0.35
+    name: ClassVar[str] = "entropy_bounded"
+    fixed_steps: ClassVar[bool] = False
+
+    def select(self, s: StepInputs) -> mx.array:
+        entropy = mx.where(s.candidates, s.entropy.astype(mx.float32), mx.inf)
+        within = mx.cumsum(mx.sort(entropy, axis=1), axis=1) < self.bound
+        count = mx.maximum(mx.sum(within, axis=1), 1).astype(mx.int32)
+        return topk_transfer(-s.entropy, s.candidates, count)
 
 
 @dataclass
@@ -201,10 +254,12 @@ class DreamOrigin(DreamConfidence):
 RULES: tuple[str, ...] = (
     "low_confidence",
     "low_confidence_dynamic",
+    "low_confidence_static",
     "random",
     "threshold",
     "factor",
     "entropy_bound",
+    "entropy_bounded",
     "maskgit_plus",
     "topk_margin",
     "entropy",
@@ -223,12 +278,18 @@ def make_rule(
     factor: float = 1.0,
     entropy_bound: float = 0.35,
     alg_temp: float = 0.0,
+    block_length: Optional[int] = None,
 ) -> CommitRule:
-    """Build a commit rule by name (see `RULES`)."""
+    """Build a commit rule by name (see `RULES`). `block_length` sets the quota of the
+    block-diffusion rules (low_confidence_dynamic / _static) as their references do."""
     if name == "low_confidence":
         return LowConfidence()
     if name == "low_confidence_dynamic":
-        return LowConfidenceDynamic(0.9 if threshold is None else threshold)
+        return LowConfidenceDynamic(0.9 if threshold is None else threshold, block_length=block_length)
+    if name == "low_confidence_static":
+        return LowConfidenceStatic(block_length=block_length)
+    if name == "entropy_bounded":
+        return EntropyBounded(entropy_bound)
     if name == "random":
         return RandomRemasking()
     if name == "threshold":

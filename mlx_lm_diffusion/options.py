@@ -30,6 +30,8 @@ class DecodeOptions:
     alg_temp: float = 0.0
     editing_threshold: Optional[float] = None  # revise committed tokens (LLaDA2.1 editing)
     max_post_steps: Optional[int] = None  # editing passes once a block is full (default 16)
+    preset: Optional[str] = None  # a family's named settings (LLaDA2.1: "speed", "quality")
+    edit_ops: Optional[Sequence[str]] = None  # token edits: "substitute" (insert/delete: unsupported)
     schedule: Optional[str] = None  # mask schedule (linear, cosine, sigmoid) as the quota rule
     temperature_schedule: Optional[Sequence[float]] = None  # one temperature per step (0: greedy)
     top_p: float = 1.0  # nucleus sampling with temperature_schedule
@@ -80,9 +82,39 @@ def _check_temperatures(o: DecodeOptions, steps: int) -> Optional[tuple]:
     return tuple(float(t) for t in temperatures)
 
 
+def _with_preset(o: DecodeOptions, adapter: Adapter) -> DecodeOptions:
+    """Fill the options left unset from the family's named preset, if one is asked for."""
+    if o.preset is None:
+        return o
+    presets = getattr(adapter, "presets", {})
+    if o.preset not in presets:
+        known = ", ".join(repr(p) for p in presets) or "none"
+        raise ValueError(f"Unknown preset {o.preset!r} for {adapter.family}; its presets: {known}")
+    return replace(o, **{k: v for k, v in presets[o.preset].items() if getattr(o, k) is None})
+
+
+EDIT_OPS = ("substitute", "insert", "delete")
+
+
+def _check_edit_ops(o: DecodeOptions, defaults) -> None:
+    """Substitution edits are LLaDA2.1/2.2's editing_threshold; LLaDA2.2's insert and
+    delete edits change the canvas length, which the engine's fixed canvas cannot do."""
+    ops = set(o.edit_ops or ())
+    if ops - set(EDIT_OPS):
+        raise ValueError(f"Unknown edit_ops {sorted(ops - set(EDIT_OPS))}; choose from {EDIT_OPS}")
+    if ops & {"insert", "delete"}:
+        raise ValueError(
+            "insert and delete edits (LLaDA2.2) change the canvas length and are not supported; "
+            "only substitution edits are: edit_ops=('substitute',) with editing_threshold"
+        )
+    if ops and o.editing_threshold is None and defaults.editing_threshold is None:
+        raise ValueError("substitution edits need an editing_threshold (or a preset that sets one)")
+
+
 def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> ResolvedOptions:
     """Fill family defaults and validate; raises ValueError saying what to change."""
-    o = options
+    o = _with_preset(options, adapter)
+    _check_edit_ops(o, adapter.defaults)
     _check_positive_int("max_tokens", o.max_tokens, "ask for at least one token")
     if o.block_length is not None:
         _check_positive_int("block_length", o.block_length, "use a positive block size")
@@ -110,7 +142,9 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
             raise ValueError("give either schedule or strategy, not both")
         strategy = ScheduleQuota(schedule_name(o.schedule))
     elif strategy is None:
-        strategy = "threshold" if o.threshold is not None else defaults.strategy
+        # a threshold selects the "threshold" rule, unless the family's rule takes one
+        takes_threshold = defaults.strategy in THRESHOLD_RULES
+        strategy = "threshold" if o.threshold is not None and not takes_threshold else defaults.strategy
     if isinstance(strategy, str) and strategy not in RULES:
         raise ValueError(f"Unknown strategy {strategy!r}; choose one of: {', '.join(RULES)}")
     if o.threshold is not None and strategy not in THRESHOLD_RULES:
@@ -137,6 +171,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         factor=o.factor,
         entropy_bound=o.entropy_bound,
         alg_temp=o.alg_temp,
+        block_length=block_length,
     )
     return ResolvedOptions(
         max_tokens=o.max_tokens,

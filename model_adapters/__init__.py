@@ -20,6 +20,8 @@ from .base import Adapter, FamilyDefaults
 FAMILIES: dict[str, str] = {
     "llada": "llada",
     "Dream": "dream",
+    "sdar": "sdar",
+    "llada2_moe": "llada2",
     "nemotron_labs_diffusion": "nemotron_labs_diffusion",
 }
 
