@@ -179,6 +179,36 @@ def test_stop_strings(client, llada):
         assert len(got) < len(text)
 
 
+def test_temperature_top_p_and_seed(client, llada):
+    """Sampling goes through mlx_lm.server's sampler and seed: reproducible per seed,
+    and equal to the library decode with the same sampler and seed."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    def sample(seed):
+        r = client.chat.completions.create(
+            model="default_model", messages=USER, temperature=1.0, top_p=0.9, seed=seed)
+        return r.choices[0].message.content
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert first == again
+    mx.random.seed(7)
+    _, responses = library(llada, chat_ids(llada[1], USER), sampler=make_sampler(1.0, top_p=0.9))
+    assert first == text_of(responses)
+    assert other != first or sample(9) != first  # the seed matters
+
+
+def test_max_tokens_past_the_context_is_fitted(client, llada):
+    r = client.chat.completions.create(
+        model="default_model", messages=USER, max_tokens=100_000,
+        extra_body={"block_length": 64, "steps": 1},
+        logit_bias={str(EOS_ID): -1e9, str(EOT_ID): -1e9},
+    )
+    ids = chat_ids(llada[1], USER)
+    assert r.usage.completion_tokens == llada[0].max_length - len(ids)
+    assert r.choices[0].finish_reason == "length"
+
+
 def test_per_request_diffusion_fields(client, llada):
     ids = chat_ids(llada[1], USER)
     for fields in (
@@ -388,3 +418,13 @@ def test_python_m_server(llada_path, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_console_scripts_point_at_main():
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    for name in ("mlx_lm_diffusion.server", "mlx_lm_diffusion.chat"):
+        module, func = scripts[name].split(":")
+        assert module == name and callable(getattr(importlib.import_module(module), func))
