@@ -59,11 +59,19 @@ class LowConfidence(CommitRule):
     def start_block(self, candidates: mx.array, steps: int) -> None:
         self.quota = transfer_schedule(mx.sum(candidates, axis=1), steps)
 
+    def step_quota(self, step: int):
+        """The step's quota: a plain int when every row has the same, so topk_transfer
+        needs no host sync per step (the block's quotas are read once)."""
+        if getattr(self, "_host_quota", (None, None))[0] is not self.quota:
+            self._host_quota = (self.quota, np.array(self.quota))
+        k = self._host_quota[1][:, step]
+        return int(k[0]) if (k == k[0]).all() else self.quota[:, step]
+
     def scores(self, s: StepInputs) -> mx.array:
         return s.prob
 
     def select(self, s: StepInputs) -> mx.array:
-        return topk_transfer(self.scores(s), s.candidates, self.quota[:, s.step])
+        return topk_transfer(self.scores(s), s.candidates, self.step_quota(s.step))
 
 
 class RandomRemasking(LowConfidence):
