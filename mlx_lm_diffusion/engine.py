@@ -5,6 +5,10 @@ walked left to right; at each step the adapter predicts the block, token_stats
 proposes, a commit rule selects, and the selection is written into the canvas.
 The loop yields a `Step` after every forward: the draft canvas, how many
 generated tokens per row are final (can no longer change), and the forward count.
+
+Uniform-noise families (DiffusionGemma: no mask token, `options.uniform` set) walk
+whole canvases instead, with the step body `_decode_canvas`; a canvas's tokens are
+final once the canvas is.
 """
 
 from __future__ import annotations
@@ -14,7 +18,15 @@ from typing import Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_arsenal.diffusion import block_ranges, edit_transfer, token_stats
+from mlx_arsenal.diffusion import (
+    StableConfidentStopping,
+    block_ranges,
+    edit_transfer,
+    linear_temperature,
+    renoise,
+    token_stats,
+    uniform_canvas,
+)
 from mlx_lm.sample_utils import apply_top_p
 
 from model_adapters import Adapter
@@ -27,7 +39,8 @@ from .options import ResolvedOptions
 class Step:
     """The state of a decode after one model forward."""
 
-    canvas: np.ndarray  # (B, P + N) draft: committed tokens and mask ids
+    canvas: np.ndarray  # (B, P + N) draft: committed tokens and mask ids (uniform noise:
+    # the argmax drafts up to the end of the current canvas)
     prompt_len: int
     final: np.ndarray  # (B,) generated tokens per row that can no longer change
     done: np.ndarray  # (B,) rows that finished (EOS in their final prefix, or full)
@@ -51,7 +64,7 @@ class Engine:
     """Runs one resolved decode through an adapter; iterate `run()` for the steps."""
 
     def __init__(self, adapter: Adapter, options: ResolvedOptions, keep_logprobs: bool = True):
-        if adapter.mask_id is None:
+        if adapter.mask_id is None and options.uniform is None:
             raise ValueError(f"{adapter.family} has no mask token; it cannot use a masked canvas")
         self.adapter = adapter
         self.options = options
@@ -67,20 +80,24 @@ class Engine:
         B, P = prompt.shape
         if o.seed is not None:
             mx.random.seed(o.seed)
-        mask = mx.full((B, o.max_tokens), a.mask_id, mx.int32)
+        uniform = o.uniform is not None
+        # a uniform-noise canvas is decoded whole (positions not reached yet hold 0)
+        N = -(-o.max_tokens // o.block_length) * o.block_length if uniform else o.max_tokens
+        mask = mx.full((B, N), 0 if uniform else a.mask_id, mx.int32)
         self.canvas = mx.concatenate([prompt.astype(mx.int32), mask], axis=1)
         self.host = np.array(self.canvas)
         self.prompt_len = P
         self.done = np.zeros(B, dtype=bool)
         self.forwards = 0
         self.suppress = mx.zeros((a.vocab_size,), mx.float32)
-        if 0 <= a.mask_id < a.vocab_size:  # (the "ar" adapter's mask lies outside the vocabulary)
+        if a.mask_id is not None and 0 <= a.mask_id < a.vocab_size:  # ("ar": outside the vocabulary)
             self.suppress[a.mask_id] = -mx.inf  # the mask token is never proposed
         state = a.start(prompt)
-        for start, end in block_ranges(P, o.max_tokens, o.block_length, align=a.align_blocks):
+        decode = self._decode_canvas if uniform else self._decode_block
+        for start, end in block_ranges(P, N, o.block_length, align=a.align_blocks):
             if self.done.all():
                 break
-            yield from self._decode_block(state, start, end)
+            yield from decode(state, start, end)
             a.finish_block(state, self.canvas, start, end)
 
     def _decode_block(self, state, start: int, end: int) -> Iterator[Step]:
@@ -145,6 +162,57 @@ class Engine:
         self.host = np.array(self.canvas)
         return kept
 
+    def _decode_canvas(self, state, start: int, end: int) -> Iterator[Step]:
+        """One uniform-noise canvas (Hugging Face's generation_diffusion_gemma.py): each
+        step the model predicts every position of the noisy canvas, the logits are divided
+        by a temperature linear in the remaining steps, a token is drawn everywhere, the
+        rule accepts some of them (entropy_bound_transfer over all positions by default)
+        and every other position is re-noised. A row stops once its argmax canvas is stable
+        and confident (frozen from then on, as in the reference), the canvas once every row
+        stopped or after `steps` steps; the argmax canvas is the draft and the output.
+        Random draws follow the reference: the canvas, then per step the sample and the noise."""
+        a, o, u = self.adapter, self.options, self.options.uniform
+        B, L = self.host.shape[0], end - start
+        stop = StableConfidentStopping(u.stability_threshold, u.confidence_threshold)
+        noisy = uniform_canvas((B, L), a.vocab_size)
+        stopped = mx.array(self.done)
+        argmax, kept, self.confidence = self.canvas[:, start:end], None, mx.zeros((B, L))
+        o.rule.start_block(mx.ones((B, L), dtype=mx.bool_), o.steps)
+        for step in range(o.steps):
+            canvas = mx.concatenate([self.canvas[:, :start], noisy, self.canvas[:, end:]], axis=1)
+            logits = self._process(a.predict(state, canvas, start, end), self.host[:, :start], start)
+            self.forwards += 1
+            z = logits / linear_temperature(o.steps - step, o.steps, t_min=u.t_min, t_max=u.t_max)
+            a.condition(state, z)  # the model's self-conditioning input at the next step
+            logprobs = z - mx.logsumexp(z, axis=-1, keepdims=True)
+            stats = token_stats(logprobs)
+            sample = self._draw(z, logprobs)
+            prob = mx.exp(mx.take_along_axis(logprobs, sample[..., None], axis=-1)[..., 0])
+            rows = mx.broadcast_to(~stopped[:, None], (B, L))
+            accepted = o.rule.select(StepInputs(sample, prob, stats.entropy, logprobs, rows, step, o.steps))
+            fresh = renoise(sample, accepted, uniform_canvas((B, L), a.vocab_size))
+            frozen = stopped[:, None]
+            argmax = mx.where(frozen, argmax, stats.x0)
+            noisy = mx.where(frozen, noisy, fresh)
+            self.confidence = mx.where(frozen, self.confidence, stats.prob)
+            kept = logprobs if kept is None else mx.where(frozen[..., None], kept, logprobs)
+            stopped = stopped | stop(argmax, stats.entropy)
+            self.canvas = mx.concatenate([self.canvas[:, :start], argmax, self.canvas[:, end:]], axis=1)
+            mx.eval(self.canvas, noisy, stopped, kept, self.confidence)
+            self.host = np.array(self.canvas)
+            yield self._step(start, end, step, kept if self.keep_logprobs else None, False)
+            if bool(mx.all(stopped).item()):
+                break
+        # the canvas is final: one more event releases its tokens
+        yield self._step(start, end, step + 1, kept if self.keep_logprobs else None, True, forward=False)
+
+    def _draw(self, z: mx.array, logprobs: mx.array) -> mx.array:
+        """A token per position from softmax(z), as the reference draws; or the caller's sampler."""
+        if self.options.sampler is None:
+            return mx.random.categorical(z).astype(mx.int32)
+        B, L, V = logprobs.shape
+        return self.options.sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
+
     def _predict(self, state, start: int, end: int, step: int):
         logits = self.adapter.predict(state, self.canvas, start, end)
         self.forwards += 1
@@ -169,10 +237,12 @@ class Engine:
     def _step(self, start, end, step, kept, block_over: bool, forward: bool = True) -> Step:
         # With editing a token can change until its block is over: only earlier blocks
         # (and this one once it is over) are final.
-        editing = self.options.editing_threshold is not None
-        horizon = end if (block_over or not editing) else start
+        uniform = self.options.uniform is not None
+        changing = self.options.editing_threshold is not None or uniform
+        horizon = end if (block_over or not changing) else start
         final, self.done = self._finality(horizon)
-        return Step(self.host, self.prompt_len, final, self.done.copy(), self.forwards,
+        host = self.host[:, :end] if uniform else self.host
+        return Step(host, self.prompt_len, final, self.done.copy(), self.forwards,
                     (start, end), step, kept, forward, self.confidence)
 
     def _candidates(self, start: int, end: int) -> np.ndarray:
@@ -225,10 +295,10 @@ class Engine:
         the whole canvas."""
         P = self.prompt_len
         gen = self.host[:, P:]
-        masked = gen == self.adapter.mask_id
-        N = gen.shape[1]
-        prefix = np.where(masked.any(axis=1), masked.argmax(axis=1), N)
-        prefix = np.minimum(prefix, horizon - P)
+        masked = gen == self.adapter.mask_id  # all False without a mask token
+        N = min(gen.shape[1], self.options.max_tokens)  # (a uniform canvas may run past it)
+        prefix = np.where(masked.any(axis=1), masked.argmax(axis=1), gen.shape[1])
+        prefix = np.minimum(prefix, min(horizon - P, N))
         final = prefix.copy()
         done = prefix == N
         eos = np.isin(gen, list(self.adapter.eos_ids)) if self.adapter.eos_ids else None

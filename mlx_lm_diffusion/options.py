@@ -16,6 +16,20 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
+@dataclass(frozen=True)
+class UniformNoise:
+    """A uniform-noise canvas (DiffusionGemma): no mask token; each canvas starts as random
+    tokens and every step re-decides all of it (see Engine._decode_canvas). An adapter sets
+    `uniform_noise` to a dict of its reference values; `entropy_bound` may be overridden
+    (and `steps`, the most steps per canvas)."""
+
+    entropy_bound: float = 0.1  # the acceptance budget (nats), entropy_bound_transfer
+    t_min: float = 0.4  # temperature at the last step (linear in the remaining steps)
+    t_max: float = 0.8  # temperature at the first step
+    stability_threshold: int = 1  # stop a row once its argmax canvas repeats this many times
+    confidence_threshold: float = 0.005  # ... and its mean entropy is below this
+
+
 @dataclass
 class DecodeOptions:
     """Options of one decode. `None` means "the family's default"."""
@@ -26,7 +40,7 @@ class DecodeOptions:
     strategy: Optional[str] = None  # commit rule name, see commit_rules.RULES
     threshold: Optional[float] = None  # a threshold means the "threshold" rule by default
     factor: float = 1.0
-    entropy_bound: float = 0.35
+    entropy_bound: Optional[float] = None  # None: 0.35, or a uniform-noise family's own bound
     alg_temp: float = 0.0
     editing_threshold: Optional[float] = None  # revise committed tokens (LLaDA2.1 editing)
     max_post_steps: Optional[int] = None  # editing passes once a block is full (default 16)
@@ -57,6 +71,7 @@ class ResolvedOptions:
     logits_processors: tuple
     seed: Optional[int]
     causal_context: Optional[bool] = None  # read by the adapter (Adapter.configure)
+    uniform: Optional[UniformNoise] = None  # set: a uniform-noise canvas (no mask token)
 
 
 def _check_positive_int(name: str, value, hint: str) -> None:
@@ -122,7 +137,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         _check_positive_int("steps", o.steps, "use at least one denoising step per block")
     if not o.factor > 0:
         raise ValueError(f"factor must be > 0, got {o.factor!r}")
-    if not o.entropy_bound >= 0:
+    if o.entropy_bound is not None and not o.entropy_bound >= 0:
         raise ValueError(f"entropy_bound must be >= 0, got {o.entropy_bound!r}")
     for name in ("threshold", "editing_threshold"):
         value = getattr(o, name)
@@ -154,14 +169,22 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         )
     threshold = o.threshold if o.threshold is not None else defaults.threshold
 
+    uniform = _check_uniform(o, adapter)
     block_length = o.block_length or defaults.block_length or o.max_tokens
-    if not adapter.align_blocks:  # aligned blocks keep the model's native size
+    if not adapter.align_blocks and uniform is None:  # aligned blocks and canvases keep their size
         block_length = min(block_length, o.max_tokens)
     steps = o.steps or defaults.steps or block_length
-
-    if adapter.max_length is not None and prompt_len + o.max_tokens > adapter.max_length:
+    entropy_bound = o.entropy_bound if o.entropy_bound is not None else 0.35
+    if uniform is not None:
+        entropy_bound = o.entropy_bound if o.entropy_bound is not None else uniform.entropy_bound
+        uniform = replace(uniform, entropy_bound=entropy_bound)
+    # a uniform-noise canvas is decoded whole, even past max_tokens
+    span = -(-o.max_tokens // block_length) * block_length if uniform is not None else o.max_tokens
+    if adapter.max_length is not None and prompt_len + span > adapter.max_length:
         raise ValueError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({o.max_tokens}) exceeds the model's "
+            f"prompt ({prompt_len} tokens) + max_tokens ({o.max_tokens}"
+            + (f", decoded as whole canvases: {span}" if span != o.max_tokens else "")
+            + f") exceeds the model's "
             f"context of {adapter.max_length} tokens; shorten the prompt or lower max_tokens"
         )
     temperatures = _check_temperatures(o, steps)
@@ -169,7 +192,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         strategy,
         threshold=threshold,
         factor=o.factor,
-        entropy_bound=o.entropy_bound,
+        entropy_bound=entropy_bound,
         alg_temp=o.alg_temp,
         block_length=block_length,
     )
@@ -188,7 +211,22 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         logits_processors=tuple(o.logits_processors or ()),
         seed=o.seed,
         causal_context=_check_causal_context(o, adapter),
+        uniform=uniform,
     )
+
+
+def _check_uniform(o: DecodeOptions, adapter: Adapter) -> Optional[UniformNoise]:
+    """The adapter's uniform-noise settings, or None for a masked canvas."""
+    uniform = getattr(adapter, "uniform_noise", None)
+    if uniform is None:
+        return None
+    for name in ("editing_threshold", "temperature_schedule", "schedule"):
+        if getattr(o, name) is not None:
+            raise ValueError(
+                f"{name} does not apply to {adapter.family}, whose canvas is uniform noise "
+                "(every step re-decides every position); drop it"
+            )
+    return UniformNoise(**uniform)
 
 
 def _check_causal_context(o: DecodeOptions, adapter: Adapter) -> Optional[bool]:

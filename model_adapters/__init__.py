@@ -23,6 +23,7 @@ FAMILIES: dict[str, str] = {
     "sdar": "sdar",
     "llada2_moe": "llada2",
     "nemotron_labs_diffusion": "nemotron_labs_diffusion",
+    "diffusion_gemma": "diffusion_gemma",
 }
 
 

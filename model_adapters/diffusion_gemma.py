@@ -1,0 +1,348 @@
+"""DiffusionGemma: a Gemma 4 MoE encoder (causal, fills the KV cache) and a decoder that
+shares its weights (bidirectional over the cached prefix and the canvas, reads the cache
+without storing) with a self-conditioning block; text only.
+
+Weights follow transformers' `DiffusionGemmaForBlockDiffusion` checkpoints: the decoder
+holds every shared weight (`model.decoder.*`), the encoder only its own layer scalars
+(`model.encoder.language_model.layers.N.layer_scalar`); `lm_head` is tied to the decoder's
+embeddings; the vision tower is dropped. Layers are mlx-lm's gemma4_text parts.
+
+Decoding (Hugging Face's generation_diffusion_gemma.py) is the engine's uniform-noise
+path: there is no mask token; the adapter feeds the previous step's temperature-scaled
+logits back as self-conditioning and encodes each finished canvas causally.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gemma4_text
+from mlx_lm.models.base import BaseModelArgs, create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from .base import Adapter as _BaseAdapter
+from .base import FamilyDefaults
+
+_DEFAULT_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+}
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    model_type: str
+    text_config: dict
+    canvas_length: int = 256
+    eos_token_id: Optional[Union[int, list]] = None
+
+    def __post_init__(self):
+        t = self.text_config
+        if t.get("use_bidirectional_attention") == "all":
+            raise ValueError("DiffusionGemma with use_bidirectional_attention='all' is not supported")
+        n = t.get("num_hidden_layers", 30)
+        layer_types = t.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+        layer_types[-1] = "full_attention"  # as transformers forces
+        # transformers writes the full-attention layers' head size and KV heads into
+        # per_layer_config (keyed by layer index); the released configs have them top-level
+        full = [dict((t.get("per_layer_config") or {}).get(str(i), {})) for i, k in enumerate(layer_types) if k == "full_attention"]
+        if any(f != full[0] for f in full):
+            raise ValueError("DiffusionGemma full-attention layers with different shapes are not supported")
+        global_head_dim = t.get("global_head_dim") or full[0].get("head_dim") or 512
+        global_kv_heads = t.get("num_global_key_value_heads") or full[0].get("num_key_value_heads")
+        self.text = gemma4_text.ModelArgs(
+            model_type="gemma4_text",
+            hidden_size=t["hidden_size"],
+            num_hidden_layers=n,
+            intermediate_size=t["intermediate_size"],
+            num_attention_heads=t["num_attention_heads"],
+            head_dim=t.get("head_dim", 256),
+            global_head_dim=global_head_dim,
+            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+            vocab_size=t["vocab_size"],
+            vocab_size_per_layer_input=t["vocab_size"],
+            num_key_value_heads=t.get("num_key_value_heads", 4),
+            num_global_key_value_heads=global_kv_heads,
+            num_kv_shared_layers=0,
+            hidden_size_per_layer_input=0,
+            rope_parameters=t.get("rope_parameters") or _DEFAULT_ROPE,
+            sliding_window=t.get("sliding_window", 512),
+            max_position_embeddings=t.get("max_position_embeddings", 131072),
+            attention_k_eq_v=True,  # full-attention layers have no v_proj
+            final_logit_softcapping=t.get("final_logit_softcapping", 30.0),
+            use_double_wide_mlp=False,
+            enable_moe_block=True,
+            num_experts=t["num_experts"],
+            top_k_experts=t["top_k_experts"],
+            moe_intermediate_size=t["moe_intermediate_size"],
+            layer_types=layer_types,
+        )
+
+
+class Layer(nn.Module):
+    """Gemma 4's MoE layer (mlx-lm's gemma4_text parts) with its scalar passed in: the
+    encoder and the decoder share every weight but the layer scalars."""
+
+    def __init__(self, args: gemma4_text.ModelArgs, idx: int):
+        super().__init__()
+        self.layer_type = args.layer_types[idx]
+        self.self_attn = gemma4_text.Attention(args, idx)
+        self.mlp = gemma4_text.MLP(args, idx)
+        self.router = gemma4_text.Router(args)
+        self.experts = gemma4_text.Experts(args)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm", "post_feedforward_layernorm_1",
+                     "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+            setattr(self, name, nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps))
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x: mx.array, mask, cache, scalar: mx.array) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache)[0])
+        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
+        indices, weights = self.router(h)
+        sparse = self.experts(self.pre_feedforward_layernorm_2(h), indices, weights)
+        out = h + self.post_feedforward_layernorm(dense + self.post_feedforward_layernorm_2(sparse))
+        return out * scalar
+
+
+class SelfConditioning(nn.Module):
+    """Adds the previous step's soft embeddings (through a gated MLP) to the canvas's."""
+
+    def __init__(self, args: gemma4_text.ModelArgs):
+        super().__init__()
+        self.pre_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_norm = gemma4_text.RMSNormNoScale(args.hidden_size, eps=args.rms_norm_eps)
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def __call__(self, embeddings: mx.array, soft: mx.array) -> mx.array:
+        x = self.pre_norm(soft)
+        signal = self.down_proj(gemma4_text.geglu(self.gate_proj(x), self.up_proj(x)))
+        return self.post_norm(embeddings + signal)
+
+
+class Decoder(nn.Module):
+    def __init__(self, args: gemma4_text.ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [Layer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(args)
+
+
+class _Scalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer_scalar = mx.ones((1,))
+
+
+class _EncoderLanguageModel(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.layers = [_Scalar() for _ in range(n)]
+
+
+class _Encoder(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.language_model = _EncoderLanguageModel(n)
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: gemma4_text.ModelArgs):
+        super().__init__()
+        self.decoder = Decoder(args)
+        self.encoder = _Encoder(args.num_hidden_layers)  # its layer scalars; all else is shared
+
+
+class _PrefixView:
+    """The decoder's read-only view of an encoder cache layer: the cached prefix (its last
+    `window - 1` positions on sliding layers, as transformers keeps them) followed by the
+    canvas's keys and values, which are not stored."""
+
+    def __init__(self, cache: KVCache, window: Optional[int]):
+        self.cache, self.window = cache, window
+
+    @property
+    def offset(self) -> int:
+        return self.cache.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n = self.cache.offset
+        if n == 0:
+            return keys, values
+        lo = max(0, n - self.window + 1) if self.window else 0
+        k, v = self.cache.keys[..., lo:n, :], self.cache.values[..., lo:n, :]
+        return mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Backbone(args.text)
+        self.embed_scale = args.text.hidden_size**0.5
+        self.softcap = args.text.final_logit_softcapping
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.text.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self.args.text.max_position_embeddings
+
+    @property
+    def layers(self):
+        return self.model.decoder.layers
+
+    def make_cache(self):
+        return [KVCache() for _ in self.layers]
+
+    def head(self, hidden: mx.array) -> mx.array:
+        logits = self.model.decoder.embed_tokens.as_linear(hidden).astype(mx.float32)
+        return mx.tanh(logits / self.softcap) * self.softcap
+
+    def encode(self, inputs: mx.array, cache: list) -> mx.array:
+        """Causal pass of the encoder over `inputs`, stored in `cache`; the final hidden states."""
+        d, window = self.model.decoder, self.args.text.sliding_window
+        h = d.embed_tokens(inputs) * self.embed_scale
+        masks = {
+            "full_attention": create_attention_mask(h, cache[0]),
+            "sliding_attention": create_attention_mask(h, cache[0], window_size=window),
+        }
+        for layer, c, s in zip(d.layers, cache, self.model.encoder.language_model.layers):
+            h = layer(h, masks[layer.layer_type], c, s.layer_scalar)
+        return d.norm(h)
+
+    def _soft_embeddings(self, logits: mx.array) -> mx.array:
+        """softmax(logits) @ embeddings, scaled like the embeddings (self-conditioning input)."""
+        table = self.model.decoder.embed_tokens
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
+        if isinstance(table, nn.QuantizedEmbedding):
+            soft = mx.quantized_matmul(
+                probs, table.weight, table.scales, table.biases, transpose=False,
+                group_size=table.group_size, bits=table.bits, mode=getattr(table, "mode", "affine"),
+            )
+        else:
+            soft = probs.astype(table.weight.dtype) @ table.weight
+        return soft * self.embed_scale
+
+    def decode(self, canvas: mx.array, cache: list, self_conditioning: Optional[mx.array] = None) -> mx.array:
+        """Softcapped logits (B, C, V) of the decoder over `canvas`, on top of the cached prefix."""
+        d, window = self.model.decoder, self.args.text.sliding_window
+        h = d.embed_tokens(canvas) * self.embed_scale
+        soft = mx.zeros_like(h) if self_conditioning is None else self._soft_embeddings(self_conditioning)
+        h = d.self_conditioning(h, soft.astype(h.dtype))
+        for layer, c in zip(d.layers, cache):
+            view = _PrefixView(c, window if layer.layer_type == "sliding_attention" else None)
+            h = layer(h, None, view, layer.layer_scalar)
+        return self.head(d.norm(h))
+
+    def __call__(self, inputs: mx.array, cache=None, canvas: Optional[mx.array] = None,
+                 self_conditioning: Optional[mx.array] = None) -> mx.array:
+        """Encode `inputs` causally into `cache` (a fresh one if None); return the decoder's
+        logits over `canvas` when given, else the encoder's own (causal) logits."""
+        cache = self.make_cache() if cache is None else cache
+        hidden = self.encode(inputs, cache)
+        if canvas is None:
+            return self.head(hidden)
+        return self.decode(canvas, cache, self_conditioning)
+
+    def sanitize(self, weights: dict) -> dict:
+        out = {}
+        for key, value in weights.items():
+            if key == "lm_head.weight" or "rotary_emb" in key:
+                continue  # tied to the decoder's embeddings
+            if key.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
+                continue  # text only
+            if key.startswith("model.encoder.language_model.") and not key.endswith(".layer_scalar"):
+                continue  # tied to the decoder's
+            m = _EXPERTS.match(key)
+            if m is None:
+                out[key] = value
+                continue
+            base, name, suffix = m.group(1), m.group(2), m.group(3) or ".weight"
+            if name == "down_proj":
+                out[f"{base}.switch_glu.down_proj{suffix}"] = value
+            else:  # gate and up stacked along the output rows
+                gate, up = mx.split(value, 2, axis=-2)
+                out[f"{base}.switch_glu.gate_proj{suffix}"] = mx.contiguous(gate)
+                out[f"{base}.switch_glu.up_proj{suffix}"] = mx.contiguous(up)
+        return out
+
+
+# transformers' fused expert tensors (no suffix) and mlx-vlm's SwitchLinear names
+_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(\.weight|\.scales|\.biases)?$")
+
+
+@dataclass
+class _State:
+    cache: list
+    self_conditioning: Optional[mx.array] = None  # the previous step's scaled logits
+    canvas: Optional[int] = None  # start of the canvas being denoised
+    pending: Optional[tuple] = None  # a finished canvas not yet encoded
+
+
+class Adapter(_BaseAdapter):
+    """A uniform-noise canvas over the encoder's causal cache."""
+
+    family = "DiffusionGemma"
+    # generation_diffusion_gemma.py's defaults: canvases of 256 (the config's canvas_length),
+    # at most 48 steps, entropy-bound acceptance (0.1), temperature 0.8 -> 0.4, stop when
+    # stable (1) and confident (0.005).
+    defaults = FamilyDefaults(block_length=256, strategy="entropy_bound", steps=48)
+    uniform_noise = dict(entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1,
+                         confidence_threshold=0.005)
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None):
+        self.model = model
+        self.mask_id = None  # no mask token: canvases start as uniform noise
+        self.vocab_size = model.vocab_size
+        self.max_length = model.max_length
+        self.eos_ids = frozenset(_eos_ids(model.args, tokenizer))
+        self.defaults = replace(type(self).defaults, block_length=model.args.canvas_length)
+
+    def start(self, prompt: mx.array) -> _State:
+        state = _State(self.model.make_cache())
+        self.model.encode(prompt, state.cache)
+        return state
+
+    def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
+        if state.pending is not None:  # encode the previous canvas first (the reference's order)
+            pstart, pend = state.pending
+            state.pending = None
+            self.model.encode(canvas[:, pstart:pend], state.cache)
+        if state.cache[0].offset != start:
+            raise RuntimeError(f"cache holds {state.cache[0].offset} positions, canvas starts at {start}")
+        if state.canvas != start:  # a new canvas starts without self-conditioning
+            state.canvas, state.self_conditioning = start, None
+        return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning)
+
+    def condition(self, state: _State, logits: mx.array) -> None:
+        """The logits the engine decided from (temperature-scaled): next step's self-conditioning."""
+        state.self_conditioning = logits
+
+    def finish_block(self, state: _State, canvas: mx.array, start: int, end: int) -> None:
+        state.pending = (start, end)  # encoded when the next canvas needs it
+
+
+def _eos_ids(args: ModelArgs, tokenizer: Any) -> set:
+    ids: set = set()
+    for value in (args.eos_token_id, args.text_config.get("eos_token_id")):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if tokenizer is not None:
+        ids.update(getattr(tokenizer, "eos_token_ids", ()) or ())
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+    return ids
