@@ -257,7 +257,7 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict) -> dict:
         out = {}
-        for key, value in weights.items():
+        for key, value in _stack_experts(weights).items():
             if key == "lm_head.weight" or "rotary_emb" in key:
                 continue  # tied to the decoder's embeddings
             if key.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
@@ -280,6 +280,24 @@ class Model(nn.Module):
 
 # transformers' fused expert tensors (no suffix) and mlx-vlm's SwitchLinear names
 _EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(\.weight|\.scales|\.biases)?$")
+# one tensor per expert, as some exports store them
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
+
+
+def _stack_experts(weights: dict) -> dict:
+    """experts.<i>.<proj>.<suffix> tensors stacked into experts.switch_glu.<proj>.<suffix>."""
+    groups: dict = {}
+    out = {}
+    for key, value in weights.items():
+        m = _PER_EXPERT.match(key)
+        if m is None:
+            out[key] = value
+        else:
+            base, i, proj, suffix = m.groups()
+            groups.setdefault(f"{base}.switch_glu.{proj}.{suffix}", {})[int(i)] = value
+    for key, experts in groups.items():
+        out[key] = mx.stack([experts[i] for i in range(len(experts))])
+    return out
 
 
 @dataclass

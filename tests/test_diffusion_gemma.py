@@ -94,6 +94,15 @@ def test_sanitize_drops_tied_and_vision_weights_and_is_idempotent(gemma_path, ge
     once = model.sanitize(raw)
     assert set(once) == set(params)
     assert set(model.sanitize(dict(once))) == set(params)
+    # one tensor per expert (as some exports store them) stacks into the same weights
+    per_expert = {k: v for k, v in once.items() if ".switch_glu." not in k}
+    for k, v in once.items():
+        if ".switch_glu." in k:
+            base, rest = k.split(".switch_glu.")
+            per_expert.update({f"{base}.{e}.{rest}": v[e] for e in range(v.shape[0])})
+    restacked = model.sanitize(per_expert)
+    assert set(restacked) == set(params)
+    assert all(mx.array_equal(restacked[k], once[k]) for k in once)
     # the encoder keeps its own layer scalars, distinct from the decoder's
     assert float(once["model.encoder.language_model.layers.0.layer_scalar"][0]) != float(
         once["model.decoder.layers.0.layer_scalar"][0])
