@@ -18,7 +18,9 @@ import mlx_lm_diffusion as mld
 from mlx_lm_diffusion import compat
 from mlx_lm_diffusion.compat import TokenCache
 
-from checkpoints import VOCAB, write_tokenizer
+from checkpoints import VOCAB, write_dream, write_llada, write_tokenizer
+from checkpoints_block import write_llada2, write_sdar
+from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
 
 install_module = importlib.import_module("mlx_lm_diffusion.install")
 cache_module = importlib.import_module("mlx_lm.models.cache")
@@ -212,3 +214,28 @@ def test_stock_mlx_lm_server_drives_diffusion(llada, llada_path, installed):
         httpd.server_close()
         generator.stop_and_join()
         thread.join(timeout=60)
+
+
+WRITERS = {
+    "llada": write_llada, "dream": write_dream, "sdar": write_sdar, "llada2": write_llada2,
+    "nemotron": write_nemotron, "diffusion_gemma": write_diffusion_gemma,
+}
+
+
+@pytest.mark.parametrize("family", sorted(WRITERS))
+def test_every_family_through_stock_mlx_lm(family, tmp_path, installed):
+    """Stock mlx_lm.load / stream_generate with a prompt cache, for each family: the same
+    tokens as the library, the cache = prompt + yielded at every yield, and a second
+    turn equal to decoding the whole conversation."""
+    model, tok = mlx_lm.load(str(WRITERS[family](tmp_path / family)))
+    opts = dict(max_tokens=8, steps=4, seed=0)  # seeded: DiffusionGemma starts from noise
+    cache = cache_module.make_prompt_cache(model)
+    reference = [r.token for r in mld.stream_generate(model, tok, PROMPT, **opts)]
+    yielded = []
+    for r in mlx_lm.stream_generate(model, tok, PROMPT, prompt_cache=cache, **opts):
+        yielded.append(r.token)
+        assert cache[0].tokens == PROMPT + yielded
+    assert yielded == reference
+    turn = [10, 65, 66]
+    after = [r.token for r in mlx_lm.stream_generate(model, tok, turn, prompt_cache=cache, **opts)]
+    assert after == [r.token for r in mld.stream_generate(model, tok, PROMPT + yielded + turn, **opts)]
