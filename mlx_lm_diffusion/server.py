@@ -57,6 +57,7 @@ PROG = "mlx_lm_diffusion.server"
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
 REQUEST_FIELDS = tuple(dict.fromkeys(compat.DECODE_FIELDS + ("editing_threshold",)))
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+_RULE_FIELDS = ("strategy", "threshold")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name on the Hugging Face Hub
 
 
@@ -88,6 +89,15 @@ def parse_request_options(body: dict) -> Tuple[dict, bool]:
     if not isinstance(drafts, bool):
         raise ValueError(f"drafts must be a boolean, got {drafts!r}")
     return options, drafts
+
+
+def merge_options(defaults: dict, requested: dict) -> dict:
+    """The server's decoding defaults under a request's fields. A request that names its
+    commit rule (strategy or threshold) drops the server's rule defaults, which belong
+    to another rule."""
+    if any(name in requested for name in _RULE_FIELDS):
+        defaults = {k: v for k, v in defaults.items() if k not in _RULE_FIELDS}
+    return {**defaults, **requested}
 
 
 def render_draft(tokenizer: Any, step: Step, mask_id: Optional[int]) -> str:
@@ -173,7 +183,7 @@ class DiffusionResponseGenerator(ResponseGenerator):
     # -- generation thread
 
     def _options(self, request) -> dict:
-        return {**self.defaults, **getattr(request, "options", {})}
+        return merge_options(self.defaults, getattr(request, "options", {}))
 
     def _tokenize(self, tokenizer, request, args):
         try:

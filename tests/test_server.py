@@ -428,3 +428,13 @@ def test_console_scripts_point_at_main():
     for name in ("mlx_lm_diffusion.server", "mlx_lm_diffusion.chat"):
         module, func = scripts[name].split(":")
         assert module == name and callable(getattr(importlib.import_module(module), func))
+
+
+def test_request_fields_over_server_defaults():
+    merge = dserver.merge_options
+    assert merge({"steps": 4, "threshold": 0.9}, {"block_length": 8}) == {
+        "steps": 4, "threshold": 0.9, "block_length": 8}
+    # naming another rule drops the default rule's settings
+    assert merge({"steps": 4, "threshold": 0.9}, {"strategy": "low_confidence"}) == {
+        "steps": 4, "strategy": "low_confidence"}
+    assert merge({"strategy": "entropy_bound"}, {"threshold": 0.5}) == {"threshold": 0.5}
