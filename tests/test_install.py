@@ -6,7 +6,6 @@ import json
 import threading
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx_lm
 import openai
 import pytest
