@@ -7,13 +7,16 @@ defaults, and serves /v1/chat/completions, /v1/completions, /v1/models and /heal
 with mlx_lm.server's request and response shapes. On top of mlx_lm.server:
 
 * per-request decoding fields in the JSON body: block_length, steps, strategy,
-  threshold, factor, entropy_bound, alg_temp (and editing_threshold once the
-  engine edits tokens), checked before anything is generated;
+  threshold, factor, entropy_bound, alg_temp, editing_threshold, max_post_steps,
+  checked before anything is generated;
 * `"drafts": true` with `"stream": true` sends the canvas after every forward as an
   SSE comment line (`: draft {"forwards": 3, "committed": 1, "text": "He░░o"}`),
   which OpenAI clients ignore;
 * every bad request (malformed JSON, invalid field, a prompt the model cannot
-  decode, an unknown model or path) gets a 4xx with a JSON error body.
+  decode, an unknown model or path) gets a 4xx with a JSON error body;
+* POST /v1/diffusion/generate takes a step-schedule InferenceRequest and returns its
+  InferenceResponse (`protocol.run_request`); a schema violation is a 400 carrying
+  the validation message.
 
 Diffusion models are served one request at a time (their prompt cache, a
 `compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them).
@@ -29,6 +32,7 @@ import logging
 import re
 import socket
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
@@ -52,10 +56,12 @@ from . import compat
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
+from .protocol import run_request
 
 PROG = "mlx_lm_diffusion.server"
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
 REQUEST_FIELDS = tuple(dict.fromkeys(compat.DECODE_FIELDS + ("editing_threshold",)))
+PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 _RULE_FIELDS = ("strategy", "threshold")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # owner/name on the Hugging Face Hub
@@ -122,7 +128,18 @@ class DiffusionResponseGenerator(ResponseGenerator):
 
     def __init__(self, model_provider: ModelProvider, prompt_cache: LRUPromptCache, defaults: Optional[dict] = None):
         self.defaults = dict(defaults or {})  # set before the generation thread starts
+        # One decode at a time: the generation thread's requests and the step-schedule
+        # protocol's (served on handler threads) take turns on the model.
+        self.decode_lock = threading.Lock()
         super().__init__(model_provider, prompt_cache)
+
+    def run_protocol(self, body: Any) -> dict:
+        """Decode one step-schedule InferenceRequest on the served model."""
+        with self.decode_lock:
+            model, tokenizer = self.model_provider.model, self.model_provider.tokenizer
+            if model is None:
+                raise RequestError("no model is loaded yet; start the server with --model", status=503)
+            return run_request(model, tokenizer, body)
 
     # -- handler thread
 
@@ -203,7 +220,7 @@ class DiffusionResponseGenerator(ResponseGenerator):
         options = self._options(req)
         if getattr(req, "drafts", False) and is_diffusion_model(self.model_provider.model):
             options["draft_callback"] = self._draft_sender(rqueue)
-        with compat.request_options(**options):
+        with self.decode_lock, compat.request_options(**options):
             super()._serve_single(request, stream)
 
     def _draft_sender(self, rqueue) -> Callable[[Step], None]:
@@ -226,6 +243,8 @@ class DiffusionAPIHandler(APIHandler):
 
     def do_POST(self):
         self._request = None
+        if self.path == PROTOCOL_PATH:
+            return self.handle_protocol()
         if self.path not in POST_PATHS:
             return self._send_error(404, f"no such endpoint: POST {self.path}")
         super().do_POST()
@@ -286,6 +305,22 @@ class DiffusionAPIHandler(APIHandler):
                 models.append({"id": str(Path(served).resolve()), "object": "model", "created": self.created})
             return self._send_json(200, {"object": "list", "data": models})
         super().handle_models_request()
+
+    def handle_protocol(self) -> None:
+        """POST /v1/diffusion/generate: an InferenceRequest in, an InferenceResponse out;
+        a request that breaks the schema gets a 400 carrying the validation message."""
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+            body = json.loads(self.rfile.read(length).decode())
+        except (ValueError, UnicodeDecodeError) as e:
+            return self._send_error(400, f"the body must be a JSON InferenceRequest: {e}")
+        try:
+            response = self.response_generator.run_protocol(body)
+        except RequestError as e:
+            return self._send_error(e.status, str(e))
+        except ValueError as e:
+            return self._send_error(400, str(e))
+        self._send_json(200, response)
 
     def _send_draft(self, payload: dict) -> None:
         self.wfile.write(f": draft {json.dumps(payload)}\n\n".encode())

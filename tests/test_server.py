@@ -438,3 +438,38 @@ def test_request_fields_over_server_defaults():
     assert merge({"steps": 4, "threshold": 0.9}, {"strategy": "low_confidence"}) == {
         "steps": 4, "strategy": "low_confidence"}
     assert merge({"strategy": "entropy_bound"}, {"threshold": 0.5}) == {"threshold": 0.5}
+
+
+PROTOCOL_REQUEST = {
+    "prompt_tokens": [72, 101, 108, 108, 111],
+    "target_length": 13,
+    "num_steps": 4,
+    "mask_schedule": "cosine",
+    "temperature_schedule": [0.0] * 4,
+    "top_p": 1.0,
+}
+
+
+def test_protocol_endpoint_matches_the_library(port, llada):
+    from mlx_lm_diffusion.protocol import run_request, validate_response
+
+    status, body = raw(port, "POST", "/v1/diffusion/generate", json.dumps(PROTOCOL_REQUEST))
+    assert status == 200
+    validate_response(body)
+    assert body == run_request(*llada, PROTOCOL_REQUEST)
+
+
+@pytest.mark.parametrize(
+    "body,word",
+    [
+        ("{not json", "JSON"),
+        (json.dumps(dict(PROTOCOL_REQUEST, top_p=0)), "top_p"),
+        (json.dumps({k: v for k, v in PROTOCOL_REQUEST.items() if k != "num_steps"}), "num_steps"),
+        (json.dumps(dict(PROTOCOL_REQUEST, mask_schedule="exp")), "mask_schedule"),
+        (json.dumps(dict(PROTOCOL_REQUEST, target_length=2)), "target_length"),
+    ],
+)
+def test_protocol_endpoint_rejects_bad_requests(port, client, body, word):
+    status, error = raw(port, "POST", "/v1/diffusion/generate", body)
+    assert status == 400 and word in error["error"]
+    assert client.completions.create(model="default_model", prompt="Hi", max_tokens=2).choices  # still serving
