@@ -228,6 +228,17 @@ def test_decode_matches_mlx_vlm_diffusion_mode(nemotron, reference, prompt, thre
     assert forwards == stats["diffusion_denoise_nfe"]
 
 
+def test_block_length_one_is_autoregressive(nemotron, reference):
+    """With causal context, blocks of one token are all seed: greedy autoregressive decoding,
+    the tokens of mlx-vlm's `ar_generate`, with no denoising forward; each token streams."""
+    model, tok = nemotron
+    prompt = PROMPTS[0]
+    theirs, _ = reference.ar_generate(mx.array([prompt]), max_new_tokens=12, eos_token_id=-1)
+    responses = list(mld.stream_generate(model, tok, prompt, max_tokens=12, block_length=1))
+    assert [r.token for r in responses] == theirs[0, len(prompt):].tolist()
+    assert responses[-1].forwards == 0 and responses[-1].finish_reason == "length"
+
+
 # ---------------------------------------------------------------------------- the doors
 
 
