@@ -69,9 +69,7 @@ class Engine:
         self.adapter = adapter
         self.options = options
         self.keep_logprobs = keep_logprobs
-        configure = getattr(adapter, "configure", None)
-        if configure is not None:  # family switches (e.g. Nemotron's causal_context)
-            configure(options)
+        adapter.configure(options)  # family switches (e.g. Nemotron's causal_context)
 
     def run(self, prompt: mx.array) -> Iterator[Step]:
         a, o = self.adapter, self.options
@@ -146,8 +144,7 @@ class Engine:
     def _seed(self, state, start: int, kept):
         """Commit the block's first token when a causal pass already proposed it (the
         adapter's `block_seed`: Nemotron's causal context), in rows still decoding."""
-        seed = getattr(self.adapter, "block_seed", None)
-        logits = seed(state, self.canvas, start) if seed is not None else None
+        logits = self.adapter.block_seed(state, self.canvas, start)
         if logits is None:
             return kept
         logits = self._process(logits[:, None], self.host[:, :start], self.prompt_len) + self.suppress

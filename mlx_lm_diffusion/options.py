@@ -101,7 +101,7 @@ def _with_preset(o: DecodeOptions, adapter: Adapter) -> DecodeOptions:
     """Fill the options left unset from the family's named preset, if one is asked for."""
     if o.preset is None:
         return o
-    presets = getattr(adapter, "presets", {})
+    presets = adapter.presets
     if o.preset not in presets:
         known = ", ".join(repr(p) for p in presets) or "none"
         raise ValueError(f"Unknown preset {o.preset!r} for {adapter.family}; its presets: {known}")
@@ -217,7 +217,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
 
 def _check_uniform(o: DecodeOptions, adapter: Adapter) -> Optional[UniformNoise]:
     """The adapter's uniform-noise settings, or None for a masked canvas."""
-    uniform = getattr(adapter, "uniform_noise", None)
+    uniform = adapter.uniform_noise
     if uniform is None:
         return None
     for name in ("editing_threshold", "temperature_schedule", "schedule"):

@@ -36,6 +36,9 @@ class Adapter:
     family: ClassVar[str] = ""
     defaults: ClassVar[FamilyDefaults]
     align_blocks: ClassVar[bool] = False  # blocks on absolute multiples of block_length
+    presets: ClassVar[dict] = {}  # named option sets (LLaDA2.1's "speed" / "quality")
+    # Settings of a uniform-noise canvas (DiffusionGemma); None: a masked canvas.
+    uniform_noise: ClassVar[Optional[dict]] = None
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model
@@ -49,9 +52,21 @@ class Adapter:
     def block_length(self) -> Optional[int]:
         return self.defaults.block_length
 
+    def configure(self, options: Any) -> None:
+        """Read family switches from the resolved options (Nemotron's causal_context)."""
+
     def start(self, prompt: mx.array) -> Any:
         """Prepare a decode of `prompt` (B, P); returns the adapter's state."""
         return None
+
+    def block_seed(self, state: Any, canvas: mx.array, start: int) -> Optional[mx.array]:
+        """Logits (B, V) proposing the token at `start` from an earlier causal pass, or
+        None when the block starts all masked."""
+        return None
+
+    def condition(self, state: Any, scaled_logits: mx.array) -> None:
+        """Uniform-noise canvases: keep this step's scaled logits as the next step's
+        self-conditioning input."""
 
     def predict(self, state: Any, canvas: mx.array, start: int, end: int) -> mx.array:
         """Logits (B, end - start, V): row i predicts the token at position start + i."""
