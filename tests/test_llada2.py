@@ -310,13 +310,14 @@ def test_cli_and_bad_input(llada2, llada2_path):
         api.generate(model, tok, "Hi", max_tokens=2000)
     r = subprocess.run(
         [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(llada2_path), "--prompt", "Hi",
-         "--max-tokens", "8", "--threshold", "0.5", "--steps", "4"],
+         "--max-tokens", "8", "--threshold", "0.5", "--steps", "4", "--show-canvas"],
         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120,
     )
     assert r.returncode == 0 and "forwards" in r.stdout, r.stderr
+    assert r.stderr.startswith("[forward 1]")  # --show-canvas draws the canvas on stderr
 
 
-@pytest.mark.parametrize("bits", [None, 8])
+@pytest.mark.parametrize("bits", [None, 4])
 def test_convert_and_quantize_reload(tmp_path, llada2_path, llada2, bits):
     from mlx.utils import tree_flatten
 
@@ -330,8 +331,9 @@ def test_convert_and_quantize_reload(tmp_path, llada2_path, llada2, bits):
         assert float(mx.abs(model(ids) - llada2[0](ids)).max()) == 0.0
     else:
         assert type(model.layers[1].mlp.switch_mlp.gate_proj).__name__ == "QuantizedSwitchLinear"
+        assert model.layers[1].mlp.gate.gate_proj.bits == 8  # the router stays at 8 bits
         q, f = np.array(model(ids)).ravel(), np.array(llada2[0](ids)).ravel()
-        assert np.corrcoef(q, f)[0, 1] > 0.99
+        assert np.corrcoef(q, f)[0, 1] > 0.9  # 4-bit noise, not a different model
     weights = dict(tree_flatten(model.parameters()))
     assert set(model.sanitize(dict(weights))) == set(weights)
     assert isinstance(api.generate(model, tok, PROMPTS[0], max_tokens=8), str)

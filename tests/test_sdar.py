@@ -106,7 +106,7 @@ def whole_blocks(prompt, at_least=24, block=BLOCK):
 
 
 def test_forward_matches_qwen3_with_block_causal_mask(sdar_path, sdar):
-    torch = pytest.importorskip("torch")
+    import torch
     from safetensors.numpy import load_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -237,8 +237,6 @@ def test_bad_input_and_cli(sdar, sdar_path):
     r = subprocess.run(cli + ["--max-tokens", "8", "--strategy", "low_confidence_static", "--steps", "2"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0 and "forwards" in r.stdout, r.stderr
-    r = subprocess.run(cli + ["--block-length", "0"], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and "block_length" in r.stderr and "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("bits", [None, 8])
