@@ -81,6 +81,9 @@ class Engine:
         uniform = o.uniform is not None
         # a uniform-noise canvas is decoded whole (positions not reached yet hold 0)
         N = -(-o.max_tokens // o.block_length) * o.block_length if uniform else o.max_tokens
+        if a.align_blocks and not uniform:  # block-diffusion references decode whole blocks
+            whole = -(-(P + N) // o.block_length) * o.block_length
+            N = max(N, min(whole, a.max_length or whole) - P)
         mask = mx.full((B, N), 0 if uniform else a.mask_id, mx.int32)
         self.canvas = mx.concatenate([prompt.astype(mx.int32), mask], axis=1)
         self.host = np.array(self.canvas)

@@ -200,6 +200,20 @@ def test_llada2_1_editing_matches_reference_with_and_without_cache(llada2, optio
         assert engine_decode(model, tok, prompt, use_cache, max_tokens=gen, **options) == (ref_tokens, ref_forwards)
 
 
+@pytest.mark.parametrize("gen", [1, 20, 70])
+def test_any_length_decodes_whole_blocks_as_the_reference(llada2, gen):
+    """A canvas that ends inside a block is decoded as the reference's whole block (the
+    positions past max_tokens take part and are cut); the engine stops once the first
+    max_tokens tokens are final, so it may spend fewer forwards."""
+    model, tok = llada2
+    prompt = PROMPTS[0]
+    ref_tokens, ref_forwards = llada2_reference(model, prompt, gen_length=gen, block_length=BLOCK, steps=8,
+                                                threshold=0.95, mask_id=LLADA2_MASK)
+    for use_cache in (True, False):
+        tokens, forwards = engine_decode(model, tok, prompt, use_cache, max_tokens=gen, steps=8)
+        assert tokens == ref_tokens and forwards <= ref_forwards
+
+
 def test_presets_and_their_errors(llada2, request):
     model, tok = llada2
     adapter = adapter_for(model, tok)
@@ -236,12 +250,11 @@ def test_substitution_edits_are_the_editing_rule(llada2):
     assert engine_decode(model, tok, prompt, max_tokens=gen, preset="speed", edit_ops=("substitute",)) == plain
 
 
-@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2]])
-def test_same_tokens_as_mlx_vlm_loop(llada2, vlm_model, prompt):
+@pytest.mark.parametrize("prompt,gen", [(PROMPTS[0], 91), (PROMPTS[2], 50)])
+def test_same_tokens_as_mlx_vlm_loop(llada2, vlm_model, prompt, gen):
     """Block 32, 32 steps, no editing: the quota is one token a step, so LLaDA2's rule
     and mlx-vlm's (commit every p > threshold, else the best one) coincide."""
     model, tok = llada2
-    gen = whole_blocks(prompt, 64)
     theirs = vlm_model.language_model.generate(
         mx.array([prompt]), block_length=32, steps=32, gen_length=gen, threshold=0.95,
         eos_id=LLADA2_EOS, mask_id=LLADA2_MASK,

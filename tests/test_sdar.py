@@ -97,7 +97,8 @@ def engine_decode(model, tokenizer, prompt, use_cache=True, **options):
     last = None
     for last in Engine(adapter, resolved).run(mx.array([prompt])):
         pass
-    return last.canvas[0, len(prompt) :].tolist(), last.forwards
+    P = len(prompt)
+    return last.canvas[0, P : P + last.final[0]].tolist(), last.forwards
 
 
 def whole_blocks(prompt, at_least=24, block=BLOCK):
@@ -173,6 +174,20 @@ def test_decode_matches_reference_with_and_without_cache(sdar, prompt, strategy,
         assert tokens == ref_tokens
         assert forwards == ref_forwards
     assert SDAR_MASK not in ref_tokens
+
+
+@pytest.mark.parametrize("gen", [1, 10, 23])
+def test_any_length_decodes_whole_blocks_as_the_reference(sdar, gen):
+    """A canvas that ends inside a block is decoded as the reference's whole block (the
+    positions past max_tokens take part and are cut); the engine stops once the first
+    max_tokens tokens are final, so it may spend fewer forwards."""
+    model, tok = sdar
+    prompt = PROMPTS[0]
+    ref_tokens, ref_forwards = sdar_reference(model, prompt, gen_length=gen, block_length=BLOCK, steps=4,
+                                              strategy="low_confidence_dynamic", mask_id=SDAR_MASK, threshold=0.5)
+    for use_cache in (True, False):
+        tokens, forwards = engine_decode(model, tok, prompt, use_cache, max_tokens=gen, threshold=0.5)
+        assert tokens == ref_tokens and forwards <= ref_forwards
 
 
 @pytest.mark.parametrize("eb", [0.05, 2.0, 50.0])
