@@ -26,6 +26,25 @@ class FamilyDefaults:
     max_post_steps: int = 16  # editing passes allowed once a block has no masks
 
 
+class LayerStack(nn.Module):
+    """Embeddings, an mlx-lm block class repeated, the final norm: the backbone of the
+    families built from mlx-lm's plain layers (llama, qwen2, qwen3). Unlike mlx-lm's own
+    model classes it builds no causal mask: the caller owns the attention layout."""
+
+    def __init__(self, args: Any, block: type):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [block(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        h = self.embed_tokens(inputs)
+        cache = cache or [None] * len(self.layers)
+        for layer, c in zip(self.layers, cache):
+            h = layer(h, mask, c)
+        return self.norm(h)
+
+
 class Adapter:
     """Base adapter for a masked-diffusion family with full-canvas attention.
 

@@ -15,7 +15,7 @@ from mlx_lm.models import qwen2
 from mlx_lm.models.base import BaseModelArgs
 
 from .base import Adapter as _BaseAdapter
-from .base import FamilyDefaults
+from .base import FamilyDefaults, LayerStack
 
 
 @dataclass
@@ -57,29 +57,13 @@ class ModelArgs(BaseModelArgs):
         )
 
 
-class Backbone(nn.Module):
-    """Embeddings, Qwen2 blocks and the final norm; attention mask owned by the caller."""
-
-    def __init__(self, args: qwen2.ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [qwen2.TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        h = self.embed_tokens(inputs)
-        cache = cache or [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
-
 
 class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Backbone(args.qwen2_args())
+        self.model = LayerStack(args.qwen2_args(), qwen2.TransformerBlock)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 

@@ -16,7 +16,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.base import BaseModelArgs
 
 from .base import Adapter as _BaseAdapter
-from .base import FamilyDefaults
+from .base import FamilyDefaults, LayerStack
 
 
 @dataclass
@@ -60,29 +60,13 @@ class ModelArgs(BaseModelArgs):
         )
 
 
-class Backbone(nn.Module):
-    """Embeddings, Llama blocks and the final norm; attention mask owned by the caller."""
-
-    def __init__(self, args: llama.ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [llama.TransformerBlock(args) for _ in range(args.num_hidden_layers)]
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-
-    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        h = self.embed_tokens(inputs)
-        cache = cache or [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
-
 
 class Model(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
-        self.model = Backbone(args.llama_args())
+        self.model = LayerStack(args.llama_args(), llama.TransformerBlock)
         if not args.weight_tying:
             self.lm_head = nn.Linear(args.d_model, args.embedding_size or args.vocab_size, bias=False)
 
