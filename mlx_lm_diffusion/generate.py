@@ -57,7 +57,9 @@ def _build_prompt(tokenizer: TokenizerWrapper, args: argparse.Namespace) -> List
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = setup_arg_parser().parse_args(argv)
+    parser = setup_arg_parser()
+    parser.set_defaults(max_tokens=None)  # None: 256, or the embedded demo model's own length
+    args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
@@ -65,8 +67,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import load
         from .canvas_view import CanvasView
 
-        if args.model is None:
-            raise ValueError("--model is required: a local path or a Hugging Face repo")
+        if args.model is None:  # the embedded demo model, with its own generation length
+            from .demo import DEMO_MAX_TOKENS, DEMO_MODEL_PATH
+
+            args.model = str(DEMO_MODEL_PATH)
+            args.max_tokens = DEMO_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+            print(f"no --model given: using the embedded demo model (adds two 3-digit "
+                  f"numbers, e.g. '357+468='), max_tokens {args.max_tokens}", file=sys.stderr)
+        args.max_tokens = 256 if args.max_tokens is None else args.max_tokens
         model, tokenizer = load(args.model)
         ids = _build_prompt(tokenizer, args)
         sampler = make_sampler(args.temp, args.top_p) if args.temp > 0 else None
