@@ -104,7 +104,6 @@ def _block_length_quota(rule: LowConfidence, candidates: mx.array, steps: int) -
     LowConfidence.start_block(rule, candidates, steps)
     if rule.block_length is not None:
         rule.quota = transfer_schedule(mx.full((candidates.shape[0],), rule.block_length, mx.int32), steps)
-        rule.host_quota = np.array(rule.quota)
 
 
 @dataclass
@@ -125,7 +124,7 @@ class LowConfidenceDynamic(LowConfidence):
         _block_length_quota(self, candidates, steps)
 
     def select(self, s: StepInputs) -> mx.array:
-        quota = self.quota[:, s.step]
+        quota = self.step_quota(s.step)
         passing = threshold_transfer(s.prob, s.candidates, self.threshold, force_one=False, strict=self.strict)
         enough = mx.sum(passing, axis=1) >= quota
         return mx.where(enough[:, None], passing, topk_transfer(s.prob, s.candidates, quota))
