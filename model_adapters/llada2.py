@@ -198,8 +198,8 @@ class Model(nn.Module):
             for name in ("gate_proj", "up_proj", "down_proj"):
                 for kind in ("weight", "scales", "biases"):
                     if f"{prefix}.experts.0.{name}.{kind}" in weights:
-                        experts = [weights.pop(f"{prefix}.experts.{e}.{name}.{kind}") for e in range(args.num_experts)]
-                        weights[f"{prefix}.switch_mlp.{name}.{kind}"] = mx.stack(experts)
+                        keys = [f"{prefix}.experts.{e}.{name}.{kind}" for e in range(args.num_experts)]
+                        weights[f"{prefix}.switch_mlp.{name}.{kind}"] = mx.stack([weights.pop(k) for k in keys])
             if f"{prefix}.gate.weight" in weights:
                 weights[f"{prefix}.gate.gate_proj.weight"] = weights.pop(f"{prefix}.gate.weight")
             if args.moe_router_enable_expert_bias and f"{prefix}.gate.expert_bias" not in weights:
