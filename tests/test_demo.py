@@ -1,0 +1,122 @@
+"""The embedded demo model: held-out accuracy, the parallel path, the CLI, training."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lm_diffusion.demo import DEMO_MAX_TOKENS, DEMO_MODEL_PATH, held_out_problems, is_held_out
+from mlx_lm_diffusion.demo.evaluate import evaluate
+from mlx_lm_diffusion.demo.problems import training_batch
+from mlx_lm_diffusion.demo.vocab import EOS_ID, MASK_ID
+
+HELD_OUT = 400
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from mlx_lm_diffusion.demo import load_demo
+
+    return load_demo()
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return held_out_problems(HELD_OUT)
+
+
+@pytest.fixture(scope="module")
+def one_per_step(demo, pairs):
+    return evaluate(*demo, pairs)  # the defaults: low_confidence, one token per step
+
+
+def test_held_out_set_is_excluded_from_training(pairs):
+    a, b = np.array(pairs).T
+    assert is_held_out(a, b).all() and is_held_out(b, a).all()  # mirrors are held out too
+    assert len(set(pairs)) == len(pairs)
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        batch = training_batch(rng, 256)
+        assert not is_held_out(batch.a, batch.b).any()
+    # the prompts seen in training are disjoint from the held-out prompts
+    held = {f"{x}+{y}=" for x, y in pairs}
+    rng = np.random.default_rng(0)  # the shipped model's seed
+    seen = set()
+    for _ in range(20):
+        batch = training_batch(rng, 256)
+        seen |= {f"{x}+{y}=" for x, y in zip(batch.a.tolist(), batch.b.tolist())}
+    assert not held & seen
+
+
+def test_shipped_checkpoint_layout():
+    files = {p.name: p for p in DEMO_MODEL_PATH.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "recipe.json"} <= set(files)
+    assert sum(p.stat().st_size for p in files.values()) <= 10 * 2**20
+    config = json.loads(files["config.json"].read_text())
+    assert config["model_type"] == "llada"
+    assert config["mask_token_id"] == MASK_ID and config["eos_token_id"] == EOS_ID
+    weights = mx.load(str(files["model.safetensors"]))
+    assert all(k.startswith("model.transformer.") for k in weights)  # Hugging Face LLaDA names
+    recipe = json.loads(files["recipe.json"].read_text())
+    assert "mlx_lm_diffusion.demo.train" in recipe["command"] and "seed" in recipe
+
+
+def test_tokenizer_ids_match_the_config(demo):
+    _, tokenizer = demo
+    assert tokenizer.encode("357+468=") == [3, 5, 7, 10, 4, 6, 8, 11]
+    assert tokenizer.convert_tokens_to_ids(tokenizer.mask_token) == MASK_ID
+    assert tokenizer.eos_token_id == EOS_ID
+
+
+def test_held_out_exact_match_at_defaults(one_per_step):
+    assert one_per_step.accuracy >= 0.95
+
+
+def test_threshold_commits_in_parallel_and_agrees(demo, pairs, one_per_step):
+    fast = evaluate(*demo, pairs, threshold=0.9)
+    assert fast.tokens_per_forward > 1.0
+    assert np.sum(fast.forwards) < np.sum(one_per_step.forwards)
+    agree = np.mean([x == y for x, y in zip(fast.answers, one_per_step.answers)])
+    assert fast.pairs == one_per_step.pairs and agree >= 0.95
+
+
+def test_generate_api_on_the_demo(demo):
+    import mlx_lm_diffusion as mld
+
+    model, tokenizer = demo
+    assert mld.generate(model, tokenizer, "357+468=", max_tokens=DEMO_MAX_TOKENS) == "825"
+
+
+def test_cli_falls_back_to_the_demo_model(capsys):
+    from mlx_lm_diffusion.generate import main
+
+    assert main(["--prompt", "357+468=", "--verbose", "false"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == "825"
+    assert "embedded demo model" in err
+
+    assert main(["--prompt", "357+468=", "--verbose", "false", "--show-canvas"]) == 0
+    out, err = capsys.readouterr()
+    frames = [line for line in err.splitlines() if line.startswith("[forward")]
+    assert out.strip() == "825" and len(frames) >= 2
+    assert "\u2591" in frames[0] and "825" in frames[-1]  # masks first, the digits at the end
+
+
+def test_training_smoke_loss_falls_and_is_reproducible(tmp_path):
+    from mlx_lm_diffusion import load
+    from mlx_lm_diffusion.demo.train import train
+
+    kwargs = dict(steps=40, batch_size=32, lr=3e-3, warmup=5, d_model=32, n_layers=1, n_heads=2,
+                  mlp=64, log_every=10)
+    run = train(tmp_path / "tiny", seed=3, **kwargs)
+    losses = run["losses"]
+    assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:5])
+    assert train(None, seed=3, **kwargs)["losses"] == losses  # same seed, same curve
+
+    # the written checkpoint loads through load() and computes the trained model's logits
+    model, _ = load(str(tmp_path / "tiny"))
+    x = mx.array([[3, 5, 7, 10, 4, 6, 8, 11] + [MASK_ID] * DEMO_MAX_TOKENS])
+    assert mx.allclose(model(x), run["model"](x), atol=1e-5)
