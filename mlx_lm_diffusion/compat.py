@@ -37,6 +37,7 @@ from .engine import Step
 from .generation import DiffusionResponse
 from .generation import stream_generate as diffusion_stream_generate
 from .options import DecodeOptions, resolve
+from .schedules import GAMMAS
 
 # mlx-lm's generate_step options with no meaning without a key/value cache or prefill.
 _IGNORED = (
@@ -61,6 +62,9 @@ _NAMED_OPTIONS = (
     "alg_temp",
     "editing_threshold",
     "max_post_steps",
+    "preset",
+    "causal_context",
+    "schedule",
 )
 DECODE_FIELDS = tuple(n for n in _NAMED_OPTIONS if n in DecodeOptions.__dataclass_fields__)
 
@@ -153,11 +157,6 @@ def check_decode_fields(fields: dict) -> dict:
         if value is None:
             continue
         if name not in DECODE_FIELDS:
-            if name == "editing_threshold":
-                raise ValueError(
-                    "editing_threshold needs token editing, which this engine does not "
-                    "provide yet; drop the field"
-                )
             raise ValueError(f"unknown decoding option {name!r}; known: {', '.join(DECODE_FIELDS)}")
         if name in ("block_length", "steps", "max_post_steps"):
             low = 0 if name == "max_post_steps" else 1
@@ -172,6 +171,14 @@ def check_decode_fields(fields: dict) -> dict:
             _number(name, value, 0.0, strict=True)
         elif name in ("entropy_bound", "alg_temp"):
             _number(name, value, 0.0)
+        elif name == "causal_context":
+            if not isinstance(value, bool):
+                raise ValueError(f"causal_context must be true or false, got {value!r}")
+        elif name == "schedule":
+            if value not in GAMMAS:
+                raise ValueError(f"schedule must be one of {', '.join(GAMMAS)}; got {value!r}")
+        elif name == "preset" and not isinstance(value, str):  # the family checks the name
+            raise ValueError(f"preset must be a preset's name, got {value!r}")
         out[name] = value
     return out
 
@@ -181,7 +188,8 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group = parser.add_argument_group("diffusion decoding (defaults: the model family's)")
     group.add_argument("--block-length", type=int, default=None, help="Tokens per block")
     group.add_argument("--steps", type=int, default=None, help="Denoising steps per block")
-    group.add_argument("--strategy", choices=RULES, default=None, help="Commit rule")
+    # names are checked by check_decode_fields: one clear line, not argparse's usage dump
+    group.add_argument("--strategy", default=None, help=f"Commit rule: {', '.join(RULES)}")
     group.add_argument("--threshold", type=float, default=None,
                        help="Confidence threshold (selects the 'threshold' strategy)")
     group.add_argument("--factor", type=float, default=None, help="Factor of the 'factor' strategy")
@@ -189,13 +197,17 @@ def add_decode_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="Bound of the 'entropy_bound' strategy")
     group.add_argument("--alg-temp", type=float, default=None,
                        help="Temperature of Dream's confidence ranking")
-    if "editing_threshold" in DECODE_FIELDS:
-        group.add_argument("--editing-threshold", type=float, default=None,
-                           help="Revise committed tokens whose replacement is this confident")
-    if "max_post_steps" in DECODE_FIELDS:
-        group.add_argument("--max-post-steps", type=int, default=None,
-                           help="Editing passes once a block is full")
+    group.add_argument("--editing-threshold", type=float, default=None,
+                       help="Revise committed tokens whose replacement is this confident")
+    group.add_argument("--max-post-steps", type=int, default=None,
+                       help="Editing passes once a block is full")
+    group.add_argument("--preset", default=None, help="A family's named settings (LLaDA2.1: speed, quality)")
+    group.add_argument("--causal-context", action=argparse.BooleanOptionalAction, default=None,
+                       help="Nemotron-Labs Diffusion: causal prefix with block seeds (default on)")
+    group.add_argument("--schedule", default=None,
+                       help=f"Mask schedule as the per-step quota, instead of --strategy: {', '.join(GAMMAS)}")
     return parser
+
 
 
 def decode_defaults(args: argparse.Namespace) -> dict:

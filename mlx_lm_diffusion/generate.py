@@ -17,6 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from model_adapters import adapter_for
 
+from .compat import add_decode_arguments, decode_defaults
 from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: F401
 
 
@@ -36,13 +37,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-chat-template", action="store_true", help="Use the raw prompt")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="Print timing information (True/False)")
-    p.add_argument("--block-length", type=int, default=None, help="Tokens per block (family default)")
-    p.add_argument("--steps", type=int, default=None, help="Denoising steps per block")
-    p.add_argument("--threshold", type=float, default=None,
-                   help="Confidence threshold (selects the 'threshold' strategy)")
-    p.add_argument("--strategy", type=str, default=None, help="Commit rule name")
     p.add_argument("--show-canvas", action="store_true", help="Show the canvas being unmasked")
-    return p
+    return add_decode_arguments(p)  # --block-length, --steps, --strategy, --threshold, ...
 
 
 def _build_prompt(tokenizer: TokenizerWrapper, args: argparse.Namespace) -> List[int]:
@@ -87,11 +83,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             verbose=args.verbose,
             sampler=sampler,
             seed=args.seed,
-            block_length=args.block_length,
-            steps=args.steps,
-            threshold=args.threshold,
-            strategy=args.strategy,
             draft_callback=view,
+            **decode_defaults(args),
         )
         if not args.verbose:
             print(text)

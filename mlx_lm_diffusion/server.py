@@ -60,7 +60,7 @@ from .protocol import run_request
 
 PROG = "mlx_lm_diffusion.server"
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
-REQUEST_FIELDS = tuple(dict.fromkeys(compat.DECODE_FIELDS + ("editing_threshold",)))
+REQUEST_FIELDS = compat.DECODE_FIELDS
 PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 _RULE_FIELDS = ("strategy", "threshold")

@@ -21,7 +21,7 @@ def run(*args, stdin=None):
 
 def test_generate_prints_text_and_stats(llada_path):
     r = run("mlx_lm_diffusion.generate", "--model", str(llada_path), "--prompt", "Hi", "--max-tokens", "8",
-            "--block-length", "4")
+            "--block-length", "4", "--threshold", "0.5", "--editing-threshold", "0.3", "--max-post-steps", "2")
     assert r.returncode == 0, r.stderr
     assert "==========" in r.stdout and "forwards" in r.stdout
     assert "Traceback" not in r.stderr
@@ -45,6 +45,9 @@ def test_show_canvas_and_stdin_prompt(llada_path):
         (["--steps", "0"], "steps"),
         (["--threshold", "2"], "threshold"),
         (["--strategy", "bogus"], "strategy"),
+        (["--schedule", "exponential"], "schedule"),
+        (["--preset", "speed"], "preset"),
+        (["--causal-context"], "causal_context"),
         (["--max-tokens", "100000"], "context"),
         (["--prompt", "<|mdm_mask|>", "--ignore-chat-template"], "mask token"),
     ],
