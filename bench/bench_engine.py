@@ -59,17 +59,18 @@ def main():
             model, tok = mld.load(str(path))
             adapter = adapter_for(model, tok)
             decode(model, tok, **options)  # warm up
-            # alternate the two measurements and keep the best of each: the machine is noisy
-            runs = [(decode(model, tok, **options), bare_forward_seconds(adapter, block)) for _ in range(3)]
-            wall, tokens, forwards = min(r[0] for r in runs)
-            bare = min(r[1] for r in runs)
-            rows.append((name, options, tokens, forwards, wall, bare))
-    print(f"{'model':6} {'options':32} {'tokens':>6} {'fwd/tok':>8} {'tok/s':>8} {'bare ms':>8} {'overhead':>8}")
-    for name, options, tokens, forwards, wall, bare in rows:
-        print(
-            f"{name:6} {str(options):32} {tokens:6d} {forwards / tokens:8.2f} {tokens / wall:8.1f} "
-            f"{bare * 1e3:8.2f} {wall / (forwards * bare):8.3f}"
-        )
+            # pairs measured back to back (a decode, then its forwards bare); the median
+            # pair is reported: the machine is noisy and drifts
+            runs = []
+            for _ in range(5):
+                wall, tokens, forwards = decode(model, tok, **options)
+                runs.append((wall / (forwards * bare_forward_seconds(adapter, block, forwards)),
+                             wall, tokens, forwards))
+            ratio, wall, tokens, forwards = sorted(runs)[len(runs) // 2]
+            rows.append((name, options, tokens, forwards, wall, ratio))
+    print(f"{'model':6} {'options':44} {'tokens':>6} {'fwd/tok':>8} {'tok/s':>8} {'overhead':>8}")
+    for name, options, tokens, forwards, wall, ratio in rows:
+        print(f"{name:6} {str(options):44} {tokens:6d} {forwards / tokens:8.2f} {tokens / wall:8.1f} {ratio:8.3f}")
 
 
 if __name__ == "__main__":
