@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any, Dict, Optional
 
 from model_adapters import FAMILIES, family_module, register
@@ -14,6 +16,21 @@ from .install import install, uninstall  # noqa: E402
 from .options import DecodeOptions  # noqa: E402
 
 __version__ = "0.1.0"
+
+
+class _Package(types.ModuleType):
+    """Keeps `mlx_lm_diffusion.generate` the function (as in mlx-lm) once the CLI module
+    `mlx_lm_diffusion.generate` is imported: Python's import system would otherwise
+    rebind the package attribute to the submodule. The CLI module is not imported here,
+    so that `python -m mlx_lm_diffusion.generate` runs without runpy's warning."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "generate" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def load(

@@ -13,10 +13,10 @@ MASK_GLYPH = "\u2591"  # light shade: a position still masked
 class CanvasView:
     """Draws row 0's generated region after each step; redraws in place on a terminal."""
 
-    def __init__(self, tokenizer: Any, mask_id: Optional[int], out: TextIO = sys.stderr):
+    def __init__(self, tokenizer: Any, mask_id: Optional[int], out: Optional[TextIO] = None):
         self.tokenizer = tokenizer
         self.mask_id = mask_id
-        self.out = out
+        self.out = out or sys.stderr  # looked up now: tests and callers may swap sys.stderr
         self.lines = 0
 
     def render(self, step: Step) -> str:

@@ -210,3 +210,13 @@ def test_plain_convert_reloads_identically(tmp_path, dream_path, dream):
     model, _ = mld.load(str(tmp_path / "mlx"))
     ids = mx.array([PROMPT])
     assert float(mx.abs(model(ids) - dream[0](ids)).max()) == 0.0
+
+
+def test_importing_the_cli_module_keeps_generate_the_function():
+    import importlib
+
+    cli = importlib.import_module("mlx_lm_diffusion.generate")
+    assert callable(mld.generate) and mld.generate is cli.generate
+    from mlx_lm_diffusion import generate
+
+    assert callable(generate)
