@@ -51,7 +51,15 @@ def load(
     config = load_config(model_path)
     if not autoregressive or str(config.get("model_type")) in FAMILIES:
         family_module(str(config.get("model_type")))  # clear error for other model types
-    return mlx_lm_load(str(model_path), tokenizer_config=tokenizer_config, model_config=model_config)
+    from transformers.utils import logging as hf_logging
+
+    # AutoTokenizer reads config.json and warns that it does not know our model types
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return mlx_lm_load(str(model_path), tokenizer_config=tokenizer_config, model_config=model_config)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 __all__ = [
