@@ -34,7 +34,7 @@ from model_adapters import adapter_for, is_diffusion_model
 
 from .commit_rules import RULES
 from .engine import Step
-from .generation import DiffusionResponse
+from .generation import DiffusionResponse, check_prompt, encode_prompt
 from .generation import stream_generate as diffusion_stream_generate
 from .options import DecodeOptions, resolve
 from .schedules import GAMMAS
@@ -218,16 +218,6 @@ def decode_defaults(args: argparse.Namespace) -> dict:
 # ----------------------------------------------------------------------------- generation
 
 
-def _encode(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
-    if isinstance(prompt, str):
-        bos = tokenizer.bos_token
-        add_special = bos is None or not prompt.startswith(bos)  # as mlx-lm does
-        return list(tokenizer.encode(prompt, add_special_tokens=add_special))
-    if isinstance(prompt, mx.array):
-        return [int(t) for t in prompt.reshape(-1).tolist()]
-    return [int(t) for t in prompt]
-
-
 def _token_caches(prompt_cache: Optional[List[Any]]) -> List[TokenCache]:
     if not prompt_cache:
         return []
@@ -272,16 +262,7 @@ def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_t
     adapter = adapter_for(model, tokenizer)
     fields = {k: v for k, v in options.items() if k in DECODE_FIELDS}
     resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
-    if not ids:
-        raise ValueError("the prompt is empty; give at least one token")
-    if adapter.mask_id is not None and adapter.mask_id in ids:
-        raise ValueError(
-            f"the prompt contains the mask token (id {adapter.mask_id}), which marks positions "
-            "still to be generated; remove it from the prompt"
-        )
-    bad = [t for t in ids if not 0 <= t < adapter.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {adapter.vocab_size})")
+    check_prompt(ids, adapter.mask_id, adapter.vocab_size)
     return max_tokens
 
 
@@ -314,7 +295,7 @@ def stream_generate(
     options = {**_REQUEST_OPTIONS.get(), **kwargs}
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    new = _encode(tokenizer, prompt)
+    new = encode_prompt(tokenizer, prompt)
     ids = (caches[0].tokens if caches else []) + new
     max_tokens = fit_max_tokens(model, tokenizer, len(ids), max_tokens)
     return _stream(model, tokenizer, ids, len(new), max_tokens, caches, progress, options)

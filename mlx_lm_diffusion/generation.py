@@ -24,7 +24,7 @@ class DiffusionResponse(GenerationResponse):
     forwards: int = 0
 
 
-def _encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
+def encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
         add_special = bos is None or not prompt.startswith(bos)  # as mlx-lm does
@@ -34,7 +34,7 @@ def _encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int]
     return [int(t) for t in prompt]
 
 
-def _check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> None:
+def check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> None:
     if not ids:
         raise ValueError("prompt is empty; give at least one token")
     if mask_id is not None and mask_id in ids:
@@ -73,9 +73,9 @@ def stream_generate(
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    ids = _encode_prompt(tokenizer, prompt)
+    ids = encode_prompt(tokenizer, prompt)
     adapter, options = _engine(model, tokenizer, len(ids), max_tokens, kwargs)
-    _check_prompt(ids, adapter.mask_id, adapter.vocab_size)
+    check_prompt(ids, adapter.mask_id, adapter.vocab_size)
     engine = Engine(adapter, options)
     P = len(ids)
     detokenizer = tokenizer.detokenizer
@@ -159,7 +159,7 @@ def generate_batch(
         raise ValueError("generate_batch needs one or more prompts of equal length")
     adapter, options = _engine(model, tokenizer, len(prompts[0]), max_tokens, kwargs)
     for p in prompts:
-        _check_prompt(list(p), adapter.mask_id, adapter.vocab_size)
+        check_prompt(list(p), adapter.mask_id, adapter.vocab_size)
     last = None
     for last in Engine(adapter, options, keep_logprobs=False).run(mx.array(prompts)):
         pass
