@@ -32,6 +32,7 @@ class StepInputs:
     candidates: mx.array  # bool: masked positions of unfinished rows
     step: int  # index of this step within the block
     steps: int  # the block's step budget
+    masked: Optional[np.ndarray] = None  # (B,) host count of candidates per row, when known
 
 
 class CommitRule:
@@ -47,6 +48,16 @@ class CommitRule:
 
     def select(self, s: StepInputs) -> mx.array:
         raise NotImplementedError
+
+    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+        """(B,) how many positions each row commits at this step, when that follows from
+        the rows' mask counts alone; None when it depends on the model's output. The
+        engine then queues the next forward before this step's tokens are read back.
+        A rule that is not `fixed_steps` commits at least one per step, so a row with
+        at most one mask left commits exactly what it has."""
+        if not self.fixed_steps and (masked <= 1).all():
+            return masked
+        return None
 
 
 class LowConfidence(CommitRule):
@@ -66,13 +77,20 @@ class LowConfidence(CommitRule):
             self.quota = transfer_schedule(mx.array(counts, dtype=mx.int32), steps)
             self._schedule_key = key
 
-    def step_quota(self, step: int):
-        """The step's quota: a plain int when every row has the same, so topk_transfer
-        needs no host sync per step (the block's quotas are read once)."""
+    def host_quota(self, step: int) -> np.ndarray:
+        """(B,) the step's quotas on the host (the block's quotas are read back once)."""
         if getattr(self, "_host_quota", (None, None))[0] is not self.quota:
             self._host_quota = (self.quota, np.array(self.quota))
-        k = self._host_quota[1][:, step]
+        return self._host_quota[1][:, step]
+
+    def step_quota(self, step: int):
+        """The step's quota: a plain int when every row has the same, so topk_transfer
+        needs no host sync per step."""
+        k = self.host_quota(step)
         return int(k[0]) if (k == k[0]).all() else self.quota[:, step]
+
+    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+        return np.minimum(self.host_quota(step), masked)  # top-k of the candidates
 
     def scores(self, s: StepInputs) -> mx.array:
         return s.prob
@@ -129,6 +147,10 @@ class LowConfidenceDynamic(LowConfidence):
 
     def start_block(self, candidates: mx.array, steps: int) -> None:
         _block_length_quota(self, candidates, steps)
+
+    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+        # a quota covering every mask commits them all, whatever passes the threshold
+        return masked if (self.host_quota(step) >= masked).all() else None
 
     def select(self, s: StepInputs) -> mx.array:
         quota = self.step_quota(s.step)
@@ -230,16 +252,19 @@ class DreamConfidence(CommitRule):
             return mx.abs(p[..., 0] - p[..., 1])
         return -s.entropy  # "entropy": Dream ranks by negative entropy
 
-    def count(self, s: StepInputs) -> mx.array:
-        masked = mx.sum(s.candidates, axis=1)
-        if s.step >= s.steps - 1:
+    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+        if step >= steps - 1:
             return masked
-        t, u = self.timesteps[s.step], self.timesteps[s.step + 1]
+        t, u = self.timesteps[step], self.timesteps[step + 1]
         fraction = np.float32(1.0) - u / t  # float32 like the reference
         # int() of a float32 product, per row
-        return mx.floor(masked.astype(mx.float32) * mx.array(fraction, dtype=mx.float32)).astype(
-            mx.int32
-        )
+        return np.floor(masked.astype(np.float32) * fraction).astype(np.int64)
+
+    def count(self, s: StepInputs):
+        """The step's count: a plain int when every row has the same (no host sync)."""
+        masked = s.masked if s.masked is not None else np.array(mx.sum(s.candidates, axis=1))
+        k = self.known_commits(s.step, s.steps, masked)
+        return int(k[0]) if (k == k[0]).all() else mx.array(k, dtype=mx.int32)
 
     def select(self, s: StepInputs) -> mx.array:
         conf = self.confidence(s)
@@ -256,6 +281,9 @@ class DreamOrigin(DreamConfidence):
 
     alg: str = "origin"
     name: ClassVar[str] = "origin"
+
+    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+        return masked if step >= steps - 1 else None  # independent coin flips before
 
     def select(self, s: StepInputs) -> mx.array:
         if s.step >= s.steps - 1:

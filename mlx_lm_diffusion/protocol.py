@@ -114,6 +114,11 @@ class ScheduleWithEarlyExit(ScheduleQuota):
     threshold_met: bool = False
     name: ClassVar[str] = "protocol"
 
+    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+        if self.confidence_threshold is not None:
+            return None  # the early exit depends on the step's confidences
+        return super().known_commits(step, steps, masked)
+
     def select(self, s: StepInputs) -> mx.array:
         commit = super().select(s)
         if self.confidence_threshold is None:

@@ -17,9 +17,7 @@ from typing import Callable, ClassVar
 
 import mlx.core as mx
 import numpy as np
-from mlx_arsenal.diffusion import topk_transfer
-
-from .commit_rules import CommitRule, StepInputs
+from .commit_rules import LowConfidence
 
 SIGMOID_STEEPNESS = 10.0  # the protocol's normative C
 
@@ -54,16 +52,14 @@ def quotas(name: str, total: int, steps: int) -> list[int]:
 
 
 @dataclass
-class ScheduleQuota(CommitRule):
+class ScheduleQuota(LowConfidence):
     """The protocol's selection: at step t, unmask the k_t most confident masked
-    positions, k_t from the mask schedule over the block's masks (per row)."""
+    positions, k_t from the mask schedule over the block's masks (per row). That is
+    LLaDA's low_confidence with the schedule's quotas in place of the even split."""
 
     schedule: str = "linear"
     name: ClassVar[str] = "schedule"
 
     def start_block(self, candidates: mx.array, steps: int) -> None:
-        counts = np.array(mx.sum(candidates, axis=1)).tolist()
+        counts = np.array(candidates).sum(axis=1).tolist()  # built from host data: no sync
         self.quota = mx.array([quotas(self.schedule, int(m), steps) for m in counts], dtype=mx.int32)
-
-    def select(self, s: StepInputs) -> mx.array:
-        return topk_transfer(s.prob, s.candidates, self.quota[:, s.step])

@@ -36,35 +36,57 @@ class ArAdapter(Adapter):
         self.max_length = getattr(args, "max_position_embeddings", None)
         self.eos_ids = frozenset(_stop_ids(args, tokenizer))
 
+    def configure(self, options: Any) -> None:
+        # Without editing a committed token never changes, so the cache never needs
+        # checking against the canvas.
+        self.editing = getattr(options, "editing_threshold", None) is not None
+
     def start(self, prompt: mx.array) -> dict:
         if prompt.shape[0] != 1:
             raise ValueError("the autoregressive adapter decodes one prompt at a time")
         cache = make_prompt_cache(self.model)
         if not can_trim_prompt_cache(cache):
             raise ValueError("this model's cache cannot be trimmed; the ar adapter needs KVCache layers")
-        return {"cache": cache, "fed": np.zeros((0,), dtype=np.int64), "next": None}
+        # fed: positions in the cache; tokens: their ids (host, kept for editing);
+        # next: the prediction for position `fed`; block: the block of the last predict
+        return {"cache": cache, "fed": 0, "tokens": np.zeros((0,), dtype=np.int64), "next": None, "block": None}
 
     def predict(self, state: dict, canvas: mx.array, start: int, end: int) -> mx.array:
-        row = np.array(canvas[0])
-        masked = np.flatnonzero(row == self.mask_id)
-        first = int(masked[0]) if masked.size else row.size
-        self._sync_cache(state, row, first)
+        if state["block"] != start and not getattr(self, "editing", False):
+            # A block's first step: the engine finished every block before it and this one
+            # is all masks, so the first mask is `start` and the new tokens are fed straight
+            # from the device canvas (no read-back: the engine may still be computing them).
+            first = start
+            self._feed(state, canvas[:, state["fed"] : start])
+        else:
+            row = np.array(canvas[0])
+            masked = np.flatnonzero(row == self.mask_id)
+            first = int(masked[0]) if masked.size else row.size
+            self._sync_cache(state, row, first)
+        state["block"] = start
+        if first == start and end - start == 1:  # (next-token decoding: no other position)
+            return state["next"][None, None]
         logits = mx.zeros((1, end - start, self.vocab_size))
         if start <= first < end:
             logits[:, first - start] = state["next"]
         return logits
 
+    def _feed(self, state: dict, tokens: mx.array) -> None:
+        out = self.model(tokens, cache=state["cache"])
+        state["next"] = out[0, -1].astype(mx.float32)
+        state["fed"] += tokens.shape[1]
+
     def _sync_cache(self, state: dict, row: np.ndarray, first: int) -> None:
         """Make the cache hold exactly row[:first] and `next` the prediction for `first`."""
-        fed = state["fed"]
-        same = np.flatnonzero(fed != row[: fed.size])  # a committed token changed (editing)
-        keep = int(same[0]) if same.size else fed.size
-        if state["next"] is None or keep < fed.size or fed.size > first:
-            keep = min(keep, first - 1, fed.size)  # re-feed at least the token before `first`
-        if keep < fed.size:
-            trim_prompt_cache(state["cache"], fed.size - keep)
-            state["fed"] = fed = fed[:keep]
-        if fed.size < first:
-            out = self.model(mx.array(row[None, fed.size : first]), cache=state["cache"])
-            state["next"] = out[0, -1].astype(mx.float32)
-            state["fed"] = row[:first].copy()
+        fed = keep = state["fed"]
+        if getattr(self, "editing", False):  # a committed token may have changed
+            changed = np.flatnonzero(state["tokens"] != row[:fed])
+            keep = int(changed[0]) if changed.size else fed
+        if state["next"] is None or keep < fed or fed > first:
+            keep = min(keep, first - 1, fed)  # re-feed at least the token before `first`
+        if keep < fed:
+            trim_prompt_cache(state["cache"], fed - keep)
+            state["fed"] = keep
+        if keep < first:
+            self._feed(state, mx.array(row[None, keep:first]))
+        state["tokens"] = row[:first].copy()

@@ -97,7 +97,10 @@ def test_cache_gives_the_same_tokens_and_forwards(families, family, prompt, opti
     cached, windows, state = decode(model, tok, prompt, True, **options)
     plain, plain_windows, _ = decode(model, tok, prompt, False, **options)
     assert (cached[-1].canvas == plain[-1].canvas).all()
-    assert cached[-1].forwards == plain[-1].forwards == len(windows) == len(plain_windows)
+    assert cached[-1].forwards == plain[-1].forwards
+    # the engine queues the next forward before it reads a step back; the one queued
+    # after the step that ends the decode is dropped, uncounted
+    assert len(windows) == len(plain_windows) and len(windows) - cached[-1].forwards in (0, 1)
     assert [s.final.tolist() for s in cached] == [s.final.tolist() for s in plain]
     block, P, total = model.block_size, len(prompt[0]), cached[-1].canvas.shape[1]
     forwards = [e for e in cached if e.forward]
