@@ -305,7 +305,7 @@ class Engine:
 
     def _apply(self, commit, x0, prob, logprobs, kept, start: int, end: int):
         block = mx.where(commit, x0, self.canvas[:, start:end])
-        self.canvas = mx.concatenate([self.canvas[:, :start], block, self.canvas[:, end:]], axis=1)
+        self.canvas = mx.slice_update(self.canvas, block, mx.array([0, start]), axes=(0, 1))
         if kept is not None:
             kept = mx.where(commit[..., None], logprobs, kept)
         self.confidence = mx.where(commit, prob, self.confidence)

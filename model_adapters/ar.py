@@ -65,15 +65,15 @@ class ArAdapter(Adapter):
             self._sync_cache(state, row, first)
         state["block"] = start
         if first == start and end - start == 1:  # (next-token decoding: no other position)
-            return state["next"][None, None]
+            return state["next"]
         logits = mx.zeros((1, end - start, self.vocab_size))
         if start <= first < end:
-            logits[:, first - start] = state["next"]
+            logits[:, first - start] = state["next"][:, 0]
         return logits
 
     def _feed(self, state: dict, tokens: mx.array) -> None:
-        out = self.model(tokens, cache=state["cache"])
-        state["next"] = out[0, -1].astype(mx.float32)
+        out = self.model(tokens, cache=state["cache"])[:, -1:]  # (1, 1, V)
+        state["next"] = out if out.dtype == mx.float32 else out.astype(mx.float32)
         state["fed"] += tokens.shape[1]
 
     def _sync_cache(self, state: dict, row: np.ndarray, first: int) -> None:
