@@ -74,13 +74,20 @@ def normalized_stats(logprobs: mx.array) -> TokenStats:
     """mlx-arsenal's `token_stats` (argmax proposal, its probability and the entropy of
     the temperature-1 softmax) for log-probabilities that are already normalized:
     token_stats would normalize them again, a second exp pass over the vocabulary per
-    position, which on CPU is the largest cost of a step at real vocabulary sizes. The
-    entropy is only computed when a rule reads it (MLX evaluates lazily)."""
+    position, which on CPU is the largest cost of a step at real vocabulary sizes."""
+    x0, prob = greedy_proposal(logprobs)
+    return TokenStats(x0, prob, normalized_entropy(logprobs))
+
+
+def greedy_proposal(logprobs: mx.array) -> tuple[mx.array, mx.array]:
     x0 = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
+    return x0, mx.exp(mx.max(logprobs, axis=-1))  # (the probability at the argmax)
+
+
+def normalized_entropy(logprobs: mx.array) -> mx.array:
+    """Entropy of the temperature-1 softmax, built only where a rule reads it."""
     p = mx.exp(logprobs)
-    entropy = -mx.sum(mx.where(p > 0, p * logprobs, 0.0), axis=-1)
-    return TokenStats(x0, prob, entropy)
+    return -mx.sum(mx.where(p > 0, p * logprobs, 0.0), axis=-1)
 
 
 @dataclass
@@ -180,7 +187,8 @@ class Engine:
         limit = (o.steps if rule.fixed_steps else end - start) + (o.max_post_steps + 1) * editing
         step = post_steps = 0
         while True:
-            masked = np.where(self.done, 0, masked)
+            if self.done.any():  # rows that finished commit nothing more
+                masked = np.where(self.done, 0, masked)
             has_mask = bool(masked.any())
             if not has_mask:
                 post_steps += 1
@@ -188,26 +196,32 @@ class Engine:
                     break
             if step >= limit:
                 raise RuntimeError(f"{rule.name} did not finish a block within {limit} steps")
-            x0, prob, entropy, logprobs = self._predict(state, start, end, step)
-            if step == 0:  # (the host copy of the block is current until its first commit)
-                candidates = mx.array(open_rows)
-            else:
-                candidates = (self.canvas[:, start:end] == a.mask_id) & mx.array(~self.done)[:, None]
+            x0, prob, logprobs = self._predict(state, start, end, step)
             committed = rule.known_commits(step, o.steps, masked) if has_mask else 0
-            if not has_mask:
-                commit = mx.zeros(candidates.shape, dtype=mx.bool_)
-            elif committed is not None and (committed == masked).all():
-                commit = candidates  # every candidate commits: no ranking can change that
-            else:
-                commit = rule.select(StepInputs(x0, prob, entropy, logprobs, candidates, step, o.steps, masked))
+            takes_all = has_mask and committed is not None and (committed == masked).all()
             edited = False
-            if editing:
-                block = self.canvas[:, start:end]
-                editable = (block != a.mask_id) & mx.array(~self.done)[:, None]
-                edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
-                commit = commit | edit
-                edited = bool(mx.any(edit).item())
-            kept = self._apply(commit, x0, prob, logprobs, kept, start, end)
+            if takes_all and step == 0 and open_rows.all() and not editing:
+                # the step fills the whole block (at block length 1, every step): it is the proposal
+                kept = self._apply(None, x0, prob, logprobs, kept, start, end)
+            else:
+                if step == 0:  # (the host copy of the block is current until its first commit)
+                    candidates = mx.array(open_rows)
+                else:
+                    candidates = (self.canvas[:, start:end] == a.mask_id) & mx.array(~self.done)[:, None]
+                if not has_mask:
+                    commit = mx.zeros(candidates.shape, dtype=mx.bool_)
+                elif takes_all:
+                    commit = candidates  # every candidate commits: no ranking can change that
+                else:
+                    entropy = normalized_entropy(logprobs)
+                    commit = rule.select(StepInputs(x0, prob, entropy, logprobs, candidates, step, o.steps, masked))
+                if editing:
+                    block = self.canvas[:, start:end]
+                    editable = (block != a.mask_id) & mx.array(~self.done)[:, None]
+                    edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
+                    commit = commit | edit
+                    edited = bool(mx.any(edit).item())
+                kept = self._apply(commit, x0, prob, logprobs, kept, start, end)
             if committed is None:  # this step's tokens decide: read them back
                 self._sync()
                 masked = ((self.host[:, start:end] == a.mask_id) & ~self.done[:, None]).sum(axis=1)
@@ -229,7 +243,7 @@ class Engine:
             return kept
         logits = self._suppress(self._process(logits[:, None], start))
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        x0, prob, _ = self._propose(logprobs)
+        x0, prob = self._propose(logprobs)
         open_row = mx.array(~self.done) & (self.canvas[:, start] == self.adapter.mask_id)
         seeded = mx.where(open_row, x0[:, 0], self.canvas[:, start])[:, None]
         # a new array, not an in-place write: a queued step may still hold the old canvas
@@ -303,12 +317,16 @@ class Engine:
             return (*self._propose_tempered(logprobs, temperature), logprobs)
         return (*self._propose(logprobs), logprobs)
 
-    def _apply(self, commit, x0, prob, logprobs, kept, start: int, end: int):
-        block = mx.where(commit, x0, self.canvas[:, start:end])
+    def _apply(self, commit: Optional[mx.array], x0, prob, logprobs, kept, start: int, end: int):
+        """Write the committed proposals into the canvas (commit None: the whole block)."""
+        if commit is None:
+            block, kept, self.confidence = x0, None if kept is None else logprobs, prob
+        else:
+            block = mx.where(commit, x0, self.canvas[:, start:end])
+            if kept is not None:
+                kept = mx.where(commit[..., None], logprobs, kept)
+            self.confidence = mx.where(commit, prob, self.confidence)
         self.canvas = mx.slice_update(self.canvas, block, mx.array([0, start]), axes=(0, 1))
-        if kept is not None:
-            kept = mx.where(commit[..., None], logprobs, kept)
-        self.confidence = mx.where(commit, prob, self.confidence)
         mx.async_eval(self.canvas, kept, self.confidence)  # computes while the host goes on
         return kept
 
@@ -357,29 +375,27 @@ class Engine:
         return mx.stack(rows)
 
     def _propose(self, logprobs: mx.array):
-        """Proposed tokens with their temperature-1 probability and the entropy."""
-        stats = normalized_stats(logprobs)
+        """Proposed tokens with their temperature-1 probability."""
         sampler = self.options.sampler
         if sampler is None:
-            return stats.x0, stats.prob, stats.entropy
+            return greedy_proposal(logprobs)
         B, L, V = logprobs.shape
         x0 = sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
         prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
-        return x0, prob, stats.entropy
+        return x0, prob
 
     def _propose_tempered(self, logprobs: mx.array, temperature: float):
         """The step-schedule protocol's proposal: logits / temperature (greedy at 0),
         confidence = the largest tempered probability, tokens drawn with nucleus top_p."""
-        stats = normalized_stats(logprobs)
         if temperature == 0:
-            return stats.x0, stats.prob, stats.entropy
+            return greedy_proposal(logprobs)
         tempered = logprobs / temperature
         tempered = tempered - mx.logsumexp(tempered, axis=-1, keepdims=True)
         confidence = mx.exp(mx.max(tempered, axis=-1))
         if self.options.top_p < 1.0:
             tempered = apply_top_p(tempered, self.options.top_p)
         x0 = mx.random.categorical(tempered).astype(mx.int32)
-        return x0, confidence, stats.entropy
+        return x0, confidence
 
     def _finality(self, host: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
         """Final = the committed prefix of the generation before `horizon`, up to and
@@ -390,15 +406,17 @@ class Engine:
         N = min(host.shape[1] - P, self.options.max_tokens)  # (a uniform canvas may run past it)
         limit = min(horizon - P, N)
         final, done = self.final.copy(), self.done.copy()
-        for b in np.flatnonzero(~done):
-            new = host[b, P + final[b] : P + max(limit, final[b])]
-            masks = np.flatnonzero(new == a.mask_id) if a.mask_id is not None else ()
-            new = new[: masks[0]] if len(masks) else new
-            hits = [i for i, token in enumerate(new.tolist()) if token in a.eos_ids] if a.eos_ids else ()
-            if hits:
-                final[b], done[b] = final[b] + hits[0] + 1, True
-            else:
-                final[b] += new.size
-                done[b] = final[b] == N
+        for b in range(len(done)):
+            if done[b]:
+                continue
+            # (plain lists: a step usually adds one token, too few for numpy to pay off)
+            for token in host[b, P + final[b] : P + limit].tolist():
+                if token == a.mask_id:
+                    break
+                final[b] += 1
+                if token in a.eos_ids:
+                    done[b] = True
+                    break
+            done[b] = done[b] or final[b] == N
         self.final = final
         return final, done
