@@ -255,7 +255,7 @@ class Engine:
         self._sync()
         return kept
 
-    def _decode_canvas(self, state, start: int, end: int) -> Iterator[Step]:
+    def _decode_canvas(self, state, start: int, end: int) -> Iterator["_Queued"]:
         """One uniform-noise canvas (Hugging Face's generation_diffusion_gemma.py): each
         step the model predicts every position of the noisy canvas, the logits are divided
         by a temperature linear in the remaining steps, a token is drawn everywhere, the
