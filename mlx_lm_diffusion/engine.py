@@ -180,7 +180,8 @@ class Engine:
         # Nothing has written into this block since the canvas was built (or since _seed
         # read it back), so the host copy shows its masks even while a step is in flight.
         open_rows = (self.host[:, start:end] == a.mask_id) & ~self.done[:, None]
-        rule.start_block(mx.array(open_rows), o.steps)
+        first_candidates = mx.array(open_rows)
+        rule.start_block(first_candidates, o.steps)
         masked = open_rows.sum(axis=1)  # per row, kept on the host without reading tokens back
         # A bound no rule may exceed: a fixed schedule ends within its steps, the others
         # commit at least one token per step; editing adds at most max_post_steps passes.
@@ -205,7 +206,7 @@ class Engine:
                 kept = self._apply(None, x0, prob, logprobs, kept, start, end)
             else:
                 if step == 0:  # (the host copy of the block is current until its first commit)
-                    candidates = mx.array(open_rows)
+                    candidates = first_candidates
                 else:
                     candidates = (self.canvas[:, start:end] == a.mask_id) & mx.array(~self.done)[:, None]
                 if not has_mask:
@@ -342,8 +343,10 @@ class Engine:
 
     def _land(self, q: "_Queued") -> Step:
         """The Step of a queued step, once its tokens are read back."""
-        host = self._sync() if q.canvas is self.canvas else (
-            self.host if q.canvas is self.synced else np.array(q.canvas))
+        if q.canvas is self.canvas:  # the latest step: keep its host copy
+            host = self._sync()
+        else:  # an earlier step, read back while a later one is queued
+            host = self.host if q.canvas is self.synced else np.array(q.canvas)
         start, end = q.block
         # With editing a token can change until its block is over: only earlier blocks
         # (and this one once it is over) are final.
