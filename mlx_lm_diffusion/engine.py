@@ -179,7 +179,7 @@ class Engine:
         kept = self._seed(state, start, kept)
         # Nothing has written into this block since the canvas was built (or since _seed
         # read it back), so the host copy shows its masks even while a step is in flight.
-        open_rows = (self.host[:, start:end] == a.mask_id) & ~self.done[:, None]
+        open_rows = self._open_rows(start, end)
         first_candidates = mx.array(open_rows)
         rule.start_block(first_candidates, o.steps)
         masked = open_rows.sum(axis=1)  # per row, kept on the host without reading tokens back
@@ -225,7 +225,7 @@ class Engine:
                 kept = self._apply(commit, x0, prob, logprobs, kept, start, end)
             if committed is None:  # this step's tokens decide: read them back
                 self._sync()
-                masked = ((self.host[:, start:end] == a.mask_id) & ~self.done[:, None]).sum(axis=1)
+                masked = self._open_rows(start, end).sum(axis=1)
             else:
                 masked = masked - committed
             block_over = editing and not has_mask and not edited
@@ -356,6 +356,10 @@ class Engine:
         final, self.done = self._finality(host, horizon)
         return Step(host[:, :end] if uniform else host, self.prompt_len, final, self.done.copy(),
                     q.forwards, q.block, q.step, q.kept, q.forward, q.confidence)
+
+    def _open_rows(self, start: int, end: int) -> np.ndarray:
+        """Masked positions of the block in rows still decoding, from the host copy."""
+        return (self.host[:, start:end] == self.adapter.mask_id) & ~self.done[:, None]
 
     def _suppress(self, logits: mx.array) -> mx.array:
         return logits if self.suppress is None else logits + self.suppress

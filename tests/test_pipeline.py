@@ -31,7 +31,7 @@ def models(tmp_path_factory, llada, dream):
     }
 
 
-def run(model, tok, prompt, pipeline, on_forward=None, **options):
+def run(model, tok, prompt, pipeline, **options):
     adapter = adapter_for(model, tok)
     resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
     return Engine(adapter, resolved, pipeline=pipeline).run(mx.array([prompt]))
