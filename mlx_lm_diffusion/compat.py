@@ -27,16 +27,16 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import _BaseCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from model_adapters import adapter_for, is_diffusion_model
+from model_adapters import adapter_for
 
 from .commit_rules import RULES
 from .engine import Step
 from .generation import DiffusionResponse, check_prompt, encode_prompt
 from .generation import stream_generate as diffusion_stream_generate
 from .options import DecodeOptions, resolve
+from .prompt_cache import TokenCache, make_prompt_cache
 from .schedules import GAMMAS
 
 # mlx-lm's generate_step options with no meaning without a key/value cache or prefill.
@@ -67,58 +67,6 @@ _NAMED_OPTIONS = (
     "schedule",
 )
 DECODE_FIELDS = tuple(n for n in _NAMED_OPTIONS if n in DecodeOptions.__dataclass_fields__)
-
-
-class TokenCache(_BaseCache):
-    """The prompt cache of a diffusion model: the token ids it stands for."""
-
-    def __init__(self, tokens: Optional[Sequence[int]] = None):
-        self.tokens: List[int] = [int(t) for t in tokens or ()]
-
-    def add(self, tokens: Sequence[int]) -> None:
-        self.tokens.extend(int(t) for t in tokens)
-
-    @property
-    def offset(self) -> int:
-        return len(self.tokens)
-
-    def size(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def state(self):
-        return mx.array(self.tokens, dtype=mx.int32)
-
-    @state.setter
-    def state(self, v):
-        self.tokens = [int(t) for t in v.tolist()] if v is not None else []
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = max(0, min(n, len(self.tokens)))
-        if n:
-            del self.tokens[-n:]
-        return n
-
-    def empty(self) -> bool:
-        return not self.tokens
-
-    @property
-    def nbytes(self) -> int:
-        return 4 * len(self.tokens)
-
-    def __repr__(self) -> str:
-        return f"TokenCache({len(self.tokens)} tokens)"
-
-
-def make_prompt_cache(model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:
-    """mlx-lm's `make_prompt_cache` for a diffusion model: one `TokenCache`
-    (`max_kv_size` does not apply: there is no key/value cache to bound)."""
-    if not is_diffusion_model(model):
-        raise ValueError("make_prompt_cache here is for diffusion models; use mlx-lm's for others")
-    return [TokenCache()]
 
 
 # ----------------------------------------------------------------------------- options
