@@ -336,13 +336,15 @@ def test_disconnect_mid_stream_frees_the_server(client, port, monkeypatch):
 def test_bad_requests_get_4xx_json(port, body, status):
     got, data = raw(port, "POST", "/v1/chat/completions", body=body)
     assert got == status
-    assert isinstance(data["error"], str) and data["error"]
+    error = data["error"]  # OpenAI's shape
+    assert isinstance(error["message"], str) and error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
 
 
 def test_bad_requests_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="default_model", messages=USER, extra_body={"steps": -1})
-    assert "steps" in e.value.body  # mlx_lm.server's error shape: {"error": "<message>"}
+    assert "steps" in e.value.body["message"]  # OpenAI's shape: {"error": {"message": ...}}
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="no/such-model", messages=USER)
 
@@ -471,5 +473,5 @@ def test_protocol_endpoint_matches_the_library(port, llada):
 )
 def test_protocol_endpoint_rejects_bad_requests(port, client, body, word):
     status, error = raw(port, "POST", "/v1/diffusion/generate", body)
-    assert status == 400 and word in error["error"]
+    assert status == 400 and word in error["error"]["message"]
     assert client.completions.create(model="default_model", prompt="Hi", max_tokens=2).choices  # still serving
