@@ -1,14 +1,17 @@
 """Commit rules: which masked positions of the current block to fill at a step.
 
-One small class per decoding algorithm behind one interface, selected by name
-(`make_rule`). The ranking and the commit itself are mlx-arsenal's primitives;
-a rule only chooses the score and the count. Every rule works per row.
+One small class per decoding algorithm behind one interface, registered by name
+(`RULES`, built from the classes; `make_rule`). The ranking and the commit itself are
+mlx-arsenal's primitives; a rule only chooses the score and the count. Every rule works
+per row. A rule's per-block state (its quotas, its timesteps) is returned by
+`start_block` and handed back to `select` and `known_commits`; the rule object itself
+holds only its settings (and a memo of schedules it already built).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Optional
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +22,9 @@ from mlx_arsenal.diffusion import (
     topk_transfer,
     transfer_schedule,
 )
+
+THRESHOLD = 0.9  # Fast-dLLM's and SDAR's confidence threshold
+ENTROPY_BOUND = 0.35  # SDAR's eb_threshold, also EB-Sampler's budget here
 
 
 @dataclass
@@ -36,20 +42,28 @@ class StepInputs:
 
 
 class CommitRule:
-    """Interface: `start_block` once per block, then `select` once per step."""
+    """Interface: `start_block` once per block (returns the block's rule state), then
+    `select` once per step. `takes` maps the options a rule reads to its fields."""
 
     name: ClassVar[str]
+    takes: ClassVar[dict[str, str]] = {}
     # True: the rule ends a block within `steps` (its last step commits the rest).
     # False: it commits at least one token per step, so it ends within the block length.
     fixed_steps: ClassVar[bool] = True
 
-    def start_block(self, candidates: mx.array, steps: int) -> None:
-        pass
+    def start_block(self, masked: np.ndarray, steps: int) -> Any:
+        """The block's rule state, from each row's mask count (host) and the step budget."""
+        return None
 
-    def select(self, s: StepInputs) -> mx.array:
+    def select(self, s: StepInputs, state: Any) -> mx.array:
         raise NotImplementedError
 
-    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+    def step_bound(self, steps: int, block_size: int) -> int:
+        """The most steps this rule can take to fill a block: its schedule's length, or
+        one token per step."""
+        return steps if self.fixed_steps else block_size
+
+    def known_commits(self, state: Any, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
         """(B,) how many positions each row commits at this step, when that follows from
         the rows' mask counts alone; None when it depends on the model's output. The
         engine then queues the next forward before this step's tokens are read back.
@@ -60,49 +74,60 @@ class CommitRule:
         return None
 
 
+@dataclass
+class Quota:
+    """A block's per-step quotas (B, steps), on device and on the host."""
+
+    quota: mx.array
+    host: np.ndarray
+
+    @classmethod
+    def of(cls, quota: mx.array) -> "Quota":
+        return cls(quota, np.array(quota))
+
+    def step_quota(self, step: int):
+        """The step's quota: a plain int when every row has the same, so topk_transfer
+        needs no host sync per step."""
+        k = self.host[:, step]
+        return int(k[0]) if (k == k[0]).all() else self.quota[:, step]
+
+
+@dataclass
 class LowConfidence(CommitRule):
     """LLaDA `generate`, remasking="low_confidence": LLaDA's even split of the block's
     masks over its steps (`get_num_transfer_tokens`), filled by the most confident
     proposals first. Deviation: the quota is per row (the reference is batch 1)."""
 
-    name = "low_confidence"
+    name: ClassVar[str] = "low_confidence"
+    # blocks with the same mask counts reuse their schedule (at block length 1, every
+    # block), which keeps transfer_schedule's host check off the per-token path
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def start_block(self, candidates: mx.array, steps: int) -> None:
-        # The engine builds `candidates` from host data, so reading it back costs no sync;
-        # blocks with the same mask counts reuse their schedule (at block length 1, every
-        # block), which keeps transfer_schedule's host check off the per-token path.
-        counts = np.array(candidates).sum(axis=1)
-        key = (tuple(counts.tolist()), steps)
-        if getattr(self, "_schedule_key", None) != key:
-            self.quota = transfer_schedule(mx.array(counts, dtype=mx.int32), steps)
-            self._schedule_key = key
+    def quotas(self, masked: np.ndarray, steps: int) -> mx.array:
+        return transfer_schedule(mx.array(masked, dtype=mx.int32), steps)
 
-    def host_quota(self, step: int) -> np.ndarray:
-        """(B,) the step's quotas on the host (the block's quotas are read back once)."""
-        if getattr(self, "_host_quota", (None, None))[0] is not self.quota:
-            self._host_quota = (self.quota, np.array(self.quota))
-        return self._host_quota[1][:, step]
+    def start_block(self, masked: np.ndarray, steps: int) -> Quota:
+        key = (tuple(masked.tolist()), steps)
+        if key not in self._memo:
+            self._memo.clear()
+            self._memo[key] = Quota.of(self.quotas(masked, steps))
+        return self._memo[key]
 
-    def step_quota(self, step: int):
-        """The step's quota: a plain int when every row has the same, so topk_transfer
-        needs no host sync per step."""
-        k = self.host_quota(step)
-        return int(k[0]) if (k == k[0]).all() else self.quota[:, step]
-
-    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
-        return np.minimum(self.host_quota(step), masked)  # top-k of the candidates
+    def known_commits(self, state: Quota, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+        return np.minimum(state.host[:, step], masked)  # top-k of the candidates
 
     def scores(self, s: StepInputs) -> mx.array:
         return s.prob
 
-    def select(self, s: StepInputs) -> mx.array:
-        return topk_transfer(self.scores(s), s.candidates, self.step_quota(s.step))
+    def select(self, s: StepInputs, state: Quota) -> mx.array:
+        return topk_transfer(self.scores(s), s.candidates, state.step_quota(s.step))
 
 
+@dataclass
 class RandomRemasking(LowConfidence):
     """LLaDA `generate`, remasking="random": the same quota, positions in random order."""
 
-    name = "random"
+    name: ClassVar[str] = "random"
 
     def scores(self, s: StepInputs) -> mx.array:
         return mx.random.uniform(shape=s.prob.shape)
@@ -113,64 +138,65 @@ class Threshold(CommitRule):
     """Fast-dLLM `get_transfer_index` with a threshold: commit every proposal with
     probability >= threshold, and the most confident one when none passes."""
 
-    threshold: float = 0.9
+    threshold: float = THRESHOLD
     name: ClassVar[str] = "threshold"
+    takes: ClassVar[dict[str, str]] = {"threshold": "threshold"}
     fixed_steps: ClassVar[bool] = False
 
-    def select(self, s: StepInputs) -> mx.array:
+    def select(self, s: StepInputs, state: Any) -> mx.array:
         return threshold_transfer(s.prob, s.candidates, self.threshold)
 
 
-def _block_length_quota(rule: LowConfidence, candidates: mx.array, steps: int) -> None:
-    """With `rule.block_length`, SDAR's and LLaDA2.x's `get_num_transfer_tokens(
-    block_length, steps)`: the whole block length split evenly over the steps, whatever
-    the block holds (a first block that also holds the prompt's tail, a last block cut
-    at max_tokens), where LLaDA splits the masks left."""
-    LowConfidence.start_block(rule, candidates, steps)
-    if rule.block_length is not None:
-        rule.quota = transfer_schedule(mx.full((candidates.shape[0],), rule.block_length, mx.int32), steps)
+@dataclass
+class BlockLengthQuota(LowConfidence):
+    """SDAR's and LLaDA2.x's `get_num_transfer_tokens(block_length, steps)`: with
+    `block_length`, the whole block length split evenly over the steps, whatever the
+    block holds (a first block that also holds the prompt's tail, a last block cut at
+    max_tokens), where LLaDA splits the masks left."""
+
+    block_length: Optional[int] = None
+
+    def quotas(self, masked: np.ndarray, steps: int) -> mx.array:
+        if self.block_length is None:
+            return super().quotas(masked, steps)
+        return transfer_schedule(mx.full((masked.shape[0],), self.block_length, mx.int32), steps)
 
 
 @dataclass
-class LowConfidenceDynamic(LowConfidence):
+class LowConfidenceDynamic(BlockLengthQuota):
     """SDAR `low_confidence_dynamic` and LLaDA2.x `generate`: commit every proposal whose
     probability exceeds the threshold (strictly, as both references compare with >);
     when fewer pass than the step's even-split quota, commit the quota's top-k instead
     (at most the masks left, as LLaDA2.x caps it; SDAR's uncapped top-k would overwrite
-    committed or prompt positions). With `block_length` the quota splits the block
-    length over the steps, as both references do."""
+    committed or prompt positions). The quota splits the block length over the steps,
+    as both references do. mlx-arsenal has no threshold-else-quota primitive; this
+    composes its threshold_transfer (force_one=False) and topk_transfer."""
 
-    threshold: float = 0.9
+    threshold: float = THRESHOLD
     strict: bool = True
-    block_length: Optional[int] = None
     name: ClassVar[str] = "low_confidence_dynamic"
+    takes: ClassVar[dict[str, str]] = {"threshold": "threshold", "block_length": "block_length"}
 
-    def start_block(self, candidates: mx.array, steps: int) -> None:
-        _block_length_quota(self, candidates, steps)
-
-    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+    def known_commits(self, state: Quota, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
         # a quota covering every mask commits them all, whatever passes the threshold
-        return masked if (self.host_quota(step) >= masked).all() else None
+        return masked if (state.host[:, step] >= masked).all() else None
 
-    def select(self, s: StepInputs) -> mx.array:
-        quota = self.step_quota(s.step)
+    def select(self, s: StepInputs, state: Quota) -> mx.array:
+        quota = state.step_quota(s.step)
         passing = threshold_transfer(s.prob, s.candidates, self.threshold, force_one=False, strict=self.strict)
         enough = mx.sum(passing, axis=1) >= quota
         return mx.where(enough[:, None], passing, topk_transfer(s.prob, s.candidates, quota))
 
 
 @dataclass
-class LowConfidenceStatic(LowConfidence):
+class LowConfidenceStatic(BlockLengthQuota):
     """SDAR `low_confidence_static`: the step's even-split quota of the block length,
     filled by the most confident masked proposals. Deviation: the count is capped at
     the masks left (the reference's top-k then picks non-mask positions and overwrites
     committed or prompt tokens)."""
 
-    block_length: Optional[int] = None
     name: ClassVar[str] = "low_confidence_static"
-
-    def start_block(self, candidates: mx.array, steps: int) -> None:
-        _block_length_quota(self, candidates, steps)
+    takes: ClassVar[dict[str, str]] = {"block_length": "block_length"}
 
 
 @dataclass
@@ -178,16 +204,19 @@ class EntropyBounded(CommitRule):
     """SDAR `entropy_bounded`: sort the masked positions by entropy (ascending) and
     commit the longest prefix whose running entropy sum, its own term included, stays
     strictly below `bound` (the reference's `searchsorted(cumsum, eb_threshold)`), at
-    least one. Unlike EB-Sampler (`entropy_bound`) the last term counts. Deviation, the
-    evident intent: the reference sums -p log p of the chosen token's probability over
-    the block (one number for every position) and never creates `transfer_index`;
-    here each position's entropy is that of its predictive distribution."""
+    least one. Unlike EB-Sampler (`entropy_bound`) the last term counts, which
+    mlx-arsenal's entropy_bound_transfer would need as an option to absorb this rule.
+    Deviation, the evident intent: the reference sums -p log p of the chosen token's
+    probability over the block (one number for every position) and never creates
+    `transfer_index`; here each position's entropy is that of its predictive
+    distribution."""
 
-    bound: float = 0.35
+    bound: float = ENTROPY_BOUND
     name: ClassVar[str] = "entropy_bounded"
+    takes: ClassVar[dict[str, str]] = {"entropy_bound": "bound"}
     fixed_steps: ClassVar[bool] = False
 
-    def select(self, s: StepInputs) -> mx.array:
+    def select(self, s: StepInputs, state: Any) -> mx.array:
         entropy = mx.where(s.candidates, s.entropy.astype(mx.float32), mx.inf)
         within = mx.cumsum(mx.sort(entropy, axis=1), axis=1) < self.bound
         count = mx.maximum(mx.sum(within, axis=1), 1).astype(mx.int32)
@@ -201,9 +230,10 @@ class Factor(CommitRule):
 
     factor: float = 1.0
     name: ClassVar[str] = "factor"
+    takes: ClassVar[dict[str, str]] = {"factor": "factor"}
     fixed_steps: ClassVar[bool] = False
 
-    def select(self, s: StepInputs) -> mx.array:
+    def select(self, s: StepInputs, state: Any) -> mx.array:
         return factor_transfer(s.prob, s.candidates, self.factor)
 
 
@@ -212,11 +242,12 @@ class EntropyBound(CommitRule):
     """EB-Sampler: the longest entropy-sorted prefix whose entropy, less its last
     term, stays within `bound`; at least one per step."""
 
-    bound: float = 0.35
+    bound: float = ENTROPY_BOUND
     name: ClassVar[str] = "entropy_bound"
+    takes: ClassVar[dict[str, str]] = {"entropy_bound": "bound"}
     fixed_steps: ClassVar[bool] = False
 
-    def select(self, s: StepInputs) -> mx.array:
+    def select(self, s: StepInputs, state: Any) -> mx.array:
         return entropy_bound_transfer(s.entropy, s.candidates, self.bound)
 
 
@@ -227,51 +258,68 @@ def dream_timesteps(steps: int, eps: float = 1e-3) -> np.ndarray:
 
 @dataclass
 class DreamConfidence(CommitRule):
-    """Dream `diffusion_generate` with alg in {maskgit_plus, topk_margin, entropy}: at
-    step i of N, commit int(M * (1 - s / t)) of the M masks (all of them at the last
-    step), t, s = linspace(1, eps, N + 1)[i : i + 2], ranked by the algorithm's
+    """Dream `diffusion_generate` with alg="maskgit_plus" (the subclasses: topk_margin,
+    entropy): at step i of N, commit int(M * (1 - s / t)) of the M masks (all of them at
+    the last step), t, s = linspace(1, eps, N + 1)[i : i + 2], ranked by the algorithm's
     confidence; alg_temp > 0 draws the positions from softmax(confidence / alg_temp)
     without replacement (Gumbel top-k). Deviations: counts are per row (the reference
     averages them over the batch); with sampling, confidence is taken from the
-    temperature-1 softmax rather than the tempered one."""
+    temperature-1 softmax rather than the tempered one. The block state is the
+    timesteps."""
 
-    alg: str = "maskgit_plus"
     alg_temp: float = 0.0
     eps: float = 1e-3
     name: ClassVar[str] = "maskgit_plus"
+    takes: ClassVar[dict[str, str]] = {"alg_temp": "alg_temp"}
 
-    def start_block(self, candidates: mx.array, steps: int) -> None:
-        self.timesteps = dream_timesteps(steps, self.eps)
+    def start_block(self, masked: np.ndarray, steps: int) -> np.ndarray:
+        return dream_timesteps(steps, self.eps)
 
     def confidence(self, s: StepInputs) -> mx.array:
-        if self.alg == "maskgit_plus":
-            return s.prob
-        if self.alg == "topk_margin":
-            top2 = mx.topk(s.logprobs, 2, axis=-1)  # unordered pair of the two largest
-            p = mx.exp(top2.astype(mx.float32))
-            return mx.abs(p[..., 0] - p[..., 1])
-        return -s.entropy  # "entropy": Dream ranks by negative entropy
+        return s.prob
 
-    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+    def known_commits(self, state: np.ndarray, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
         if step >= steps - 1:
             return masked
-        t, u = self.timesteps[step], self.timesteps[step + 1]
+        t, u = state[step], state[step + 1]
         fraction = np.float32(1.0) - u / t  # float32 like the reference
         # int() of a float32 product, per row
         return np.floor(masked.astype(np.float32) * fraction).astype(np.int64)
 
-    def count(self, s: StepInputs):
+    def count(self, s: StepInputs, state: np.ndarray):
         """The step's count: a plain int when every row has the same (no host sync)."""
         masked = s.masked if s.masked is not None else np.array(mx.sum(s.candidates, axis=1))
-        k = self.known_commits(s.step, s.steps, masked)
+        k = self.known_commits(state, s.step, s.steps, masked)
         return int(k[0]) if (k == k[0]).all() else mx.array(k, dtype=mx.int32)
 
-    def select(self, s: StepInputs) -> mx.array:
+    def select(self, s: StepInputs, state: np.ndarray) -> mx.array:
         conf = self.confidence(s)
         if self.alg_temp > 0:
             gumbel = -mx.log(-mx.log(mx.random.uniform(shape=conf.shape)))
             conf = conf / self.alg_temp + gumbel
-        return topk_transfer(conf, s.candidates, self.count(s))
+        return topk_transfer(conf, s.candidates, self.count(s, state))
+
+
+@dataclass
+class DreamTopkMargin(DreamConfidence):
+    """Dream alg="topk_margin": confidence is the gap between the two most probable tokens."""
+
+    name: ClassVar[str] = "topk_margin"
+
+    def confidence(self, s: StepInputs) -> mx.array:
+        top2 = mx.topk(s.logprobs, 2, axis=-1)  # unordered pair of the two largest
+        p = mx.exp(top2.astype(mx.float32))
+        return mx.abs(p[..., 0] - p[..., 1])
+
+
+@dataclass
+class DreamEntropy(DreamConfidence):
+    """Dream alg="entropy": positions ranked by negative entropy."""
+
+    name: ClassVar[str] = "entropy"
+
+    def confidence(self, s: StepInputs) -> mx.array:
+        return -s.entropy
 
 
 @dataclass
@@ -279,69 +327,38 @@ class DreamOrigin(DreamConfidence):
     """Dream `diffusion_generate` with alg="origin": each mask is revealed independently
     with probability 1 - s / t (1 at the last step)."""
 
-    alg: str = "origin"
     name: ClassVar[str] = "origin"
+    takes: ClassVar[dict[str, str]] = {}
 
-    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+    def known_commits(self, state: np.ndarray, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
         return masked if step >= steps - 1 else None  # independent coin flips before
 
-    def select(self, s: StepInputs) -> mx.array:
+    def select(self, s: StepInputs, state: np.ndarray) -> mx.array:
         if s.step >= s.steps - 1:
             return s.candidates
-        t, u = self.timesteps[s.step], self.timesteps[s.step + 1]
+        t, u = state[s.step], state[s.step + 1]
         p = float(np.float32(1.0) - u / t)
         return mx.logical_and(s.candidates, mx.random.uniform(shape=s.candidates.shape) < p)
 
 
-RULES: tuple[str, ...] = (
-    "low_confidence",
-    "low_confidence_dynamic",
-    "low_confidence_static",
-    "random",
-    "threshold",
-    "factor",
-    "entropy_bound",
-    "entropy_bounded",
-    "maskgit_plus",
-    "topk_margin",
-    "entropy",
-    "origin",
-)
-
+# name -> rule class, in the order users see them listed
+RULES: dict[str, type[CommitRule]] = {
+    rule.name: rule
+    for rule in (
+        LowConfidence, LowConfidenceDynamic, LowConfidenceStatic, RandomRemasking, Threshold, Factor,
+        EntropyBound, EntropyBounded, DreamConfidence, DreamTopkMargin, DreamEntropy, DreamOrigin,
+    )
+}
 
 # rules that read `threshold`
-THRESHOLD_RULES: tuple[str, ...] = ("threshold", "low_confidence_dynamic")
+THRESHOLD_RULES: tuple[str, ...] = tuple(name for name, rule in RULES.items() if "threshold" in rule.takes)
 
 
-def make_rule(
-    name: str,
-    *,
-    threshold: Optional[float] = None,
-    factor: float = 1.0,
-    entropy_bound: float = 0.35,
-    alg_temp: float = 0.0,
-    block_length: Optional[int] = None,
-) -> CommitRule:
-    """Build a commit rule by name (see `RULES`). `block_length` sets the quota of the
-    block-diffusion rules (low_confidence_dynamic / _static) as their references do."""
-    if name == "low_confidence":
-        return LowConfidence()
-    if name == "low_confidence_dynamic":
-        return LowConfidenceDynamic(0.9 if threshold is None else threshold, block_length=block_length)
-    if name == "low_confidence_static":
-        return LowConfidenceStatic(block_length=block_length)
-    if name == "entropy_bounded":
-        return EntropyBounded(entropy_bound)
-    if name == "random":
-        return RandomRemasking()
-    if name == "threshold":
-        return Threshold(0.9 if threshold is None else threshold)
-    if name == "factor":
-        return Factor(factor)
-    if name == "entropy_bound":
-        return EntropyBound(entropy_bound)
-    if name in ("maskgit_plus", "topk_margin", "entropy"):
-        return DreamConfidence(alg=name, alg_temp=alg_temp)
-    if name == "origin":
-        return DreamOrigin()
-    raise ValueError(f"Unknown strategy {name!r}; choose one of: {', '.join(RULES)}")
+def make_rule(name: str, **settings: Any) -> CommitRule:
+    """Build a commit rule by name (see `RULES`) from the options it takes; settings that
+    are None, or that the rule does not read, are left out (its own defaults apply)."""
+    if name not in RULES:
+        raise ValueError(f"Unknown strategy {name!r}; choose one of: {', '.join(RULES)}")
+    rule = RULES[name]
+    return rule(**{attr: settings[option] for option, attr in rule.takes.items()
+                   if settings.get(option) is not None})

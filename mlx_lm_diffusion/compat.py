@@ -21,8 +21,6 @@ whenever they like (stop strings, disconnects) and keep the cache under
 from __future__ import annotations
 
 import argparse
-import contextvars
-from contextlib import contextmanager
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -31,13 +29,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from model_adapters import adapter_for
 
-from .commit_rules import RULES
 from .engine import Step
 from .generation import DiffusionResponse, check_prompt, encode_prompt
 from .generation import stream_generate as diffusion_stream_generate
-from .options import DecodeOptions, resolve
+from .options import DecodeOptions, add_arguments, check_fields, named_options, resolve
 from .prompt_cache import TokenCache, make_prompt_cache
-from .schedules import GAMMAS
+from .request_options import current_request_options, request_options
 
 # mlx-lm's generate_step options with no meaning without a key/value cache or prefill.
 _IGNORED = (
@@ -50,117 +47,21 @@ _IGNORED = (
     "num_draft_tokens",
 )
 
-# Decoding options a caller may set by name (the server's JSON fields, the CLI flags):
-# scalars checked here by type and range, and by `resolve` against the family.
-_NAMED_OPTIONS = (
-    "block_length",
-    "steps",
-    "strategy",
-    "threshold",
-    "factor",
-    "entropy_bound",
-    "alg_temp",
-    "editing_threshold",
-    "max_post_steps",
-    "preset",
-    "causal_context",
-    "schedule",
-)
-DECODE_FIELDS = tuple(n for n in _NAMED_OPTIONS if n in DecodeOptions.__dataclass_fields__)
-
-
-# ----------------------------------------------------------------------------- options
-
-_REQUEST_OPTIONS: contextvars.ContextVar[dict] = contextvars.ContextVar(
-    "mlx_lm_diffusion_request_options", default={}
-)
-
-
-@contextmanager
-def request_options(**options) -> Iterator[None]:
-    """Decoding options (DECODE_FIELDS, draft_callback) for `stream_generate` calls made
-    inside the block by code that cannot pass them itself; explicit keywords win."""
-    token = _REQUEST_OPTIONS.set(dict(options))
-    try:
-        yield
-    finally:
-        _REQUEST_OPTIONS.reset(token)
-
-
-def _number(name: str, value: Any, low: float, high: Optional[float] = None, strict: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    too_low = value <= low if strict else value < low
-    if too_low or (high is not None and value > high):
-        bound = f"> {low}" if strict else f">= {low}"
-        span = f"in [{low}, {high}]" if high is not None else bound
-        raise ValueError(f"{name} must be {span}, got {value!r}")
-
-
-def check_decode_fields(fields: dict) -> dict:
-    """Type- and range-check decoding options given by name (JSON fields, flags);
-    `None` values are dropped (they mean "the family default"). Raises ValueError."""
-    out = {}
-    for name, value in fields.items():
-        if value is None:
-            continue
-        if name not in DECODE_FIELDS:
-            raise ValueError(f"unknown decoding option {name!r}; known: {', '.join(DECODE_FIELDS)}")
-        if name in ("block_length", "steps", "max_post_steps"):
-            low = 0 if name == "max_post_steps" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        elif name == "strategy":
-            if value not in RULES:
-                raise ValueError(f"strategy must be one of {', '.join(RULES)}; got {value!r}")
-        elif name in ("threshold", "editing_threshold"):
-            _number(name, value, 0.0, 1.0)
-        elif name == "factor":
-            _number(name, value, 0.0, strict=True)
-        elif name in ("entropy_bound", "alg_temp"):
-            _number(name, value, 0.0)
-        elif name == "causal_context":
-            if not isinstance(value, bool):
-                raise ValueError(f"causal_context must be true or false, got {value!r}")
-        elif name == "schedule":
-            if value not in GAMMAS:
-                raise ValueError(f"schedule must be one of {', '.join(GAMMAS)}; got {value!r}")
-        elif name == "preset" and not isinstance(value, str):  # the family checks the name
-            raise ValueError(f"preset must be a preset's name, got {value!r}")
-        out[name] = value
-    return out
-
-
-def add_decode_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The diffusion defaults as command-line flags (server, chat)."""
-    group = parser.add_argument_group("diffusion decoding (defaults: the model family's)")
-    group.add_argument("--block-length", type=int, default=None, help="Tokens per block")
-    group.add_argument("--steps", type=int, default=None, help="Denoising steps per block")
-    # names are checked by check_decode_fields: one clear line, not argparse's usage dump
-    group.add_argument("--strategy", default=None, help=f"Commit rule: {', '.join(RULES)}")
-    group.add_argument("--threshold", type=float, default=None,
-                       help="Confidence threshold (selects the 'threshold' strategy)")
-    group.add_argument("--factor", type=float, default=None, help="Factor of the 'factor' strategy")
-    group.add_argument("--entropy-bound", type=float, default=None,
-                       help="Bound of the 'entropy_bound' strategy")
-    group.add_argument("--alg-temp", type=float, default=None,
-                       help="Temperature of Dream's confidence ranking")
-    group.add_argument("--editing-threshold", type=float, default=None,
-                       help="Revise committed tokens whose replacement is this confident")
-    group.add_argument("--max-post-steps", type=int, default=None,
-                       help="Editing passes once a block is full")
-    group.add_argument("--preset", default=None, help="A family's named settings (LLaDA2.1: speed, quality)")
-    group.add_argument("--causal-context", action=argparse.BooleanOptionalAction, default=None,
-                       help="Nemotron-Labs Diffusion: causal prefix with block seeds (default on)")
-    group.add_argument("--schedule", default=None,
-                       help=f"Mask schedule as the per-step quota, instead of --strategy: {', '.join(GAMMAS)}")
-    return parser
-
+# The decoding options a caller may set by name (the server's JSON fields, the CLI
+# flags) are the options schema's named options: see mlx_lm_diffusion.options.
+check_decode_fields = check_fields
+add_decode_arguments = add_arguments
 
 
 def decode_defaults(args: argparse.Namespace) -> dict:
     """The decoding options set on the command line, checked (ValueError)."""
-    return check_decode_fields({name: getattr(args, name, None) for name in DECODE_FIELDS})
+    return check_fields({name: getattr(args, name, None) for name in named_options()})
+
+
+def __getattr__(name: str):
+    if name == "DECODE_FIELDS":  # computed on use: a family registered later adds its options
+        return named_options()
+    raise AttributeError(name)
 
 
 # ----------------------------------------------------------------------------- generation
@@ -208,7 +109,7 @@ def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_t
     ids = list(prompt)
     max_tokens = fit_max_tokens(model, tokenizer, len(ids), max_tokens)
     adapter = adapter_for(model, tokenizer)
-    fields = {k: v for k, v in options.items() if k in DECODE_FIELDS}
+    fields = {k: v for k, v in options.items() if k in named_options()}
     resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
     return max_tokens
@@ -240,7 +141,7 @@ def stream_generate(
         kwargs.pop(name, None)
     caches = _token_caches(kwargs.pop("prompt_cache", None))
     progress = kwargs.pop("prompt_progress_callback", None)
-    options = {**_REQUEST_OPTIONS.get(), **kwargs}
+    options = {**current_request_options(), **kwargs}
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     new = encode_prompt(tokenizer, prompt)

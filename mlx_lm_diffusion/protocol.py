@@ -28,7 +28,7 @@ import numpy as np
 
 from model_adapters import adapter_for
 
-from .commit_rules import StepInputs
+from .commit_rules import Quota, StepInputs
 from .engine import Engine
 from .options import DecodeOptions, resolve
 from .schedules import GAMMAS, ScheduleQuota
@@ -114,13 +114,13 @@ class ScheduleWithEarlyExit(ScheduleQuota):
     threshold_met: bool = False
     name: ClassVar[str] = "protocol"
 
-    def known_commits(self, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
+    def known_commits(self, state: Quota, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
         if self.confidence_threshold is not None:
             return None  # the early exit depends on the step's confidences
-        return super().known_commits(step, steps, masked)
+        return super().known_commits(state, step, steps, masked)
 
-    def select(self, s: StepInputs) -> mx.array:
-        commit = super().select(s)
+    def select(self, s: StepInputs, state: Quota) -> mx.array:
+        commit = super().select(s, state)
         if self.confidence_threshold is None:
             return commit
         rest = mx.logical_and(s.candidates, mx.logical_not(commit))

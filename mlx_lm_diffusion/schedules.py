@@ -60,6 +60,5 @@ class ScheduleQuota(LowConfidence):
     schedule: str = "linear"
     name: ClassVar[str] = "schedule"
 
-    def start_block(self, candidates: mx.array, steps: int) -> None:
-        counts = np.array(candidates).sum(axis=1).tolist()  # built from host data: no sync
-        self.quota = mx.array([quotas(self.schedule, int(m), steps) for m in counts], dtype=mx.int32)
+    def quotas(self, masked: np.ndarray, steps: int) -> mx.array:
+        return mx.array([quotas(self.schedule, int(m), steps) for m in masked.tolist()], dtype=mx.int32)

@@ -50,6 +50,11 @@ def register() -> None:
         setattr(mlx_lm.models, model_type, module)
 
 
+def family_options() -> list:
+    """Every option a registered family declares (its adapter's `options`)."""
+    return [option for model_type in FAMILIES for option in family_module(model_type).Adapter.options]
+
+
 def is_diffusion_model(model: nn.Module) -> bool:
     args = getattr(model, "args", None)
     return getattr(args, "model_type", None) in FAMILIES
@@ -66,4 +71,4 @@ def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
     return family_module(str(model_type)).Adapter(model, tokenizer)
 
 
-__all__ = ["Adapter", "FamilyDefaults", "FAMILIES", "adapter_for", "register", "family_module"]
+__all__ = ["Adapter", "FamilyDefaults", "FAMILIES", "adapter_for", "register", "family_module", "family_options"]

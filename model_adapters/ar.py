@@ -36,6 +36,9 @@ class ArAdapter(Adapter):
         self.max_length = getattr(args, "max_position_embeddings", None)
         self.eos_ids = frozenset(_stop_ids(args, tokenizer))
 
+    # AR_MASK_ID lies outside the vocabulary: nothing to suppress
+    suppress_ids = frozenset()
+
     def configure(self, options: Any) -> None:
         # Without editing a committed token never changes, so the cache never needs
         # checking against the canvas.

@@ -24,6 +24,7 @@ class FamilyDefaults:
     threshold: Optional[float] = None
     editing_threshold: Optional[float] = None  # None: committed tokens never change
     max_post_steps: int = 16  # editing passes allowed once a block has no masks
+    entropy_bound: Optional[float] = None  # None: the entropy rules' own default
 
 
 class LayerStack(nn.Module):
@@ -56,8 +57,11 @@ class Adapter:
     defaults: ClassVar[FamilyDefaults]
     align_blocks: ClassVar[bool] = False  # blocks on absolute multiples of block_length
     presets: ClassVar[dict] = {}  # named option sets (LLaDA2.1's "speed" / "quality")
-    # Settings of a uniform-noise canvas (DiffusionGemma); None: a masked canvas.
-    uniform_noise: ClassVar[Optional[dict]] = None
+    # The decoding paradigm (mlx_lm_diffusion.decoders): "masked_block" or "uniform_canvas".
+    decoder: ClassVar[str] = "masked_block"
+    # The family's own decoding options (model_adapters.option.Option), with their
+    # defaults; the resolved values reach `configure` and the decoder as `options.family`.
+    options: ClassVar[tuple] = ()
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model
@@ -71,8 +75,17 @@ class Adapter:
     def block_length(self) -> Optional[int]:
         return self.defaults.block_length
 
+    @property
+    def suppress_ids(self) -> frozenset:
+        """Token ids never proposed: the mask token."""
+        return frozenset() if self.mask_id is None else frozenset({self.mask_id})
+
+    def check_options(self, family: dict, values: dict) -> None:
+        """Refuse a combination of this family's options (`family`, defaults filled in)
+        and the options set (`values`) that it cannot decode (ValueError)."""
+
     def configure(self, options: Any) -> None:
-        """Read family switches from the resolved options (Nemotron's causal_context)."""
+        """Read the family's own switches from the resolved options (`options.family`)."""
 
     def start(self, prompt: mx.array) -> Any:
         """Prepare a decode of `prompt` (B, P); returns the adapter's state."""

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 from .base import Adapter as _BaseAdapter
 from .base import FamilyDefaults
+from .option import Option
 
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -315,9 +316,18 @@ class Adapter(_BaseAdapter):
     # generation_diffusion_gemma.py's defaults: canvases of 256 (the config's canvas_length),
     # at most 48 steps, entropy-bound acceptance (0.1), temperature 0.8 -> 0.4, stop when
     # stable (1) and confident (0.005).
-    defaults = FamilyDefaults(block_length=256, strategy="entropy_bound", steps=48)
-    uniform_noise = dict(entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1,
-                         confidence_threshold=0.005)
+    defaults = FamilyDefaults(block_length=256, strategy="entropy_bound", steps=48, entropy_bound=0.1)
+    decoder = "uniform_canvas"
+    options = (
+        Option("t_min", float, "DiffusionGemma: temperature at a canvas's last step", default=0.4,
+               low=0.0, low_open=True),
+        Option("t_max", float, "DiffusionGemma: temperature at a canvas's first step", default=0.8,
+               low=0.0, low_open=True),
+        Option("stability_threshold", int, "DiffusionGemma: stop a row once its argmax canvas "
+               "repeats this many times (and is confident)", default=1, low=1),
+        Option("confidence_threshold", float, "DiffusionGemma: ... and its mean entropy is below this",
+               default=0.005, low=0.0),
+    )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model

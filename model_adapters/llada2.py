@@ -24,6 +24,7 @@ from mlx_lm.models.base import BaseModelArgs
 
 from .base import FamilyDefaults
 from .block_cache import BlockCausalAdapter, window_mask
+from .option import Option
 
 BLOCK_SIZE = 32  # LLaDA2.x is trained with block-causal attention over 32-token blocks
 
@@ -222,6 +223,9 @@ class Model(nn.Module):
         return lambda key: "expert_bias" not in key
 
 
+EDIT_OPS = ("substitute", "insert", "delete")
+
+
 class Adapter(BlockCausalAdapter):
     """LLaDA2.0/2.1 `generate`: 32-token blocks aligned on absolute positions (the
     first starts at floor(P / 32) * 32 and holds the prompt's tail), threshold 0.95
@@ -236,6 +240,24 @@ class Adapter(BlockCausalAdapter):
         "speed": {"threshold": 0.5, "editing_threshold": 0.0},
         "quality": {"threshold": 0.7, "editing_threshold": 0.5},
     }
+    options = (
+        Option("edit_ops", tuple, f"Token edits: {', '.join(EDIT_OPS)} (insert and delete, LLaDA2.2's, "
+               "are refused)", item=str),
+    )
+
+    def check_options(self, family: dict, values: dict) -> None:
+        """Substitution edits are LLaDA2.1/2.2's editing_threshold; LLaDA2.2's insert and
+        delete edits change the canvas length, which a fixed canvas cannot do."""
+        ops = set(family.get("edit_ops") or ())
+        if ops - set(EDIT_OPS):
+            raise ValueError(f"Unknown edit_ops {sorted(ops - set(EDIT_OPS))}; choose from {EDIT_OPS}")
+        if ops & {"insert", "delete"}:
+            raise ValueError(
+                "insert and delete edits (LLaDA2.2) change the canvas length and are not supported; "
+                "only substitution edits are: edit_ops=('substitute',) with editing_threshold"
+            )
+        if ops and values.get("editing_threshold") is None and self.defaults.editing_threshold is None:
+            raise ValueError("substitution edits need an editing_threshold (or a preset that sets one)")
 
     def __init__(self, model: Any, tokenizer: Any = None, use_cache: bool = True):
         super().__init__(model, tokenizer, use_cache)

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import KVCache
 
 from .base import Adapter as _BaseAdapter
 from .base import FamilyDefaults
+from .option import Option
 
 
 @dataclass
@@ -175,15 +176,18 @@ class Adapter(_BaseAdapter):
     # NVIDIA's model card: blocks of 32, confidence threshold 0.9 (>=, the most confident
     # always commits); causal context on.
     defaults = FamilyDefaults(block_length=32, strategy="threshold", threshold=0.9)
+    options = (
+        Option("causal_context", bool, "Nemotron-Labs Diffusion: encode the prefix causally and seed "
+               "each block's first token from it (default on)", default=True),
+    )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         super().__init__(model, tokenizer)
         self.causal_context = True
 
     def configure(self, options: Any) -> None:
-        """Read the decode's family switches (the engine calls this once per decode)."""
-        if getattr(options, "causal_context", None) is not None:
-            self.causal_context = bool(options.causal_context)
+        """Read the decode's causal_context (the engine calls this once per decode)."""
+        self.causal_context = bool(options.family.get("causal_context", True))
 
     def _encode(self, state: _State, tokens: mx.array) -> None:
         """Store `tokens` in the cache: causally (causal context) or bidirectionally."""

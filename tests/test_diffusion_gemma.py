@@ -307,9 +307,10 @@ def test_options_and_seeds(gemma):
     assert a != mld.generate(model, tok, PROMPTS[0], seed=6, **kw)
     adapter = adapter_for(model, tok)
     resolved = resolve(DecodeOptions(entropy_bound=0.5, **kw), adapter, 5)
-    assert resolved.rule.bound == resolved.uniform.entropy_bound == 0.5
+    assert resolved.rule.bound == 0.5  # (the rule holds the one entropy bound)
     resolved = resolve(DecodeOptions(**kw), adapter, 5)
     assert resolved.rule.bound == 0.1 and resolved.steps == 48 and resolved.block_length == CANVAS
+    assert dict(resolved.family) == dict(t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.005)
 
 
 @pytest.mark.parametrize("options,word", [

@@ -1,0 +1,181 @@
+"""What every decoder shares: the canvas, a block's state, queued steps, logit statistics.
+
+A decoder is one decoding paradigm (a masked canvas denoised block by block, a
+uniform-noise canvas re-decided whole at every step); the engine's driver walks the
+blocks and hands each to the decoder the adapter chose (`Adapter.decoder`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_arsenal.diffusion import TokenStats
+
+
+class Canvas:
+    """A decode's canvas (B, P + N): the tokens on the device, their latest host copy,
+    and each row's progress (`done`, `final`), kept per row so that rows can differ."""
+
+    def __init__(self, prompt: mx.array, generated: int, fill: int):
+        B, P = prompt.shape
+        self.tokens = mx.concatenate([prompt.astype(mx.int32), mx.full((B, generated), fill, mx.int32)], axis=1)
+        self.host = np.array(self.tokens)  # the host copy of the latest tokens read back
+        self.synced = self.tokens  # ... which is this array
+        self.prompt_len = P
+        self.done = np.zeros(B, dtype=bool)  # rows that finished (EOS in their final prefix, or full)
+        self.final = np.zeros(B, dtype=np.int64)  # per row: generated tokens that are final
+        self.forwards = 0
+
+    @property
+    def rows(self) -> int:
+        return self.host.shape[0]
+
+    def sync(self) -> np.ndarray:
+        """Read the latest tokens back to the host (waits for the steps queued so far)."""
+        if self.synced is not self.tokens:
+            self.host, self.synced = np.array(self.tokens), self.tokens
+        return self.host
+
+    def host_of(self, tokens: mx.array) -> np.ndarray:
+        """The host copy of `tokens`, an array this canvas held (the latest or an earlier one)."""
+        if tokens is self.tokens:
+            return self.sync()
+        return self.host if tokens is self.synced else np.array(tokens)
+
+    def write(self, block: mx.array, start: int) -> None:
+        """Put `block` at [start, start + width) (a new array: a queued step may still hold the old one)."""
+        self.tokens = mx.slice_update(self.tokens, block, mx.array([0, start]), axes=(0, 1))
+
+    def open_rows(self, start: int, end: int, mask_id: int) -> np.ndarray:
+        """Masked positions of [start, end) in rows still decoding, from the host copy."""
+        return (self.host[:, start:end] == mask_id) & ~self.done[:, None]
+
+    def live_rows(self) -> mx.array:
+        return mx.array(~self.done)[:, None]
+
+
+@dataclass
+class BlockState:
+    """One block's decoding state, passed explicitly through a decoder's steps."""
+
+    start: int
+    end: int
+    confidence: mx.array  # (B, end - start) each token's confidence at commit
+    kept: Optional[mx.array] = None  # (B, end - start, V) each token's log-probs at commit
+    masked: Optional[np.ndarray] = None  # (B,) host count of masks per row still decoding
+    first_open: Optional[np.ndarray] = None  # (B, end - start) the masks at the block's first step
+    rule_state: Any = None  # the commit rule's state for this block (CommitRule.start_block)
+    step: int = 0
+    post_steps: int = 0  # editing passes once the block had no masks
+
+
+@dataclass
+class Queued:
+    """A step whose arrays may still be computing (a Step's fields, tokens on device)."""
+
+    tokens: mx.array
+    kept: Optional[mx.array]
+    confidence: mx.array
+    forwards: int
+    block: tuple[int, int]
+    step: int
+    block_over: bool
+    forward: bool
+
+
+def queue(canvas: Canvas, block: BlockState, kept: Optional[mx.array], block_over: bool,
+          forward: bool = True) -> Queued:
+    return Queued(canvas.tokens, kept, block.confidence, canvas.forwards, (block.start, block.end),
+                  block.step, block_over, forward)
+
+
+def normalized_stats(logprobs: mx.array) -> TokenStats:
+    """mlx-arsenal's `token_stats` (argmax proposal, its probability and the entropy of
+    the temperature-1 softmax) for log-probabilities that are already normalized:
+    token_stats would normalize them again, a second exp pass over the vocabulary per
+    position, which on CPU is the largest cost of a step at real vocabulary sizes.
+    mlx-arsenal would absorb this with a `normalized=True` option."""
+    x0, prob = greedy_proposal(logprobs)
+    return TokenStats(x0, prob, normalized_entropy(logprobs))
+
+
+def greedy_proposal(logprobs: mx.array) -> tuple[mx.array, mx.array]:
+    x0 = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    return x0, mx.exp(mx.max(logprobs, axis=-1))  # (the probability at the argmax)
+
+
+def normalized_entropy(logprobs: mx.array) -> mx.array:
+    """Entropy of the temperature-1 softmax, built only where a rule reads it."""
+    p = mx.exp(logprobs)
+    return -mx.sum(mx.where(p > 0, p * logprobs, 0.0), axis=-1)
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class Decoder:
+    """One decoding paradigm. The driver calls `canvas_length` and `fill` to build the
+    canvas, then `decode_block` for each block, which yields one `Queued` per step."""
+
+    name: ClassVar[str]
+    # Blocks keep their size past max_tokens: the canvas is decoded whole and cut.
+    whole_canvases: ClassVar[bool] = False
+
+    def __init__(self, adapter: Any, options: Any, keep_logprobs: bool = True):
+        self.adapter, self.options, self.keep_logprobs = adapter, options, keep_logprobs
+
+    @classmethod
+    def check_options(cls, values: dict, adapter: Any) -> None:
+        """Refuse options that mean nothing to this paradigm (ValueError)."""
+
+    @classmethod
+    def generated_length(cls, max_tokens: int, block_length: int) -> int:
+        """Positions decoded after the prompt, for the context check."""
+        return max_tokens
+
+    def canvas_length(self, prompt_len: int) -> int:
+        return self.options.max_tokens
+
+    @property
+    def fill(self) -> int:
+        """The token a fresh canvas holds after the prompt."""
+        raise NotImplementedError
+
+    def may_run_ahead(self) -> bool:
+        """Whether a step may be queued before the previous one is read back (the
+        control flow then reads no step's tokens but through the host mask counts)."""
+        return False
+
+    def changing(self) -> bool:
+        """Whether tokens of the current block can change until the block is over."""
+        return False
+
+    def draft(self, host: np.ndarray, end: int) -> np.ndarray:
+        """The canvas a Step shows."""
+        return host
+
+    def decode_block(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator[Queued]:
+        raise NotImplementedError
+
+    def process(self, canvas: Canvas, logits: mx.array, stop: Optional[int]) -> mx.array:
+        """mlx-lm logits processors, per row, over the row's committed tokens before
+        `stop` (mask ids left out); logits in float32."""
+        if logits.dtype != mx.float32:
+            logits = logits.astype(mx.float32)
+        processors = self.options.logits_processors
+        if not processors:
+            return logits
+        host = canvas.sync()[:, :stop]
+        rows = []
+        for b in range(logits.shape[0]):
+            row = host[b]
+            history = mx.array(row[row != self.adapter.mask_id]) if self.adapter.mask_id is not None else mx.array(row)
+            out = logits[b]
+            for processor in processors:
+                out = processor(history, out)
+            rows.append(out)
+        return mx.stack(rows)

@@ -1,0 +1,202 @@
+"""The masked-block decoder: LLaDA, Dream, SDAR, LLaDA2.x, Nemotron-Labs Diffusion, ar.
+
+A block starts as mask tokens (or with its first token seeded by the adapter's causal
+pass, `Adapter.block_seed`). Each step the adapter predicts the block, the proposals are
+scored, the commit rule selects masked positions and they are written into the canvas;
+with an editing threshold, committed tokens may also be revised (LLaDA2.1 editing). A
+block ends once it has no masks (and, with editing, no more edits or `max_post_steps`
+passes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import mlx.core as mx
+from mlx_arsenal.diffusion import edit_transfer
+from mlx_lm.sample_utils import apply_top_p
+
+from ..commit_rules import StepInputs
+from .base import (
+    BlockState,
+    Canvas,
+    Decoder,
+    Queued,
+    greedy_proposal,
+    log_softmax,
+    normalized_entropy,
+    queue,
+)
+
+
+class MaskedBlockDecoder(Decoder):
+    name = "masked_block"
+
+    def __init__(self, adapter: Any, options: Any, keep_logprobs: bool = True):
+        if adapter.mask_id is None:
+            raise ValueError(f"{adapter.family} has no mask token; it cannot use a masked canvas")
+        super().__init__(adapter, options, keep_logprobs)
+        self.editing = options.editing_threshold is not None
+        self.suppress = None  # added to the logits: the suppressed ids are never proposed
+        if adapter.suppress_ids:
+            self.suppress = mx.zeros((adapter.vocab_size,), mx.float32)
+            self.suppress[mx.array(sorted(adapter.suppress_ids))] = -mx.inf
+
+    def canvas_length(self, prompt_len: int) -> int:
+        a, o = self.adapter, self.options
+        if not a.align_blocks:
+            return o.max_tokens
+        # block-diffusion references decode whole blocks (within the model's context)
+        whole = -(-(prompt_len + o.max_tokens) // o.block_length) * o.block_length
+        return max(o.max_tokens, min(whole, a.max_length or whole) - prompt_len)
+
+    @property
+    def fill(self) -> int:
+        return self.adapter.mask_id
+
+    def may_run_ahead(self) -> bool:
+        return not (self.options.logits_processors or self.editing)
+
+    def changing(self) -> bool:
+        return self.editing  # an edit can revise a committed token until its block is over
+
+    def decode_block(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator[Queued]:
+        """Steps until the block has no masks (and, with editing, no more edits)."""
+        o, rule = self.options, self.options.rule
+        b = self._start_block(state, canvas, start, end)
+        # A bound no rule may exceed: the rule's own, plus at most max_post_steps + 1
+        # editing passes once the block is full.
+        limit = rule.step_bound(o.steps, end - start) + (o.max_post_steps + 1) * self.editing
+        while True:
+            if canvas.done.any():  # rows that finished commit nothing more
+                b.masked = b.masked * ~canvas.done
+            has_mask = bool(b.masked.any())
+            if not has_mask:
+                b.post_steps += 1
+                if not self.editing or b.post_steps > o.max_post_steps:
+                    break
+            if b.step >= limit:
+                raise RuntimeError(f"{rule.name} did not finish a block within {limit} steps")
+            edited = self._step(state, canvas, b, has_mask)
+            block_over = self.editing and not has_mask and not edited
+            yield queue(canvas, b, b.kept, block_over)
+            b.step += 1
+            if block_over:
+                return
+        if self.editing or b.step == 0:  # the block is final now: an event releases its tokens
+            yield queue(canvas, b, b.kept, True, forward=False)
+
+    def _start_block(self, state: Any, canvas: Canvas, start: int, end: int) -> BlockState:
+        B, width = canvas.rows, end - start
+        kept = mx.zeros((B, width, self.adapter.vocab_size)) if self.keep_logprobs else None
+        b = BlockState(start, end, confidence=mx.zeros((B, width)), kept=kept)
+        self._seed(state, canvas, b)
+        # Nothing has written into this block since the canvas was built (or since _seed
+        # read it back), so the host copy shows its masks even while a step is in flight.
+        b.first_open = canvas.open_rows(start, end, self.adapter.mask_id)
+        b.masked = b.first_open.sum(axis=1)  # per row, kept on the host without reading tokens back
+        b.rule_state = self.options.rule.start_block(b.masked, self.options.steps)
+        return b
+
+    def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool) -> bool:
+        """One forward and its commits; returns whether a committed token was edited."""
+        o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
+        x0, prob, logprobs = self._predict(state, canvas, b)
+        committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked) if has_mask else 0
+        takes_all = has_mask and committed is not None and (committed == b.masked).all()
+        edited = False
+        if takes_all and b.step == 0 and b.first_open.all() and not self.editing:
+            # the step fills the whole block (at block length 1, every step): it is the proposal
+            self._apply(canvas, b, None, x0, prob, logprobs)
+        else:
+            if b.step == 0:  # (the host copy of the block is current until its first commit)
+                candidates = mx.array(b.first_open)
+            else:
+                candidates = (canvas.tokens[:, b.start : b.end] == mask_id) & canvas.live_rows()
+            if not has_mask:
+                commit = mx.zeros(candidates.shape, dtype=mx.bool_)
+            elif takes_all:
+                commit = candidates  # every candidate commits: no ranking can change that
+            else:
+                inputs = StepInputs(x0, prob, normalized_entropy(logprobs), logprobs, candidates, b.step,
+                                    o.steps, b.masked)
+                commit = rule.select(inputs, b.rule_state)
+            if self.editing:
+                block = canvas.tokens[:, b.start : b.end]
+                editable = (block != mask_id) & canvas.live_rows()
+                edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
+                commit = commit | edit
+                edited = bool(mx.any(edit).item())
+            self._apply(canvas, b, commit, x0, prob, logprobs)
+        if committed is None:  # this step's tokens decide: read them back
+            canvas.sync()
+            b.masked = canvas.open_rows(b.start, b.end, mask_id).sum(axis=1)
+        else:
+            b.masked = b.masked - committed
+        return edited
+
+    def _seed(self, state: Any, canvas: Canvas, b: BlockState) -> None:
+        """Commit the block's first token when a causal pass already proposed it (the
+        adapter's `block_seed`), in rows still decoding."""
+        logits = self.adapter.block_seed(state, canvas.tokens, b.start)
+        if logits is None:
+            return
+        logprobs = log_softmax(self._suppressed(self.process(canvas, logits[:, None], b.start)))
+        x0, prob = self._propose(logprobs)
+        start = b.start
+        open_row = canvas.live_rows()[:, 0] & (canvas.tokens[:, start] == self.adapter.mask_id)
+        seeded = mx.where(open_row, x0[:, 0], canvas.tokens[:, start])[:, None]
+        canvas.write(seeded, start)
+        b.confidence[:, 0] = mx.where(open_row, prob[:, 0], b.confidence[:, 0])
+        if b.kept is not None:
+            b.kept[:, 0] = mx.where(open_row[:, None], logprobs[:, 0], b.kept[:, 0])
+        mx.eval(canvas.tokens, b.kept, b.confidence)
+        canvas.sync()
+
+    def _predict(self, state: Any, canvas: Canvas, b: BlockState):
+        logits = self.adapter.predict(state, canvas.tokens, b.start, b.end)
+        canvas.forwards += 1
+        logprobs = log_softmax(self._suppressed(self.process(canvas, logits, None)))
+        temperatures = self.options.temperature_schedule
+        if temperatures is not None:
+            temperature = temperatures[min(b.step, len(temperatures) - 1)]
+            return (*self._propose_tempered(logprobs, temperature), logprobs)
+        return (*self._propose(logprobs), logprobs)
+
+    def _apply(self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob, logprobs) -> None:
+        """Write the committed proposals into the canvas (commit None: the whole block)."""
+        if commit is None:
+            block, b.confidence = x0, prob
+            b.kept = None if b.kept is None else logprobs
+        else:
+            block = mx.where(commit, x0, canvas.tokens[:, b.start : b.end])
+            if b.kept is not None:
+                b.kept = mx.where(commit[..., None], logprobs, b.kept)
+            b.confidence = mx.where(commit, prob, b.confidence)
+        canvas.write(block, b.start)
+        mx.async_eval(canvas.tokens, b.kept, b.confidence)  # computes while the host goes on
+
+    def _suppressed(self, logits: mx.array) -> mx.array:
+        return logits if self.suppress is None else logits + self.suppress
+
+    def _propose(self, logprobs: mx.array):
+        """Proposed tokens with their temperature-1 probability."""
+        sampler = self.options.sampler
+        if sampler is None:
+            return greedy_proposal(logprobs)
+        B, L, V = logprobs.shape
+        x0 = sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
+        prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
+        return x0, prob
+
+    def _propose_tempered(self, logprobs: mx.array, temperature: float):
+        """The step-schedule protocol's proposal: logits / temperature (greedy at 0),
+        confidence = the largest tempered probability, tokens drawn with nucleus top_p."""
+        if temperature == 0:
+            return greedy_proposal(logprobs)
+        tempered = log_softmax(logprobs / temperature)
+        confidence = mx.exp(mx.max(tempered, axis=-1))
+        if self.options.top_p < 1.0:
+            tempered = apply_top_p(tempered, self.options.top_p)
+        x0 = mx.random.categorical(tempered).astype(mx.int32)
+        return x0, confidence

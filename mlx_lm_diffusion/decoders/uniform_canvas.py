@@ -1,0 +1,107 @@
+"""The uniform-canvas decoder (DiffusionGemma): no mask token, whole canvases of noise.
+
+Hugging Face's generation_diffusion_gemma.py: a canvas starts as uniformly random
+tokens; each step the model predicts every position of the noisy canvas, the logits
+are divided by a temperature linear in the remaining steps, a token is drawn everywhere,
+the rule accepts some of them (entropy_bound_transfer over all positions by default) and
+every other position is re-noised. A row stops once its argmax canvas is stable and
+confident (frozen from then on, as in the reference), the canvas once every row stopped
+or after `steps` steps; the argmax canvas is the draft and the output. Random draws
+follow the reference: the canvas, then per step the sample and the noise.
+
+The adapter declares the settings as its own options: `t_min`, `t_max` (the temperature
+at the last and first step), `stability_threshold` and `confidence_threshold` (the stop).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import mlx.core as mx
+import numpy as np
+from mlx_arsenal.diffusion import StableConfidentStopping, linear_temperature, renoise, uniform_canvas
+
+from ..commit_rules import StepInputs
+from .base import BlockState, Canvas, Decoder, Queued, log_softmax, normalized_stats, queue
+
+# Generic options that mean nothing when every step re-decides every position.
+NOT_APPLICABLE = ("editing_threshold", "temperature_schedule", "schedule")
+
+
+class UniformCanvasDecoder(Decoder):
+    name = "uniform_canvas"
+    whole_canvases = True
+
+    @classmethod
+    def check_options(cls, values: dict, adapter: Any) -> None:
+        for name in NOT_APPLICABLE:
+            if values.get(name) is not None:
+                raise ValueError(
+                    f"{name} does not apply to {adapter.family}, whose canvas is uniform noise "
+                    "(every step re-decides every position); drop it"
+                )
+
+    @classmethod
+    def generated_length(cls, max_tokens: int, block_length: int) -> int:
+        return -(-max_tokens // block_length) * block_length  # decoded whole, even past max_tokens
+
+    def canvas_length(self, prompt_len: int) -> int:
+        return self.generated_length(self.options.max_tokens, self.options.block_length)
+
+    @property
+    def fill(self) -> int:
+        return 0  # (positions not reached yet hold 0)
+
+    def changing(self) -> bool:
+        return True  # a canvas's tokens are final once the canvas is
+
+    def draft(self, host: np.ndarray, end: int) -> np.ndarray:
+        return host[:, :end]  # the argmax drafts up to the end of the current canvas
+
+    def decode_block(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator[Queued]:
+        a, o, settings = self.adapter, self.options, self.options.family
+        B, L = canvas.rows, end - start
+        stop = StableConfidentStopping(settings["stability_threshold"], settings["confidence_threshold"])
+        noisy = uniform_canvas((B, L), a.vocab_size)
+        stopped = mx.array(canvas.done)
+        argmax, kept = canvas.tokens[:, start:end], None
+        b = BlockState(start, end, confidence=mx.zeros((B, L)))
+        b.rule_state = o.rule.start_block(np.full(B, L), o.steps)
+        for b.step in range(o.steps):
+            noisy_canvas = mx.concatenate([canvas.tokens[:, :start], noisy, canvas.tokens[:, end:]], axis=1)
+            logits = self.process(canvas, a.predict(state, noisy_canvas, start, end), start)
+            canvas.forwards += 1
+            temperature = linear_temperature(o.steps - b.step, o.steps, t_min=settings["t_min"],
+                                             t_max=settings["t_max"])
+            z = logits / temperature
+            a.condition(state, z)  # the model's self-conditioning input at the next step
+            logprobs = log_softmax(z)
+            stats = normalized_stats(logprobs)
+            sample = self._draw(z, logprobs)
+            prob = mx.exp(mx.take_along_axis(logprobs, sample[..., None], axis=-1)[..., 0])
+            rows = mx.broadcast_to(~stopped[:, None], (B, L))
+            accepted = o.rule.select(StepInputs(sample, prob, stats.entropy, logprobs, rows, b.step, o.steps),
+                                     b.rule_state)
+            fresh = renoise(sample, accepted, uniform_canvas((B, L), a.vocab_size))
+            frozen = stopped[:, None]
+            argmax = mx.where(frozen, argmax, stats.x0)
+            noisy = mx.where(frozen, noisy, fresh)
+            b.confidence = mx.where(frozen, b.confidence, stats.prob)
+            kept = logprobs if kept is None else mx.where(frozen[..., None], kept, logprobs)
+            stopped = stopped | stop(argmax, stats.entropy)
+            canvas.tokens = mx.concatenate([canvas.tokens[:, :start], argmax, canvas.tokens[:, end:]], axis=1)
+            mx.eval(canvas.tokens, noisy, stopped, kept, b.confidence)
+            canvas.sync()
+            yield queue(canvas, b, kept if self.keep_logprobs else None, False)
+            if bool(mx.all(stopped).item()):
+                break
+        # the canvas is final: one more event releases its tokens
+        b.step += 1
+        yield queue(canvas, b, kept if self.keep_logprobs else None, True, forward=False)
+
+    def _draw(self, z: mx.array, logprobs: mx.array) -> mx.array:
+        """A token per position from softmax(z), as the reference draws; or the caller's sampler."""
+        if self.options.sampler is None:
+            return mx.random.categorical(z).astype(mx.int32)
+        B, L, V = logprobs.shape
+        return self.options.sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
