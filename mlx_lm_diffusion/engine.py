@@ -45,13 +45,13 @@ class Step:
     block: tuple[int, int]
     step: int  # step index within the block
     block_logprobs: Optional[mx.array] = None  # (B, block, V) log-probs each token had at commit
-    forward: bool = True  # False: a block-over event without a model forward
+    ran_forward: bool = True  # False: a block-over event without a model forward
     block_confidence: Optional[mx.array] = None  # (B, block) each token's confidence at commit
 
     @property
-    def ran_forward(self) -> bool:
-        """Whether this step ran a model forward (`forward`, named beside `forwards`)."""
-        return self.forward
+    def forward(self) -> bool:
+        """The earlier name of `ran_forward` (easy to confuse with `forwards`)."""
+        return self.ran_forward
 
     def logprobs(self, row: int, position: int) -> Optional[mx.array]:
         """(V,) log-probs of the token at `position` when it was committed. Every token
@@ -123,7 +123,7 @@ class Engine:
         horizon = end if (q.block_over or not self.decoder.changing()) else start
         self._finality(canvas, host, horizon)
         return Step(self.decoder.draft(host, end), canvas.prompt_len, canvas.final, canvas.done.copy(),
-                    q.forwards, q.block, q.step, q.kept, q.forward, q.confidence)
+                    q.forwards, q.block, q.step, q.kept, q.ran_forward, q.confidence)
 
     def _finality(self, canvas: Canvas, host: np.ndarray, horizon: int) -> None:
         """Final = the committed prefix of the generation before `horizon`, up to and

@@ -84,7 +84,7 @@ def stream_generate(
             prompt_time = time.perf_counter() - tic
             prompt_tps = P / max(prompt_time, 1e-9)
             tic = time.perf_counter()
-        if draft_callback is not None and step.forward:
+        if draft_callback is not None and step.ran_forward:
             draft_callback(step)
         while emitted < step.final[0]:
             token = int(step.canvas[0, P + emitted])

@@ -40,7 +40,8 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("factor", float, "Factor of the 'factor' strategy", low=0.0, low_open=True),
     Option("entropy_bound", float, "Entropy budget of the 'entropy_bound' / 'entropy_bounded' strategies",
            low=0.0),
-    Option("alg_temp", float, "Temperature of Dream's confidence ranking", low=0.0),
+    Option("alg_temp", float, "Temperature of the maskgit_plus / topk_margin / entropy rules' ranking "
+           "(0: the most confident first)", low=0.0),
     Option("editing_threshold", help="Revise committed tokens whose replacement is this confident",
            **_PROBABILITY),
     Option("max_post_steps", int, "Editing passes once a block is full", low=0),
@@ -53,7 +54,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
            low_open=True, named=False),
     Option("sampler", object, "mlx-lm sampler over log-probs; greedy if None", named=False),
     Option("logits_processors", tuple, "mlx-lm logits processors", default=(), named=False),
-    Option("seed", int, "PRNG seed", named=False),
+    Option("seed", int, "PRNG seed", low=0, high=2**64 - 1, named=False),  # (mx.random.seed's range)
 )
 
 

@@ -30,7 +30,7 @@ from model_adapters import adapter_for
 
 from .commit_rules import Quota, StepInputs
 from .engine import Engine
-from .options import DecodeOptions, resolve
+from .options import DecodeOptions, resolve, schema
 from .schedules import GAMMAS, ScheduleQuota
 
 REQUEST_SCHEMA: dict = {
@@ -45,7 +45,7 @@ REQUEST_SCHEMA: dict = {
         "temperature_schedule": {"type": "array", "items": {"type": "number", "minimum": 0.0}},
         "top_p": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},  # draft-07 form
         "confidence_threshold": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},
-        "seed": {"type": "integer"},
+        "seed": schema()["seed"].json_schema(),  # extension fields, from the options schema
     },
     "required": [
         "prompt_tokens",

@@ -86,6 +86,21 @@ class Option:
     def _hint(self) -> str:
         return f"; {self.hint}" if self.hint else ""
 
+    def json_schema(self) -> dict:
+        """This option as a JSON-schema property (draft-07)."""
+        types = {int: "integer", float: "number", bool: "boolean", str: "string"}
+        if self.kind is tuple:
+            return {"type": "array", "items": Option(self.name, self.item, self.help, low=self.low,
+                                                     high=self.high, choices=self.choices).json_schema()}
+        out: dict = {"type": types[self.kind], "description": self.help}
+        if self.low is not None:
+            out["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if self.high is not None:
+            out["maximum"] = self.high
+        if self.choices is not None:
+            out["enum"] = list(self.choices)
+        return out
+
     def add_argument(self, group: Any) -> None:
         """This option as a command-line flag (values are checked later by `check`, so a
         bad one gives one clear line rather than argparse's usage dump)."""

@@ -83,13 +83,13 @@ class Queued:
     block: tuple[int, int]
     step: int
     block_over: bool
-    forward: bool
+    ran_forward: bool
 
 
 def queue(canvas: Canvas, block: BlockState, kept: Optional[mx.array], block_over: bool,
-          forward: bool = True) -> Queued:
+          ran_forward: bool = True) -> Queued:
     return Queued(canvas.tokens, kept, block.confidence, canvas.forwards, (block.start, block.end),
-                  block.step, block_over, forward)
+                  block.step, block_over, ran_forward)
 
 
 def normalized_stats(logprobs: mx.array) -> TokenStats:

@@ -84,14 +84,14 @@ class MaskedBlockDecoder(Decoder):
             if block_over:
                 return
         if self.editing or b.step == 0:  # the block is final now: an event releases its tokens
-            yield queue(canvas, b, b.kept, True, forward=False)
+            yield queue(canvas, b, b.kept, True, ran_forward=False)
 
     def _start_block(self, state: Any, canvas: Canvas, start: int, end: int) -> BlockState:
         B, width = canvas.rows, end - start
         kept = mx.zeros((B, width, self.adapter.vocab_size)) if self.keep_logprobs else None
         b = BlockState(start, end, confidence=mx.zeros((B, width)), kept=kept)
-        self._seed(state, canvas, b)
-        # Nothing has written into this block since the canvas was built (or since _seed
+        self._seed_first_token(state, canvas, b)
+        # Nothing has written into this block since the canvas was built (or since the seed
         # read it back), so the host copy shows its masks even while a step is in flight.
         b.first_open = canvas.open_rows(start, end, self.adapter.mask_id)
         b.masked = b.first_open.sum(axis=1)  # per row, kept on the host without reading tokens back
@@ -135,7 +135,7 @@ class MaskedBlockDecoder(Decoder):
             b.masked = b.masked - committed
         return edited
 
-    def _seed(self, state: Any, canvas: Canvas, b: BlockState) -> None:
+    def _seed_first_token(self, state: Any, canvas: Canvas, b: BlockState) -> None:
         """Commit the block's first token when a causal pass already proposed it (the
         adapter's `block_seed`), in rows still decoding."""
         logits = self.adapter.block_seed(state, canvas.tokens, b.start)

@@ -97,7 +97,7 @@ class UniformCanvasDecoder(Decoder):
                 break
         # the canvas is final: one more event releases its tokens
         b.step += 1
-        yield queue(canvas, b, kept if self.keep_logprobs else None, True, forward=False)
+        yield queue(canvas, b, kept if self.keep_logprobs else None, True, ran_forward=False)
 
     def _draw(self, z: mx.array, logprobs: mx.array) -> mx.array:
         """A token per position from softmax(z), as the reference draws; or the caller's sampler."""
