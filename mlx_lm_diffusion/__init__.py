@@ -39,9 +39,17 @@ def load(
     model_config: Optional[Dict[str, Any]] = None,
     revision: Optional[str] = None,
     autoregressive: bool = False,
+    adapter_path: Optional[str] = None,
+    trust_remote_code: bool = False,
 ):
     """Load a diffusion checkpoint (Hugging Face layout or converted MLX) with mlx-lm's
     own loader; returns (model, tokenizer) as `mlx_lm.load` does.
+
+    Remote code is never run unless `trust_remote_code=True` (as in mlx-lm): the
+    released checkpoints name their modeling code in config.json's `auto_map`, but
+    the models are built here and their tokenizers load without it, so transformers
+    is told `trust_remote_code=False` and never asks ("Do you wish to run the custom
+    code? [y/N]") nor waits. A `trust_remote_code` in `tokenizer_config` wins.
 
     With `autoregressive=True` any mlx-lm causal LM loads too and is decoded through
     the "ar" adapter (a degenerate diffusion model: model_adapters.ar)."""
@@ -57,7 +65,13 @@ def load(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return mlx_lm_load(str(model_path), tokenizer_config=tokenizer_config, model_config=model_config)
+        return mlx_lm_load(
+            str(model_path),
+            tokenizer_config={"trust_remote_code": bool(trust_remote_code), **(tokenizer_config or {})},
+            model_config=model_config,
+            adapter_path=adapter_path,
+            trust_remote_code=bool(trust_remote_code),
+        )
     finally:
         hf_logging.set_verbosity(verbosity)
 

@@ -1,0 +1,86 @@
+"""Run a command under a pseudo-terminal (stdin, stdout and stderr all a tty), as a
+person at a terminal runs it: feed it lines, read everything it prints, bounded."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import signal
+import time
+from typing import Optional, Sequence, Tuple
+
+
+def run_in_pty(
+    argv: Sequence[str],
+    inputs: Sequence[object] = (),
+    timeout: float = 120.0,
+    env: Optional[dict] = None,
+    wait_for: Optional[str] = None,
+) -> Tuple[Optional[int], str, float]:
+    """Run `argv` on a pty; returns (exit code or None if killed at `timeout`,
+    everything printed, seconds it ran). Each item of `inputs` is written once the
+    output so far holds `wait_for` (or at once without it), then `wait_for` must
+    appear again before the next one: a str is typed (with a newline), b"\\x03" is
+    Ctrl-C (SIGINT to the child), b"\\x04" is end of input."""
+    env = {**os.environ, **(env or {}), "HF_HUB_OFFLINE": "1", "TERM": "xterm", "COLUMNS": "100"}
+    start = time.monotonic()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child
+        try:
+            os.execvpe(argv[0], list(argv), env)
+        finally:
+            os._exit(127)
+    out = b""
+    pending = list(inputs)
+    seen = 0  # prompts consumed so far
+    status = None
+    try:
+        while True:
+            if time.monotonic() - start > timeout:
+                os.kill(pid, signal.SIGKILL)
+                break
+            text = out.decode("utf-8", "replace")
+            if pending and (wait_for is None or text.count(wait_for) > seen):
+                item = pending.pop(0)
+                seen += 1
+                if item == b"\x03":
+                    os.kill(pid, signal.SIGINT)
+                elif isinstance(item, bytes):
+                    os.write(fd, item)
+                else:
+                    os.write(fd, (str(item) + "\n").encode())
+            r, _, _ = select.select([fd], [], [], 0.1)
+            if r:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    chunk = b""
+                if not chunk:
+                    break
+                out += chunk
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                # drain what is left
+                while True:
+                    r, _, _ = select.select([fd], [], [], 0.2)
+                    if not r:
+                        break
+                    try:
+                        chunk = os.read(fd, 65536)
+                    except OSError:
+                        break
+                    if not chunk:
+                        break
+                    out += chunk
+                break
+        if status is None:
+            _, status = os.waitpid(pid, 0)
+    finally:
+        os.close(fd)
+    elapsed = time.monotonic() - start
+    if os.WIFSIGNALED(status):
+        code = None if os.WTERMSIG(status) == signal.SIGKILL else -os.WTERMSIG(status)
+    else:
+        code = os.WEXITSTATUS(status)
+    return code, out.decode("utf-8", "replace").replace("\r\n", "\n"), elapsed
