@@ -91,7 +91,7 @@ def stream_generate(
             logprobs = step.logprobs(0, P + emitted)
             emitted += 1
             stop = token in adapter.eos_ids
-            finish = "stop" if stop else ("length" if emitted == max_tokens else None)
+            finish = "stop" if stop else ("length" if emitted == options.max_tokens else None)
             if not stop:
                 detokenizer.add_token(token)
             if finish is not None:

@@ -161,12 +161,12 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
 
     defaults = adapter.defaults
     block_length = get("block_length") or defaults.block_length or get("max_tokens")
+    max_tokens = _fit_context(adapter, decoder, prompt_len, get("max_tokens"), block_length)
     if not (adapter.align_blocks or decoder.whole_canvases):  # aligned blocks and canvases keep their size
-        block_length = min(block_length, get("max_tokens"))
+        block_length = min(block_length, max_tokens)
     steps = get("steps") or defaults.steps or block_length
-    _check_context(adapter, prompt_len, get("max_tokens"), decoder.generated_length(get("max_tokens"), block_length))
     return ResolvedOptions(
-        max_tokens=get("max_tokens"),
+        max_tokens=max_tokens,
         block_length=block_length,
         steps=steps,
         rule=_rule(values, defaults, block_length),
@@ -220,14 +220,19 @@ def _rule(values: dict, defaults: Any, block_length: int) -> CommitRule:
     return make_rule(strategy, block_length=block_length, **settings)
 
 
-def _check_context(adapter: Adapter, prompt_len: int, max_tokens: int, span: int) -> None:
-    if adapter.max_length is not None and prompt_len + span > adapter.max_length:
+def _fit_context(adapter: Adapter, decoder: Any, prompt_len: int, max_tokens: int, block_length: int) -> int:
+    """max_tokens capped to what the model's context holds after the prompt (the decode
+    then ends with finish_reason "length"); a prompt that fills the context is an error."""
+    if adapter.max_length is None:
+        return max_tokens
+    room = adapter.max_length - prompt_len
+    fitted = decoder.fit_length(min(max_tokens, room), block_length, room) if room > 0 else 0
+    if fitted < 1:
         raise ValueError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}"
-            + (f", decoded as whole canvases: {span}" if span != max_tokens else "")
-            + f") exceeds the model's context of {adapter.max_length} tokens; "
-            "shorten the prompt or lower max_tokens"
+            f"the prompt ({prompt_len} tokens) leaves no room in the model's context of "
+            f"{adapter.max_length} tokens; shorten it (or reset the conversation)"
         )
+    return fitted
 
 
 def _temperatures(values: dict, steps: int) -> Optional[tuple]:

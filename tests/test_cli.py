@@ -48,7 +48,6 @@ def test_show_canvas_and_stdin_prompt(llada_path):
         (["--schedule", "exponential"], "schedule"),
         (["--preset", "speed"], "preset"),
         (["--causal-context"], "causal_context"),
-        (["--max-tokens", "100000"], "context"),
         (["--prompt", "<|mdm_mask|>", "--ignore-chat-template"], "mask token"),
     ],
 )

@@ -311,13 +311,15 @@ def test_options_and_seeds(gemma):
     resolved = resolve(DecodeOptions(**kw), adapter, 5)
     assert resolved.rule.bound == 0.1 and resolved.steps == 48 and resolved.block_length == CANVAS
     assert dict(resolved.family) == dict(t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.005)
+    capped = resolve(DecodeOptions(max_tokens=100000), adapter, 5)  # whole canvases that fit the context
+    assert capped.max_tokens == (adapter.max_length - 5) // CANVAS * CANVAS
 
 
 @pytest.mark.parametrize("options,word", [
     (dict(editing_threshold=0.5), "uniform noise"),
     (dict(causal_context=True), "causal_context"),
     (dict(entropy_bound=-1.0), "entropy_bound"),
-    (dict(max_tokens=600), "context"),
+    (dict(max_tokens=8, block_length=4096), "context"),  # (a canvas larger than the context)
     (dict(steps=0), "steps"),
 ])
 def test_bad_options(gemma, options, word):

@@ -150,7 +150,6 @@ BAD_OPTIONS = [
     (dict(max_post_steps=-1), "max_post_steps"),
     (dict(strategy="low_confidence", threshold=0.5), "threshold"),
     (dict(strategy="nope"), "strategy"),
-    (dict(max_tokens=600), "context"),
 ]
 
 
@@ -160,6 +159,20 @@ def test_bad_options_raise_before_any_output(llada, options, word):
     kw = dict(max_tokens=8) | options
     with pytest.raises(ValueError, match=word):
         next(mld.stream_generate(model, tok, PROMPT, **kw))
+
+
+def test_max_tokens_past_the_context_is_capped(llada):
+    """Issue 12: a max_tokens past the model's context decodes what fits, ending with
+    finish_reason "length" (it used to be an error)."""
+    model, tok = llada
+    room = model.max_length - len(PROMPT)
+    capped = list(mld.stream_generate(model, tok, PROMPT, max_tokens=room + 300, block_length=room,
+                                      threshold=0.0))
+    assert len(capped) <= room
+    if capped[-1].finish_reason == "length":
+        assert len(capped) == room
+    with pytest.raises(ValueError, match="context"):  # a prompt that fills the context still fails
+        mld.generate(model, tok, [65] * model.max_length, max_tokens=4)
 
 
 def test_mask_token_never_enters_the_canvas_from_a_prompt(llada):

@@ -133,9 +133,9 @@ class Decoder:
         """Refuse options that mean nothing to this paradigm (ValueError)."""
 
     @classmethod
-    def generated_length(cls, max_tokens: int, block_length: int) -> int:
-        """Positions decoded after the prompt, for the context check."""
-        return max_tokens
+    def fit_length(cls, max_tokens: int, block_length: int, room: int) -> int:
+        """The largest max_tokens <= `max_tokens` whose decode fits `room` positions."""
+        return min(max_tokens, room)
 
     def canvas_length(self, prompt_len: int) -> int:
         return self.options.max_tokens

@@ -41,12 +41,18 @@ class UniformCanvasDecoder(Decoder):
                     "(every step re-decides every position); drop it"
                 )
 
-    @classmethod
-    def generated_length(cls, max_tokens: int, block_length: int) -> int:
+    @staticmethod
+    def whole(max_tokens: int, block_length: int) -> int:
         return -(-max_tokens // block_length) * block_length  # decoded whole, even past max_tokens
 
+    @classmethod
+    def fit_length(cls, max_tokens: int, block_length: int, room: int) -> int:
+        if cls.whole(max_tokens, block_length) <= room:
+            return max_tokens
+        return room // block_length * block_length  # the whole canvases that fit
+
     def canvas_length(self, prompt_len: int) -> int:
-        return self.generated_length(self.options.max_tokens, self.options.block_length)
+        return self.whole(self.options.max_tokens, self.options.block_length)
 
     @property
     def fill(self) -> int:
