@@ -1,10 +1,12 @@
 """`install()`: let stock mlx-lm callers drive diffusion models.
 
 After `install()`, `mlx_lm.load`, `mlx_lm.generate`, `mlx_lm.stream_generate`,
-`mlx_lm.server` and `mlx_lm.chat` work on LLaDA/Dream checkpoints: every place where
-mlx-lm looks up `stream_generate` or `make_prompt_cache` gets a dispatcher that sends
-diffusion models to `compat` and every other model to the original function with the
-original arguments, untouched. `uninstall()` puts the originals back.
+`mlx_lm.server` and `mlx_lm.chat` work on diffusion checkpoints: every place where
+mlx-lm looks up `stream_generate` gets a dispatcher that sends diffusion models to
+`compat` and every other model to the original function with the original arguments,
+untouched. `uninstall()` puts the originals back. mlx-lm's own `make_prompt_cache`
+needs no patch: it calls the model's `make_cache()`, which gives diffusion models a
+`TokenCache` (model_adapters.base.DiffusionModel).
 
 Callers that bound `from mlx_lm import stream_generate` before `install()` keep the
 original function: call `install()` first.
@@ -24,13 +26,9 @@ from . import compat
 # (module, attribute) -> the diffusion implementation it dispatches to
 TARGETS: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
     ("mlx_lm.generate", "stream_generate", compat.stream_generate),  # mlx_lm.generate() calls it
-    ("mlx_lm.generate", "make_prompt_cache", compat.make_prompt_cache),
     ("mlx_lm", "stream_generate", compat.stream_generate),
-    ("mlx_lm.models.cache", "make_prompt_cache", compat.make_prompt_cache),
     ("mlx_lm.server", "stream_generate", compat.stream_generate),
-    ("mlx_lm.server", "make_prompt_cache", compat.make_prompt_cache),
     ("mlx_lm.chat", "stream_generate", compat.stream_generate),
-    ("mlx_lm.chat", "make_prompt_cache", compat.make_prompt_cache),
 )
 
 _lock = threading.Lock()

@@ -8,6 +8,7 @@ and chat then find these models like any other.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from types import ModuleType
 from typing import Any
@@ -41,13 +42,28 @@ def _family_name(model_type: str) -> str:
 
 
 def register() -> None:
-    """Expose each family as `mlx_lm.models.<model_type>` (idempotent)."""
+    """Expose each family as `mlx_lm.models.<model_type>` (idempotent). Refuses, before
+    registering any, to shadow a module that the installed mlx-lm ships itself."""
     import mlx_lm.models
 
+    shadowed = [t for t in FAMILIES if _shipped_by_mlx_lm(f"mlx_lm.models.{t}")]
+    if shadowed:
+        raise ValueError(
+            f"the installed mlx-lm ships its own mlx_lm.models.{shadowed[0]}; registering the "
+            f"diffusion family {shadowed[0]!r} would shadow it (model types: {', '.join(shadowed)})"
+        )
     for model_type in FAMILIES:
         module = family_module(model_type)
         sys.modules[f"mlx_lm.models.{model_type}"] = module
         setattr(mlx_lm.models, model_type, module)
+
+
+def _shipped_by_mlx_lm(name: str) -> bool:
+    """Whether `name` is a module of mlx-lm's own, not one registered here before."""
+    registered = sys.modules.get(name)
+    if registered is not None and registered.__name__.startswith(f"{__name__}."):
+        return False
+    return importlib.util.find_spec(name) is not None
 
 
 def family_options() -> list:

@@ -1,17 +1,24 @@
-"""The adapter contract between a model family and the decoding engine.
+"""The contracts between a model family, mlx-lm and the decoding engine.
 
-An adapter wires one family's specifics (mask token, attention layout, logit
-shift, cache, reference defaults) behind four calls. The engine never sees
-any of that; an adapter never sees commit rules, schedules or streaming.
+A family's `ModelArgs` (a `DiffusionArgs`) reads config.json: its own fields, plus the
+text backbone's mlx-lm ModelArgs (`args.text`), built by that mlx-lm module's `from_dict`
+after the family's renames. Its `Model` (a `DiffusionModel`) is the glue mlx-lm and the
+adapters expect (`DiffusionLM`): backbone, head, vocab_size, max_length, layers,
+make_cache, an idempotent sanitize. Its `Adapter` wires the family's decoding specifics
+(mask token, attention layout, logit shift, cache, reference defaults) behind four calls.
+The engine never sees any of that; an adapter never sees commit rules, schedules or
+streaming.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from types import ModuleType
+from typing import Any, ClassVar, Optional, Protocol, Union, runtime_checkable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
 
 
 @dataclass(frozen=True)
@@ -27,23 +34,160 @@ class FamilyDefaults:
     entropy_bound: Optional[float] = None  # None: the entropy rules' own default
 
 
+@dataclass
+class DiffusionArgs(BaseModelArgs):
+    """config.json of a diffusion family. Subclasses declare the family's own fields
+    (the mask id, the attention block, what they refuse) and name the mlx-lm module of
+    the text backbone (`text_module`), the config keys it spells otherwise (`renames`:
+    config key -> mlx-lm's name) and the family's defaults for keys a config may omit
+    (`text_defaults`). `from_dict` then builds `text`, that module's ModelArgs."""
+
+    model_type: str
+    mask_token_id: Optional[int] = None  # None: the tokenizer's mask token
+    eos_token_id: Optional[Union[int, list]] = None
+    pad_token_id: Optional[int] = None
+    text: Any = None  # the text backbone's mlx-lm ModelArgs, built by from_dict
+
+    text_module: ClassVar[ModuleType]
+    renames: ClassVar[dict] = {}
+    text_defaults: ClassVar[dict] = {}
+
+    @classmethod
+    def from_dict(cls, params: dict) -> "DiffusionArgs":
+        args = super().from_dict(params)
+        args.text = cls.text_module.ModelArgs.from_dict(args.text_config(params))
+        return args
+
+    def text_config(self, params: dict) -> dict:
+        """`params` as the text backbone's ModelArgs reads them; a key set to None counts
+        as absent (LLaDA writes `n_kv_heads: null`, meaning one KV head per head)."""
+        config = {**self.text_defaults, **{k: v for k, v in params.items() if v is not None}}
+        config.update({new: params[old] for old, new in self.renames.items() if params.get(old) is not None})
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        config["model_type"] = self.text_module.__name__.rpartition(".")[2]
+        return config
+
+
+@runtime_checkable
+class DiffusionLM(Protocol):
+    """What the masked-canvas adapters read from a loaded model (every family's `Model`;
+    DiffusionGemma's uniform-noise adapter calls its `encode` and `decode` instead of
+    `backbone`)."""
+
+    args: Any  # model_type, mask_token_id, eos_token_id, pad_token_id
+    vocab_size: int  # the logits' last axis
+    max_length: Optional[int]  # the longest sequence the positions cover
+    layers: list  # one entry per KV cache layer
+
+    def backbone(self, inputs: mx.array, mask: Any = None, cache: Optional[list] = None) -> mx.array:
+        """Final hidden states (B, L, H); `mask` None: bidirectional attention."""
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """Logits (..., vocab_size) of hidden states."""
+
+
 class LayerStack(nn.Module):
     """Embeddings, an mlx-lm block class repeated, the final norm: the backbone of the
     families built from mlx-lm's plain layers (llama, qwen2, qwen3). Unlike mlx-lm's own
     model classes it builds no causal mask: the caller owns the attention layout."""
 
+    embedding_name: ClassVar[str] = "embed_tokens"
+
     def __init__(self, args: Any, block: type):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [block(args) for _ in range(args.num_hidden_layers)]
+        setattr(self, self.embedding_name, nn.Embedding(args.vocab_size, args.hidden_size))
+        self.layers = [self.layer(block, args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
+    def layer(self, block: type, args: Any, index: int) -> nn.Module:
+        return block(args)
+
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        h = self.embed_tokens(inputs)
+        h = getattr(self, self.embedding_name)(inputs)
         cache = cache or [None] * len(self.layers)
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, c)
         return self.norm(h)
+
+
+class DiffusionModel(nn.Module):
+    """The glue a family's `Model` shares with every other: the backbone under
+    `backbone_name`, an output head under `head_name` unless the config ties it to the
+    embeddings (`embedding_name` below the backbone), mlx-lm's `layers` and
+    `make_cache`, and an idempotent `sanitize`. Hooks: `rename` (checkpoint names) and
+    `attention_mask` (None: the bidirectional attention the masked families train with)."""
+
+    backbone_name: ClassVar[str] = "model"
+    head_name: ClassVar[str] = "lm_head"
+    embedding_name: ClassVar[str] = "embed_tokens"
+
+    def __init__(self, args: Any, backbone: nn.Module):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        setattr(self, self.backbone_name, backbone)
+        if not self.tied:
+            setattr(self, self.head_name, nn.Linear(args.text.hidden_size, self.vocab_size, bias=False))
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.args.text.tie_word_embeddings)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.args.text.vocab_size
+
+    @property
+    def max_length(self) -> Optional[int]:
+        return self.args.text.max_position_embeddings
+
+    @property
+    def layers(self):
+        return getattr(self, self.backbone_name).layers
+
+    def make_cache(self) -> list:
+        """mlx-lm's `make_prompt_cache(model)` returns this: one TokenCache (the tokens a
+        conversation holds; the adapters build their own KV caches per decode)."""
+        # Imported here: mlx_lm_diffusion imports model_adapters at its own import.
+        from mlx_lm_diffusion.prompt_cache import TokenCache
+
+        return [TokenCache()]
+
+    def backbone(self, inputs: mx.array, mask: Any = None, cache: Optional[list] = None) -> mx.array:
+        return getattr(self, self.backbone_name)(inputs, mask, cache)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        if self.tied:
+            return getattr(getattr(self, self.backbone_name), self.embedding_name).as_linear(hidden)
+        return getattr(self, self.head_name)(hidden)
+
+    def attention_mask(self, inputs: mx.array, cache: Optional[list]) -> Any:
+        return None
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None, mask: Any = None) -> mx.array:
+        """Raw logits (B, L, V) with the attention the family trains with, unless `mask`
+        is given (mlx-lm's own models would build a causal mask here)."""
+        if mask is None:
+            mask = self.attention_mask(inputs, cache)
+        return self.head(self.backbone(inputs, mask, cache))
+
+    def rename(self, key: str) -> Optional[str]:
+        """A checkpoint's weight name -> this model's (None: the weight is dropped);
+        names already converted pass through."""
+        return key
+
+    def sanitize(self, weights: dict) -> dict:
+        """Renamed weights, less RoPE's cached frequencies and, when tied, the head."""
+        out = {}
+        for key, value in weights.items():
+            key = self.rename(key)
+            if key is None or "rotary_emb.inv_freq" in key:
+                continue
+            if self.tied and key.startswith(f"{self.head_name}."):
+                continue
+            out[key] = value
+        return out
 
 
 class Adapter:

@@ -25,6 +25,7 @@ from mlx_arsenal.attention import block_causal_mask
 from mlx_lm.models.cache import KVCache
 
 from .base import Adapter as _BaseAdapter
+from .base import DiffusionModel
 
 
 def window_mask(offset: int, stop: int, block: int) -> Optional[mx.array]:
@@ -34,6 +35,19 @@ def window_mask(offset: int, stop: int, block: int) -> Optional[mx.array]:
     if offset % block == 0 and (stop - 1) // block == offset // block:
         return None
     return block_causal_mask(stop - offset, block, offset=offset) == 0
+
+
+class BlockCausalModel(DiffusionModel):
+    """A model trained with block-causal attention over the config's `block_size`."""
+
+    @property
+    def block_size(self) -> int:
+        return self.args.block_size
+
+    def attention_mask(self, inputs: mx.array, cache: Optional[list]) -> Optional[mx.array]:
+        # positions continue from the cache's offset when a cache is given
+        offset = cache[0].offset if cache else 0
+        return window_mask(offset, offset + inputs.shape[1], self.args.block_size)
 
 
 def resolve_mask_id(args: Any, tokenizer: Any, family: str) -> int:

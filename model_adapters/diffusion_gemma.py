@@ -25,7 +25,7 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from .base import Adapter as _BaseAdapter
-from .base import FamilyDefaults
+from .base import DiffusionModel, FamilyDefaults, _stop_ids
 from .option import Option
 
 _DEFAULT_ROPE = {
@@ -182,28 +182,20 @@ class _PrefixView:
         return mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
 
 
-class Model(nn.Module):
+class Model(DiffusionModel):
+    """No `backbone`: the uniform-noise adapter calls `encode` and `decode`; the head is
+    always tied to the decoder's embeddings."""
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Backbone(args.text)
+        super().__init__(args, Backbone(args.text))
         self.embed_scale = args.text.hidden_size**0.5
         self.softcap = args.text.final_logit_softcapping
-
-    @property
-    def vocab_size(self) -> int:
-        return self.args.text.vocab_size
-
-    @property
-    def max_length(self) -> int:
-        return self.args.text.max_position_embeddings
 
     @property
     def layers(self):
         return self.model.decoder.layers
 
-    def make_cache(self):
+    def make_kv_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
     def head(self, hidden: mx.array) -> mx.array:
@@ -250,7 +242,7 @@ class Model(nn.Module):
                  self_conditioning: Optional[mx.array] = None) -> mx.array:
         """Encode `inputs` causally into `cache` (a fresh one if None); return the decoder's
         logits over `canvas` when given, else the encoder's own (causal) logits."""
-        cache = self.make_cache() if cache is None else cache
+        cache = self.make_kv_cache() if cache is None else cache
         hidden = self.encode(inputs, cache)
         if canvas is None:
             return self.head(hidden)
@@ -338,7 +330,7 @@ class Adapter(_BaseAdapter):
         self.defaults = replace(type(self).defaults, block_length=model.args.canvas_length)
 
     def start(self, prompt: mx.array) -> _State:
-        state = _State(self.model.make_cache())
+        state = _State(self.model.make_kv_cache())
         self.model.encode(prompt, state.cache)
         return state
 
@@ -362,15 +354,8 @@ class Adapter(_BaseAdapter):
 
 
 def _eos_ids(args: ModelArgs, tokenizer: Any) -> set:
-    ids: set = set()
-    for value in (args.eos_token_id, args.text_config.get("eos_token_id")):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(int(v) for v in value)
-    if tokenizer is not None:
-        ids.update(getattr(tokenizer, "eos_token_ids", ()) or ())
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is not None:
-            ids.add(int(eos))
+    """The stop ids of the config, of its text_config and of the tokenizer."""
+    ids = _stop_ids(args, tokenizer)
+    value = args.text_config.get("eos_token_id")
+    ids.update([value] if isinstance(value, int) else (int(v) for v in value or ()))
     return ids

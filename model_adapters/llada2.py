@@ -15,97 +15,44 @@ hard-coded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import bailing_moe
-from mlx_lm.models.base import BaseModelArgs
 
-from .base import FamilyDefaults
-from .block_cache import BlockCausalAdapter, window_mask
+from .base import DiffusionArgs, FamilyDefaults, LayerStack
+from .block_cache import BlockCausalAdapter, BlockCausalModel
 from .option import Option
 
 BLOCK_SIZE = 32  # LLaDA2.x is trained with block-causal attention over 32-token blocks
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    vocab_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    head_dim: Optional[int] = None
-    max_position_embeddings: int = 32768
-    num_shared_experts: int = 1
-    first_k_dense_replace: int = 1
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = True
-    score_function: str = "sigmoid"
-    moe_router_enable_expert_bias: bool = True
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 600000.0
-    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
-    partial_rotary_factor: float = 0.5
-    rotary_dim: Optional[int] = None
-    use_qkv_bias: bool = False
-    use_bias: bool = False
-    use_qk_norm: bool = True
+class ModelArgs(DiffusionArgs):
+    text_module = bailing_moe
+    # LLaDA2's configuration defaults where bailing_moe has none or others
+    text_defaults = {
+        "max_position_embeddings": 32768, "num_shared_experts": 1, "first_k_dense_replace": 1,
+        "topk_group": 1, "norm_topk_prob": True, "score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True, "rms_norm_eps": 1e-6, "rope_theta": 600000.0,
+        "partial_rotary_factor": 0.5, "use_qk_norm": True, "tie_word_embeddings": False,
+    }
     norm_head: bool = False
-    tie_word_embeddings: bool = False
     block_size: int = BLOCK_SIZE
-    mask_token_id: Optional[int] = None  # else the tokenizer's mask token
-    eos_token_id: Optional[Union[int, list]] = None
-    pad_token_id: Optional[int] = None
 
     def __post_init__(self):
-        if self.head_dim not in (None, self.hidden_size // self.num_attention_heads):
-            raise ValueError(
-                f"LLaDA2 with head_dim {self.head_dim} != hidden_size / num_attention_heads "
-                "is not supported"
-            )
         if self.norm_head:
             raise ValueError("LLaDA2 checkpoints with norm_head are not supported")
 
-    def bailing_args(self) -> bailing_moe.ModelArgs:
-        return bailing_moe.ModelArgs(
-            model_type="bailing_moe",
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            max_position_embeddings=self.max_position_embeddings,
-            moe_intermediate_size=self.moe_intermediate_size,
-            num_experts=self.num_experts,
-            num_shared_experts=self.num_shared_experts,
-            norm_topk_prob=self.norm_topk_prob,
-            num_attention_heads=self.num_attention_heads,
-            num_experts_per_tok=self.num_experts_per_tok,
-            num_hidden_layers=self.num_hidden_layers,
-            num_key_value_heads=self.num_key_value_heads,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            vocab_size=self.vocab_size,
-            first_k_dense_replace=self.first_k_dense_replace,
-            rope_scaling=self.rope_scaling,
-            use_bias=self.use_bias,
-            use_qkv_bias=self.use_qkv_bias,
-            use_qk_norm=self.use_qk_norm,
-            tie_word_embeddings=self.tie_word_embeddings,
-            partial_rotary_factor=self.partial_rotary_factor,
-            rotary_dim=self.rotary_dim,
-            moe_router_enable_expert_bias=self.moe_router_enable_expert_bias,
-            routed_scaling_factor=self.routed_scaling_factor,
-            score_function=self.score_function,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-        )
+    def text_config(self, params: dict) -> dict:
+        config = super().text_config(params)
+        if config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
+            raise ValueError(
+                f"LLaDA2 with head_dim {config['head_dim']} != hidden_size / num_attention_heads "
+                "is not supported"
+            )
+        return config
 
 
 class Router(bailing_moe.BailingMoeGate):
@@ -130,70 +77,32 @@ class Router(bailing_moe.BailingMoeGate):
         return mx.stop_gradient(inds), (weights * self.routed_scaling_factor).astype(x.dtype)
 
 
-class Backbone(nn.Module):
-    """Embeddings, Bailing MoE blocks and the final norm; attention mask owned by the caller."""
+class Backbone(LayerStack):
+    """Embeddings, Bailing MoE blocks with LLaDA2's router and the final norm; attention
+    mask owned by the caller."""
 
-    def __init__(self, args: bailing_moe.ModelArgs):
-        super().__init__()
-        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [bailing_moe.BailingMoeDecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        for layer in self.layers:
-            if isinstance(layer.mlp, bailing_moe.BailingMoeSparseMoeBlock):
-                layer.mlp.gate = Router(args)
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+    embedding_name = "word_embeddings"
 
-    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        h = self.word_embeddings(inputs)
-        cache = cache or [None] * len(self.layers)
-        for layer, c in zip(self.layers, cache):
-            h = layer(h, mask, c)
-        return self.norm(h)
+    def layer(self, block: type, args: bailing_moe.ModelArgs, index: int) -> nn.Module:
+        layer = block(args, index)
+        if isinstance(layer.mlp, bailing_moe.BailingMoeSparseMoeBlock):
+            layer.mlp.gate = Router(args)
+        return layer
 
 
-class Model(nn.Module):
+class Model(BlockCausalModel):
+    """LLaDA2's training-time block-causal attention over the Bailing MoE backbone."""
+
+    embedding_name = "word_embeddings"
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = Backbone(args.bailing_args())
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.args.vocab_size
-
-    @property
-    def max_length(self) -> int:
-        return self.args.max_position_embeddings
-
-    @property
-    def block_size(self) -> int:
-        return self.args.block_size
-
-    def backbone(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        return self.model(inputs, mask, cache)
-
-    def head(self, hidden: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.model.word_embeddings.as_linear(hidden)
-        return self.lm_head(hidden)
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None) -> mx.array:
-        """Raw logits (B, L, V) with LLaDA2's training-time block-causal attention
-        (positions continue from the cache's offset when a cache is given)."""
-        if mask is None:
-            offset = cache[0].offset if cache else 0
-            mask = window_mask(offset, offset + inputs.shape[1], self.args.block_size)
-        return self.head(self.backbone(inputs, mask, cache))
-
-    @property
-    def layers(self):
-        return self.model.layers
+        super().__init__(args, Backbone(args.text, bailing_moe.BailingMoeDecoderLayer))
 
     def sanitize(self, weights: dict) -> dict:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        args = self.args
+        """Per-expert weights stacked into `switch_mlp`, the router's weight renamed, and a
+        zero expert bias where the checkpoint has none (as mlx-lm's bailing_moe does)."""
+        weights = super().sanitize(weights)
+        args = self.args.text
         for i in range(args.first_k_dense_replace, args.num_hidden_layers):
             prefix = f"model.layers.{i}.mlp"
             for name in ("gate_proj", "up_proj", "down_proj"):
@@ -205,8 +114,6 @@ class Model(nn.Module):
                 weights[f"{prefix}.gate.gate_proj.weight"] = weights.pop(f"{prefix}.gate.weight")
             if args.moe_router_enable_expert_bias and f"{prefix}.gate.expert_bias" not in weights:
                 weights[f"{prefix}.gate.expert_bias"] = mx.zeros((args.num_experts,))
-        if args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
         return weights
 
     @property

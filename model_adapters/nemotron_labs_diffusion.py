@@ -15,44 +15,32 @@ the finished blocks are encoded bidirectionally and every block starts fully mas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import ministral3
-from mlx_lm.models.base import BaseModelArgs, create_attention_mask
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from .base import Adapter as _BaseAdapter
-from .base import FamilyDefaults
+from .base import DiffusionArgs, DiffusionModel, FamilyDefaults
 from .option import Option
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
-    rms_norm_eps: float = 1e-5
-    head_dim: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    max_position_embeddings: int = 262144
-    rope_theta: float = 1000000.0
-    rope_parameters: Optional[Dict[str, Any]] = None
-    rope_scaling: Optional[Dict[str, Any]] = None
-    tie_word_embeddings: bool = False
+class ModelArgs(DiffusionArgs):
+    text_module = ministral3
+    text_defaults = {
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 262144, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    }
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
     dlm_paradigm: str = "bidirectional"
     block_size: int = 32
     mask_token_id: int = 100
-    eos_token_id: Optional[Union[int, list]] = None
-    pad_token_id: Optional[int] = None
-    bos_token_id: Optional[int] = None
 
     def __post_init__(self):
         if self.attention_bias or self.mlp_bias or self.hidden_act != "silu":
@@ -62,31 +50,17 @@ class ModelArgs(BaseModelArgs):
                 f"dlm_paradigm {self.dlm_paradigm!r} is not supported; "
                 "supported: 'bidirectional', 'autoregressive'"
             )
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        rope = dict(self.rope_parameters or self.rope_scaling or {})
+
+    def text_config(self, params: dict) -> dict:
+        config = super().text_config(params)
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         rope.setdefault("rope_type", rope.get("type", "default"))
-        rope.setdefault("rope_theta", self.rope_theta)
+        rope.setdefault("rope_theta", config["rope_theta"])
         # Ministral-3's query scaling; without it in the config the scale is 1 everywhere
         rope.setdefault("llama_4_scaling_beta", 0.0)
-        rope.setdefault("original_max_position_embeddings", self.max_position_embeddings)
-        self.rope_parameters = rope
-
-    def ministral_args(self) -> ministral3.ModelArgs:
-        return ministral3.ModelArgs(
-            model_type="ministral3",
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            rms_norm_eps=self.rms_norm_eps,
-            vocab_size=self.vocab_size,
-            head_dim=self.head_dim,
-            max_position_embeddings=self.max_position_embeddings,
-            num_key_value_heads=self.num_key_value_heads,
-            rope_parameters=self.rope_parameters,
-            tie_word_embeddings=self.tie_word_embeddings,
-        )
+        rope.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+        config["rope_parameters"] = rope
+        return config
 
 
 class Encoder(nn.Module):
@@ -107,55 +81,26 @@ class Encoder(nn.Module):
         return self.norm(h)
 
 
-class Model(nn.Module):
+class Model(DiffusionModel):
+    """Bidirectional attention (the diffusion mode) unless a mask is given."""
+
+    backbone_name = "encoder"
+    head_name = "diffusion_head"
+
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.encoder = Encoder(args.ministral_args())
-        if not args.tie_word_embeddings:
-            self.diffusion_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        super().__init__(args, Encoder(args.text))
 
-    @property
-    def vocab_size(self) -> int:
-        return self.args.vocab_size
-
-    @property
-    def max_length(self) -> int:
-        return self.args.max_position_embeddings
-
-    def backbone(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        return self.encoder(inputs, mask, cache)
-
-    def head(self, hidden: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.encoder.embed_tokens.as_linear(hidden)
-        return self.diffusion_head(hidden)
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None) -> mx.array:
-        """Raw logits (B, L, V); bidirectional attention (the diffusion mode) unless a mask is given."""
-        return self.head(self.backbone(inputs, mask, cache))
-
-    @property
-    def layers(self):
-        return self.encoder.layers
-
-    def make_cache(self):
+    def make_kv_cache(self) -> list:
         return [KVCache() for _ in self.layers]
 
-    def sanitize(self, weights: dict) -> dict:
-        out = {}
-        for key, value in weights.items():
-            if "rotary_emb.inv_freq" in key or key.endswith((".k_scale", ".v_scale")):
-                continue
-            if key.startswith("language_model.model."):  # mlx-vlm's layout
-                key = "encoder." + key[len("language_model.model."):]
-            elif key.startswith("language_model."):
-                key = key[len("language_model."):]
-            out[key] = value
-        if self.args.tie_word_embeddings:
-            out = {k: v for k, v in out.items() if not k.startswith("diffusion_head.")}
-        return out
+    def rename(self, key: str) -> Optional[str]:
+        if key.endswith((".k_scale", ".v_scale")):
+            return None
+        if key.startswith("language_model.model."):  # mlx-vlm's layout
+            return "encoder." + key[len("language_model.model."):]
+        if key.startswith("language_model."):
+            return key[len("language_model."):]
+        return key
 
 
 @dataclass
@@ -205,7 +150,7 @@ class Adapter(_BaseAdapter):
             self._encode(state, canvas[:, start:end])
 
     def start(self, prompt: mx.array) -> _State:
-        state = _State(self.model.make_cache())
+        state = _State(self.model.make_kv_cache())
         self._encode(state, prompt)
         return state
 

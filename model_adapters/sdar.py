@@ -8,111 +8,31 @@ checkpoints) on absolute positions; there is no logit shift.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
-import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models import qwen3
-from mlx_lm.models.base import BaseModelArgs
 
-from .base import FamilyDefaults, LayerStack
-from .block_cache import BlockCausalAdapter, window_mask
+from .base import DiffusionArgs, FamilyDefaults, LayerStack
+from .block_cache import BlockCausalAdapter, BlockCausalModel
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    rms_norm_eps: float
-    vocab_size: int
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
-    max_position_embeddings: int = 32768
-    rope_theta: float = 1000000.0
-    rope_scaling: Optional[Dict[str, Union[float, str]]] = None
-    tie_word_embeddings: bool = False
+class ModelArgs(DiffusionArgs):
+    text_module = qwen3
+    text_defaults = {"max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": False}
     attention_bias: bool = False
     block_size: int = 4
-    mask_token_id: Optional[int] = None  # else the tokenizer's mask token
-    eos_token_id: Optional[Union[int, list]] = None
-    pad_token_id: Optional[int] = None
 
     def __post_init__(self):
         if self.attention_bias:
             raise ValueError("SDAR checkpoints with attention biases are not supported")
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-
-    def qwen3_args(self) -> qwen3.ModelArgs:
-        return qwen3.ModelArgs(
-            model_type="qwen3",
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            rms_norm_eps=self.rms_norm_eps,
-            vocab_size=self.vocab_size,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=self.max_position_embeddings,
-            head_dim=self.head_dim,
-            tie_word_embeddings=self.tie_word_embeddings,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-        )
 
 
+class Model(BlockCausalModel):
+    """SDAR's training-time block-causal attention over mlx-lm's Qwen3 layers."""
 
-class Model(nn.Module):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model_type = args.model_type
-        self.model = LayerStack(args.qwen3_args(), qwen3.TransformerBlock)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.args.vocab_size
-
-    @property
-    def max_length(self) -> int:
-        return self.args.max_position_embeddings
-
-    @property
-    def block_size(self) -> int:
-        return self.args.block_size
-
-    def backbone(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        return self.model(inputs, mask, cache)
-
-    def head(self, hidden: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
-
-    def __call__(self, inputs: mx.array, cache=None, mask=None) -> mx.array:
-        """Raw logits (B, L, V) with SDAR's training-time block-causal attention
-        (positions continue from the cache's offset when a cache is given)."""
-        if mask is None:
-            offset = cache[0].offset if cache else 0
-            mask = window_mask(offset, offset + inputs.shape[1], self.args.block_size)
-        return self.head(self.backbone(inputs, mask, cache))
-
-    @property
-    def layers(self):
-        return self.model.layers
-
-    def sanitize(self, weights: dict) -> dict:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights.pop("lm_head.weight", None)
-        return weights
+        super().__init__(args, LayerStack(args.text, qwen3.TransformerBlock))
 
 
 class Adapter(BlockCausalAdapter):

@@ -63,7 +63,7 @@ def test_forward_matches_transformers(gemma_path, gemma):
         ref.model.encoder(input_ids=T(prompt), cache=cache)
         ref.model.encoder(input_ids=T(canvas), cache=cache)
         theirs = ref(cache=cache, decoder_input_ids=T(canvas2), self_conditioning_logits=T(sc)).logits
-    cache = model.make_cache()
+    cache = model.make_kv_cache()
     model.encode(mx.array(prompt), cache)
     model.encode(mx.array(canvas), cache)
     ours = np.array(model.decode(mx.array(canvas2), cache, mx.array(sc)))
@@ -211,7 +211,7 @@ def diffusion_gemma_generate(model, prompts, *, max_new_tokens, canvas_length, s
     x = np.array(prompts)
     B, V, forwards = len(prompts), model.vocab_size, 0
     for _ in range(math.ceil(max_new_tokens / canvas_length)):
-        cache = model.make_cache()
+        cache = model.make_kv_cache()
         model.encode(mx.array(x), cache)
         canvas = np.array(mx.random.randint(0, V, (B, canvas_length)))
         argmax, sc, previous = canvas, None, None

@@ -44,12 +44,8 @@ def test_mlx_lm_version_is_the_one_pinned():
     [
         ("mlx_lm", "stream_generate"),
         ("mlx_lm.generate", "stream_generate"),
-        ("mlx_lm.generate", "make_prompt_cache"),
-        ("mlx_lm.models.cache", "make_prompt_cache"),
         ("mlx_lm.server", "stream_generate"),
-        ("mlx_lm.server", "make_prompt_cache"),
         ("mlx_lm.chat", "stream_generate"),
-        ("mlx_lm.chat", "make_prompt_cache"),
     ],
 )
 def test_install_targets_exist(module, name):
@@ -100,6 +96,9 @@ def test_base_cache_interface():
     for name in ("is_trimmable", "size", "empty", "from_state"):
         assert callable(getattr(base, name))
     assert params(cache_module.make_prompt_cache) == ["model", "max_kv_size"]
+    # diffusion models get their TokenCache through model.make_cache(), unpatched
+    make = source(cache_module.make_prompt_cache)
+    assert 'if hasattr(model, "make_cache"):' in make and "return model.make_cache()" in make
     # trimming goes through is_trimmable() and trim(n)
     assert "c.is_trimmable()" in source(cache_module.can_trim_prompt_cache)
     assert "c.trim(num_tokens)" in source(cache_module.trim_prompt_cache)

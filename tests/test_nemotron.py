@@ -65,7 +65,7 @@ def test_forward_matches_mlx_vlm(nemotron, reference):
     ours = model(ids, mask="causal")
     theirs = ref_head(ref_model(ids, use_causal_mask=True))
     assert float(mx.abs(ours - theirs).max()) <= 1e-4
-    cache = model.make_cache()
+    cache = model.make_kv_cache()
     model.backbone(ids[:, :120], "causal", cache)
     ours = model.head(model.backbone(ids[:, 120:], None, cache))
     ref_cache = reference.make_cache()
