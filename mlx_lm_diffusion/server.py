@@ -278,15 +278,18 @@ class DiffusionResponseGenerator(ResponseGenerator):
         self.loaded = threading.Event()
         cli = model_provider.cli_args
         self.served: Dict[str, str] = {}  # what a client may send -> what mlx_lm.server loads
-        self.model_ids: List[str] = []
+        self.listed: Dict[str, str] = {}  # what mlx_lm.server loads -> the id /v1/models lists
         if cli.model is not None:
-            self.model_ids.append(_model_id(cli.model))
+            self.listed["default_model"] = _model_id(cli.model)
             for name in ["default_model", *_model_names(cli.model)]:
                 self.served[name] = "default_model"
         for extra in getattr(cli, "allowed_models", None) or []:
-            self.model_ids.append(_model_id(extra))
+            self.listed.setdefault(extra, _model_id(extra))
             for name in _model_names(extra):
                 self.served.setdefault(name, extra)
+        for key, listed in self.listed.items():
+            self.served.setdefault(listed, key)
+        self.model_ids: List[str] = list(dict.fromkeys(self.listed.values()))
         super().__init__(model_provider, prompt_cache)
 
     def wait_loaded(self, timeout: Optional[float] = None) -> None:
@@ -592,6 +595,32 @@ class DiffusionAPIHandler(APIHandler):
             request.cancel.set()
         self.cancel.set()
 
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own errors (bad request line, headers too long, unsupported
+        method) as OpenAI-shaped JSON, not HTML."""
+        self.close_connection = True
+        self.request_version = "HTTP/1.0"  # a status line and headers even for a garbled request line
+        text = message or explain or self.responses.get(code, ("error",))[0]
+        body = json.dumps(error_body(text, code)).encode()
+        try:
+            self.send_response(code, message)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Connection", "close")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+                self.wfile.write(body)
+        except _CLIENT_ERRORS:
+            pass
+
+    def _no_such_method(self):
+        self._request = None
+        if self._gate():
+            self.close_connection = True
+            self._send_error(405, f"method {self.command} is not supported here")
+
+    do_PUT = do_DELETE = do_PATCH = _no_such_method
+
     def log_message(self, format, *args):
         logging.info("%s - %s", self.address_string(), excerpt((format % args).encode(), 300))
 
@@ -639,7 +668,8 @@ class DiffusionAPIHandler(APIHandler):
 
     def _set_cors_headers(self):
         allowed = self.response_generator.cli_args.allowed_origins or []
-        origin = self.headers.get("Origin")
+        headers = getattr(self, "headers", None)
+        origin = headers.get("Origin") if headers is not None else None
         if "*" in allowed:
             self.send_header("Access-Control-Allow-Origin", "*")
         elif origin is not None and origin in allowed:
@@ -937,7 +967,8 @@ class DiffusionAPIHandler(APIHandler):
         parts = path.split("/")
         if len(parts) > 3 and "/".join(parts[3:]):
             wanted = unquote("/".join(parts[3:]))
-            found = [m for m in models if m["id"] == wanted or self.response_generator.served.get(wanted)]
+            key = self.response_generator.served.get(wanted)
+            found = [m for m in models if key is not None and m["id"] == self.response_generator.listed[key]]
             if not found:
                 return self._send_error(404, f"model {wanted[:200]!r} is not served here",
                                         param="model", code="model_not_found")
@@ -1046,7 +1077,7 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
         except OSError:
             pass
         with self._lock:  # closed by the watchdog once the client has read it
-            if len(self._closing) < 4096:
+            if len(self._closing) < 256:
                 self._closing.append((sock, time.monotonic() + 1.0))
                 return
         self.close_request(sock)

@@ -189,6 +189,19 @@ def test_malformed_bodies_get_a_clean_4xx(port, client, reference, data, status)
     assert answer(client) == reference  # still serving, same answer
 
 
+@pytest.mark.parametrize("data,status", [
+    (b"GET / HTTP/x.y\r\n\r\n", 400),  # http.server's own errors
+    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+    (b"PUT /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 405),
+    (b"BREW /pot HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 501),
+    (b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 404),
+])
+def test_protocol_level_errors_are_json(port, data, status):
+    got, headers, body = exchange(port, data)
+    assert got == status and headers["content-type"] == "application/json"
+    assert_openai_error(json.loads(body), got)
+
+
 def test_body_limit_flag_default_and_override():
     assert dserver.parse_args(["--model", "m"]).max_body_bytes == 10_000_000
     assert dserver.parse_args(["--model", "m", "--max-body-bytes", "1MB"]).max_body_bytes == 1_000_000
@@ -286,10 +299,14 @@ def opened():
     return events, state
 
 
+@pytest.fixture(scope="module")
+def loadable(tmp_path_factory):
+    return write_llada(tmp_path_factory.mktemp("loadable"), seed=5)  # a real checkpoint, not allowed
+
+
 @pytest.mark.parametrize("name", ["OTHER", "/etc", ".", "", "..", "owner/name", "/no/such/dir", "~"])
 def test_unknown_models_are_404_without_touching_anything(served, port, client, reference, trap, opened,
-                                                          tmp_path_factory, name):
-    loadable = write_llada(tmp_path_factory.mktemp("loadable"), seed=5)  # a real checkpoint, not allowed
+                                                          loadable, name):
     name = str(loadable) if name == "OTHER" else name
     events, state = opened
     key = served[1].model_provider.model_key
@@ -320,6 +337,12 @@ def test_allowed_models_are_served(served, client, dream_path, dream, reference,
     assert answer(client) == reference  # back to --model
     listed = [m.id for m in client.models.list().data]
     assert listed == [str(Path(llada_path).resolve()), str(Path(dream_path).resolve())]
+    port = client.base_url.port
+    for wanted, status in ((str(Path(dream_path).resolve()), 200), ("default_model", 200), ("someone/else", 404)):
+        got, headers, body = exchange(port, f"GET /v1/models/{wanted} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        assert got == status
+        if status == 200:
+            assert json.loads(body)["id"] in listed
 
 
 def test_image_urls_are_never_fetched(port, trap):
@@ -463,35 +486,38 @@ def test_a_non_streaming_client_that_leaves_cancels_its_decode(port, client, mon
     assert len(yielded) == 2 and yielded[0] < 100  # the abandoned decode stopped early
 
 
-def test_nofile_limit_is_restored(tmp_path):
+def test_nofile_limit_is_restored():
     """mlx_lm.utils sets RLIMIT_NOFILE to (2048, 4096) at import; the server puts back
-    the limits its process started with."""
+    the limits its process started with (its parent's when it cannot know them)."""
     import resource
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = min(3000, hard)
-    script = ("import resource, mlx_lm.utils, mlx_lm_diffusion.server as s; "
-              "lowered = resource.getrlimit(resource.RLIMIT_NOFILE)[0]; "
-              "print(lowered, s.restore_nofile()[0])")
-    out = subprocess.run(["sh", "-c", f'ulimit -S -n {want} && "{sys.executable}" -c "{script}"; true'],
-                         capture_output=True, text=True, timeout=TIMEOUT, cwd=Path(__file__).parents[1])
-    lowered, restored = map(int, out.stdout.split()[-2:])
-    assert lowered == 2048 and restored == want, out.stderr[-2000:]
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, before[1]), before[1]))  # as mlx_lm.utils left it
+        want = (min(3000, before[1]), before[1])
+        assert dserver.restore_nofile(want) == want
+        assert dserver.restore_nofile((1024, before[1])) == want  # never lowered
+        limits = Path(f"/proc/{os.getppid()}/limits").read_text()
+        soft = next(l.split()[3] for l in limits.splitlines() if l.startswith("Max open files"))
+        assert str(dserver._parent_nofile()[0]) == soft or soft == "unlimited"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
 
 
 # ----------------------------------------------------------------------------- issue 12 part 6: start
 
 
 def test_bad_model_fails_at_start_before_binding(monkeypatch, capsys, tmp_path):
-    bound = []
+    bound, restored = [], []
     monkeypatch.setattr(dserver, "make_http_server", lambda *a, **k: bound.append(a))
+    monkeypatch.setattr(dserver, "restore_nofile", lambda: restored.append(1))
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # main's handlers stay out of pytest
     try:
         rc = dserver.main(["--model", str(tmp_path / "missing"), "--port", "0"])
     finally:
         mld.uninstall()
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and not bound
+    assert rc == 2 and not bound and restored
     assert len(err) == 1 and err[0].startswith("mlx_lm_diffusion.server: error: cannot load --model")
 
 
