@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import mlx.core as mx
 
-from model_adapters import Adapter, family_options
+from model_adapters import FAMILIES, Adapter, family_options
 from model_adapters.option import Option
 
 from .commit_rules import RULES, THRESHOLD_RULES, CommitRule, make_rule
@@ -58,13 +58,21 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
 )
 
 
+GENERIC_NAMES = frozenset(o.name for o in GENERIC_OPTIONS)
+_schemas: dict = {}  # the schema per set of registered families (a family can join later)
+
+
 def schema() -> dict[str, Option]:
     """Every option by name: the generic ones, then each family's own (a name two
     families declare is one option; the first declaration gives its type and help)."""
-    options = {o.name: o for o in GENERIC_OPTIONS}
-    for option in family_options():
-        options.setdefault(option.name, option)
-    return options
+    key = tuple(FAMILIES.items())
+    if key not in _schemas:
+        options = {o.name: o for o in GENERIC_OPTIONS}
+        for option in family_options():
+            options.setdefault(option.name, option)
+        _schemas.clear()
+        _schemas[key] = options
+    return _schemas[key]
 
 
 def named_options() -> tuple[str, ...]:
@@ -149,7 +157,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
     values = _with_preset(dict(options.values), adapter)
     own = {o.name: o for o in adapter.options}
     for name, value in values.items():
-        if name not in own and name in schema() and schema()[name] not in GENERIC_OPTIONS:
+        if name not in own and name not in GENERIC_NAMES:
             raise ValueError(f"{name} does not apply to {adapter.family}; drop it")
         if not (name == "strategy" and isinstance(value, CommitRule)):
             values[name] = (own.get(name) or schema()[name]).check(value)

@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from .base import Adapter, FamilyDefaults
 
-# model_type (as written in config.json) -> module under model_adapters
+# model_type (as written in config.json) -> module under model_adapters (or a full module
+# name, for families registered from elsewhere with `register_family`)
 FAMILIES: dict[str, str] = {
     "llada": "llada",
     "Dream": "dream",
@@ -34,11 +35,23 @@ def family_module(model_type: str) -> ModuleType:
             f"Unsupported model_type {model_type!r}; supported diffusion families: "
             + ", ".join(f"{t!r} ({_family_name(t)})" for t in FAMILIES)
         )
-    return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}")
+    return _import(FAMILIES[model_type])
+
+
+def _import(name: str) -> ModuleType:
+    return importlib.import_module(name if "." in name else f"{__name__}.{name}")
 
 
 def _family_name(model_type: str) -> str:
-    return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}").Adapter.family
+    return _import(FAMILIES[model_type]).Adapter.family
+
+
+def register_family(model_type: str, module: str) -> None:
+    """Add a family defined outside this package: `module` (a full module name) defines
+    ModelArgs, Model and Adapter. Its options join the options schema, and mlx-lm's
+    loader finds it like the built-in ones."""
+    FAMILIES[model_type] = module
+    register()
 
 
 def register() -> None:
@@ -87,4 +100,4 @@ def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
     return family_module(str(model_type)).Adapter(model, tokenizer)
 
 
-__all__ = ["Adapter", "FamilyDefaults", "FAMILIES", "adapter_for", "register", "family_module", "family_options"]
+__all__ = ["Adapter", "FamilyDefaults", "FAMILIES", "adapter_for", "register", "register_family", "family_module", "family_options"]
