@@ -7,13 +7,11 @@ trained to predict token i at position i - 1: the adapter shifts the logits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models import qwen2
 
-from .base import Adapter as _BaseAdapter
 from .base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
+from .bidirectional_cache import BidirectionalCacheAdapter
 
 
 @dataclass
@@ -30,16 +28,12 @@ class Model(DiffusionModel):
         super().__init__(args, LayerStack(args.text, qwen2.TransformerBlock))
 
 
-class Adapter(_BaseAdapter):
-    """Bidirectional canvas with Dream's shift: position i is read from row i - 1."""
+class Adapter(BidirectionalCacheAdapter):
+    """Bidirectional canvas with Dream's shift: position i is read from row i - 1; with
+    `cache`, Fast-dLLM's prefix or dual cache (model_adapters.bidirectional_cache)."""
 
     family = "Dream"
     # Dream's model card: the whole canvas is one block, one token per step,
     # alg="entropy", alg_temp=0.
     defaults = FamilyDefaults(block_length=None, strategy="entropy")
-
-    def predict(self, state: Any, canvas: mx.array, start: int, end: int) -> mx.array:
-        if start < 1:
-            raise ValueError("Dream needs at least one prompt token before the canvas")
-        hidden = self.model.backbone(canvas)
-        return self.model.head(hidden[:, start - 1 : end - 1])
+    shift = 1

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from mlx_lm.models import llama
 
-from .base import Adapter as _BaseAdapter
 from .base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
+from .bidirectional_cache import BidirectionalCacheAdapter
 
 
 @dataclass
@@ -78,8 +78,9 @@ def _rename(key: str) -> str:
     return key
 
 
-class Adapter(_BaseAdapter):
-    """Bidirectional canvas, no shift, no cache: the LLaDA reference `generate`."""
+class Adapter(BidirectionalCacheAdapter):
+    """Bidirectional canvas, no shift: the LLaDA reference `generate`; with `cache`,
+    Fast-dLLM's prefix or dual cache (model_adapters.bidirectional_cache)."""
 
     family = "LLaDA 1.x/1.5"
     # LLaDA's demo: block 32, one token per step, low-confidence remasking.
