@@ -72,10 +72,12 @@ def register() -> None:
 
 
 def _shipped_by_mlx_lm(name: str) -> bool:
-    """Whether `name` is a module of mlx-lm's own, not one registered here before."""
+    """Whether `name` is a module of mlx-lm's own. A family registered before sits in
+    sys.modules under that name but keeps its own `__name__` (model_adapters.llada, or
+    wherever `register_family` found it)."""
     registered = sys.modules.get(name)
-    if registered is not None and registered.__name__.startswith(f"{__name__}."):
-        return False
+    if registered is not None:
+        return registered.__name__ == name
     return importlib.util.find_spec(name) is not None
 
 

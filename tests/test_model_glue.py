@@ -60,8 +60,8 @@ def test_install_leaves_make_prompt_cache_alone():
 def test_register_is_idempotent():
     model_adapters.register()
     model_adapters.register()
-    for model_type, name in model_adapters.FAMILIES.items():
-        assert sys.modules[f"mlx_lm.models.{model_type}"] is importlib.import_module(f"model_adapters.{name}")
+    for model_type in model_adapters.FAMILIES:
+        assert sys.modules[f"mlx_lm.models.{model_type}"] is model_adapters.family_module(model_type)
 
 
 @pytest.mark.parametrize("imported", [True, False])
@@ -75,3 +75,20 @@ def test_register_refuses_to_shadow_a_module_mlx_lm_ships(monkeypatch, imported)
     with pytest.raises(ValueError, match=r"ships its own mlx_lm\.models\.llama"):
         model_adapters.register()
     assert sys.modules.get("mlx_lm.models.llama") is theirs
+
+
+def test_register_twice_keeps_a_family_from_elsewhere(monkeypatch):
+    """A family registered under a full module name (register_family) is recognised as
+    ours on the next register(), not refused as mlx-lm's."""
+    import mlx_lm.models
+
+    monkeypatch.setitem(model_adapters.FAMILIES, "glue_toy", "model_adapters.llada")
+    monkeypatch.delitem(sys.modules, "mlx_lm.models.glue_toy", raising=False)
+    try:
+        model_adapters.register()
+        model_adapters.register()
+        assert sys.modules["mlx_lm.models.glue_toy"] is importlib.import_module("model_adapters.llada")
+    finally:
+        sys.modules.pop("mlx_lm.models.glue_toy", None)
+        if hasattr(mlx_lm.models, "glue_toy"):
+            delattr(mlx_lm.models, "glue_toy")
