@@ -33,6 +33,20 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
+def _check_local_path(path_or_hf_repo: str) -> None:
+    """A name that can only be a local path (not 'namespace/name') must exist: the Hub
+    would answer with "Repo id must be in the form ..." instead of saying so."""
+    import os
+
+    name = str(path_or_hf_repo)
+    if os.path.exists(name):
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name:
+        raise FileNotFoundError(
+            f"no model at {name}: that path does not exist (a Hugging Face repo is named 'namespace/name')"
+        )
+
+
 def load(
     path_or_hf_repo: str,
     tokenizer_config: Optional[Dict[str, Any]] = None,
@@ -55,6 +69,7 @@ def load(
     the "ar" adapter (a degenerate diffusion model: model_adapters.ar)."""
     from mlx_lm.utils import _download, load as mlx_lm_load, load_config
 
+    _check_local_path(path_or_hf_repo)
     model_path = _download(path_or_hf_repo, revision=revision)
     config = load_config(model_path)
     if not autoregressive or str(config.get("model_type")) in FAMILIES:

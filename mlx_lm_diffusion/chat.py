@@ -1,19 +1,26 @@
-"""A chat REPL for diffusion models: mlx_lm.chat's flags and screen, plus the
-diffusion defaults and a live canvas.
+"""A chat REPL for diffusion models: mlx_lm.chat's flags, commands and screen, plus
+the diffusion defaults and a live canvas.
 
     mlx_lm_diffusion.chat --model PATH [--max-tokens 256] [--block-length 32] [--show-canvas]
 
 Like mlx_lm.chat, each turn sends only the new user message through the chat
 template; the conversation so far lives in the prompt cache (a `compat.TokenCache`
 holding every earlier prompt and reply token), so the model reads the whole
-conversation. `r` clears it, `q` (or end of input) quits, `h` shows the commands.
+conversation. `r` clears it, `q` (or end of input, or Ctrl-C at the prompt) quits,
+`h` shows the commands; Ctrl-C during a reply ends that reply.
+
+A model without a chat template (a base model, the embedded demo before it had one)
+gets each message as its raw prompt, on its own (there are no turns to tell apart);
+a one-line notice says so at start. mlx_lm.chat's flags that cannot apply to a
+diffusion model (--max-kv-size, --prefill-step-size, --pipeline) are refused at
+start with one line, exit 2, as is a --model that cannot be loaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx_lm.chat as mlx_chat
@@ -27,16 +34,30 @@ from .canvas_view import CanvasView
 
 PROG = "mlx_lm_diffusion.chat"
 
+# mlx_lm.chat's flags that cannot apply to a diffusion model -> why.
+REFUSED = {
+    "max_kv_size": "a diffusion model keeps no key/value cache to bound (the conversation is its prompt cache of tokens)",
+    "prefill_step_size": "there is no prefill to split: every forward reads the prompt and the canvas together",
+    "pipeline": "distributed (pipelined or tensor-parallel) decoding is not built for diffusion models; run on one device",
+}
+
+NO_TEMPLATE_NOTICE = (
+    "note: this model has no chat template; each message is sent as its raw prompt, on its own (no conversation)"
+)
+
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """mlx_lm.chat's parser (same flags) plus the diffusion defaults and --show-canvas."""
+    from .generate import refuse_flags
+
     parser = mlx_chat.setup_arg_parser()
     parser.prog = PROG
     parser.description = "Chat with a diffusion language model"
     parser.set_defaults(model=None)  # mlx_lm.chat's default is an autoregressive model
+    refuse_flags(parser, REFUSED)
     compat.add_decode_arguments(parser)
     parser.add_argument("--show-canvas", action="store_true",
-                        help="Show the canvas being unmasked (on stderr)")
+                        help="Show the canvas being unmasked (on stderr); each reply is printed once final")
     return parser
 
 
@@ -50,16 +71,27 @@ def _sampler(args: argparse.Namespace, tokenizer: Any) -> Callable[[mx.array], m
     )
 
 
+def _turn_prompt(tokenizer: Any, args: argparse.Namespace, query: str) -> List[int]:
+    if not tokenizer.has_chat_template:
+        return list(tokenizer.encode(query))
+    messages = []
+    if args.system_prompt is not None:
+        messages.append({"role": "system", "content": args.system_prompt})
+    messages.append({"role": "user", "content": query})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
 def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, draft_callback=None) -> None:
     """mlx_lm.chat's loop: one turn per query, the conversation kept in the prompt cache.
     A turn the model cannot take (the conversation fills its context) is reported,
-    not fatal."""
+    not fatal; Ctrl-C during a turn ends the turn, at the prompt it quits."""
     options = compat.decode_defaults(args)
+    templated = bool(getattr(tokenizer, "has_chat_template", False))
     prompt_cache = compat.make_prompt_cache(model)
     while True:
         try:
             query = ui.prompt()
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             ui.say_bye()
             return
         if query == "q":
@@ -72,12 +104,10 @@ def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, dra
         if query == "h":
             ui.say_help()
             continue
-        messages = []
-        if args.system_prompt is not None:
-            messages.append({"role": "system", "content": args.system_prompt})
-        messages.append({"role": "user", "content": query})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        last_response = None
+        if not templated:  # no turns to tell apart: each message on its own
+            prompt_cache = compat.make_prompt_cache(model)
+        prompt = _turn_prompt(tokenizer, args, query)
+        last_response, held = None, []
         try:
             for response in compat.stream_generate(
                 model,
@@ -89,40 +119,65 @@ def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, dra
                 draft_callback=draft_callback,
                 **options,
             ):
-                ui.stream_token(response.text)
+                if draft_callback is None:
+                    ui.stream_token(response.text)
+                else:  # the canvas is on screen: the reply waits until it is final
+                    held.append(response.text)
                 last_response = response
         except ValueError as e:
-            ui.stream_token(f"[error: {e}; type 'r' to start a new conversation]")
+            held.append(f"[error: {e}; type 'r' to start a new conversation]")
+        except KeyboardInterrupt:
+            held.append(" [interrupted]")
+        finally:
+            close = getattr(draft_callback, "close", None)
+            if close is not None:
+                close()
+        if held:
+            ui.stream_token("".join(held))
         ui.end_turn(last_response)
 
 
+def fail(message: str) -> "NoReturn":  # noqa: F821
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .generate import load_for_cli, refused_flag
+
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     if args.model is None:
-        parser.error("--model is required: a local path or a Hugging Face repo of a diffusion model")
+        fail("--model is required: a local path or a Hugging Face repo of a diffusion model")
+    refused = refused_flag(parser, args, REFUSED)
+    if refused is not None:
+        fail(refused)
     try:
         compat.decode_defaults(args)
     except ValueError as e:
-        parser.error(str(e))
-    from mlx_lm.utils import load
+        fail(str(e))
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
     mx.random.seed(args.seed)
-    model, tokenizer = load(
-        args.model,
-        adapter_path=args.adapter_path,
-        tokenizer_config={"trust_remote_code": args.trust_remote_code},
-        trust_remote_code=args.trust_remote_code,
-    )
+    try:
+        model, tokenizer = load_for_cli(args)
+    except ValueError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        return 130
     if not is_diffusion_model(model):
-        parser.error(f"{args.model} is not a diffusion model; use mlx_lm.chat for it")
+        fail(f"{args.model} is not a diffusion model; use mlx_lm.chat for it")
     view = None
     if args.show_canvas:
         view = CanvasView(tokenizer, adapter_for(model, tokenizer).mask_id)
     with ChatUI(args) as ui:
-        chat_loop(model, tokenizer, args, ui, draft_callback=view)
+        if not tokenizer.has_chat_template:
+            print(NO_TEMPLATE_NOTICE, flush=True)
+        try:
+            chat_loop(model, tokenizer, args, ui, draft_callback=view)
+        except KeyboardInterrupt:  # between the loop's own handlers (e.g. while drawing)
+            ui.say_bye()
     return 0
 
 

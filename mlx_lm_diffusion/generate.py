@@ -1,6 +1,12 @@
-"""The generate CLI (mlx_lm.generate's flags plus diffusion options).
+"""The generate CLI: mlx_lm.generate's flags, meaning the same, plus diffusion options.
 
     python -m mlx_lm_diffusion.generate --model PATH --prompt "..." [--show-canvas]
+
+The parser is mlx_lm.generate's own (`setup_arg_parser`), so every one of its flags is
+here; the ones that cannot apply to a diffusion model (speculative decoding, the
+key/value cache, prefill chunking, images) are refused at start with one line saying
+why (exit 2), never accepted and ignored. The diffusion decoding flags come from the
+options schema (`compat.add_decode_arguments`).
 
 The Python API lives in `generation`; it is re-exported here so that
 `from mlx_lm_diffusion.generate import stream_generate` works as in mlx-lm.
@@ -9,6 +15,8 @@ The Python API lives in `generation`; it is re-exported here so that
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import sys
 from typing import List, Optional, Sequence
 
@@ -20,25 +28,92 @@ from model_adapters import adapter_for
 from .compat import add_decode_arguments, decode_defaults
 from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: F401
 
+# `import mlx_lm.generate` names mlx_lm's generate function, not its module
+mlx_generate = importlib.import_module("mlx_lm.generate")
+
+PROG = "mlx_lm_diffusion.generate"
+
+_NO_DRAFT = "speculative decoding drafts tokens for an autoregressive model; a diffusion model unmasks its canvas in parallel"
+_NO_KV = "a diffusion model keeps no key/value cache to bound or quantize (the canvas is decoded whole; its size is --max-tokens)"
+
+# mlx_lm.generate's flags that cannot apply to a diffusion model -> why.
+REFUSED = {
+    "draft_model": _NO_DRAFT,
+    "num_draft_tokens": _NO_DRAFT,
+    "max_kv_size": _NO_KV,
+    "kv_bits": _NO_KV,
+    "kv_group_size": _NO_KV,
+    "quantized_kv_start": _NO_KV,
+    "prompt_cache_file": "a diffusion model keeps no key/value cache to load from a file (mlx_lm.cache_prompt's files hold one)",
+    "prefill_step_size": "there is no prefill to split: every forward reads the prompt and the canvas together",
+    "image": "no diffusion family here takes images",
+}
+
+
+def flag_of(parser: argparse.ArgumentParser, dest: str) -> str:
+    for action in parser._actions:
+        if action.dest == dest and action.option_strings:
+            return max(action.option_strings, key=len)
+    return "--" + dest.replace("_", "-")
+
+
+def refuse_flags(parser: argparse.ArgumentParser, refused: dict) -> None:
+    """Mark mlx-lm's flags that cannot apply: default None (so a given value shows),
+    help saying why."""
+    for action in parser._actions:
+        if action.dest in refused:
+            action.default = None
+            action.help = f"refused: {refused[action.dest]}"
+
+
+def refused_flag(parser: argparse.ArgumentParser, args: argparse.Namespace, refused: dict) -> Optional[str]:
+    """The one-line reason for the first refused flag given, or None."""
+    for dest, why in refused.items():
+        if getattr(args, dest, None) not in (None, (), False):
+            return f"{flag_of(parser, dest)} does not apply to a diffusion model: {why}"
+    return None
+
+
+def verbose_flag(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's `--verbose VALUE` ('False'/'F' turns it off), also as a bare `--verbose`."""
+    for action in parser._actions:
+        if action.dest == "verbose":
+            action.nargs = "?"
+            action.const = True
+            action.metavar = "{True,False}"
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mlx_lm_diffusion.generate",
-        description="Generate text with a diffusion language model (mlx-lm's flags plus diffusion options).",
+    p = mlx_generate.setup_arg_parser()
+    p.prog = PROG
+    p.description = (
+        "Generate text with a diffusion language model (mlx_lm.generate's flags plus diffusion options)."
     )
-    p.add_argument("--model", type=str, help="Local path or Hugging Face repo of the model")
-    p.add_argument("--prompt", "-p", type=str, default="hello", help="Prompt text, '-' reads stdin")
-    p.add_argument("--max-tokens", "-m", type=int, default=256, help="Maximum tokens to generate")
-    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling top-p")
-    p.add_argument("--seed", type=int, default=None, help="PRNG seed")
-    p.add_argument("--system-prompt", default=None, help="System prompt for the chat template")
-    p.add_argument("--ignore-chat-template", action="store_true", help="Use the raw prompt")
-    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
-                   help="Print timing information (True/False)")
-    p.add_argument("--show-canvas", action="store_true", help="Show the canvas being unmasked")
+    for action in p._actions:
+        if action.dest == "model":
+            action.help = ("The path to the local model directory or Hugging Face repo. "
+                           "Without it, the embedded demo model (it adds two numbers) is used.")
+        if action.dest == "max_tokens":
+            action.help = ("Maximum number of tokens to generate (default: 256, or the demo model's "
+                           "own length); more than the model's context holds is capped to it")
+    p.set_defaults(max_tokens=None)  # None: 256, or the embedded demo model's own length
+    refuse_flags(p, REFUSED)
+    verbose_flag(p)
+    p.add_argument("--show-canvas", action="store_true",
+                   help="Show the canvas being unmasked (on stderr); the answer is printed once final")
     return add_decode_arguments(p)  # --block-length, --steps, --strategy, --threshold, ...
+
+
+def _template_kwargs(args: argparse.Namespace) -> dict:
+    if args.chat_template_config is None:
+        return {}
+    try:
+        config = json.loads(args.chat_template_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-config is not JSON ({e.msg}); give e.g. '{{\"enable_thinking\": false}}'")
+    if not isinstance(config, dict):
+        raise ValueError("--chat-template-config must be a JSON object of keyword arguments")
+    return config
 
 
 def _build_prompt(tokenizer: TokenizerWrapper, args: argparse.Namespace) -> List[int]:
@@ -48,19 +123,50 @@ def _build_prompt(tokenizer: TokenizerWrapper, args: argparse.Namespace) -> List
     if use_chat_template:
         messages = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prefill = getattr(args, "prefill_response", None)
+        if prefill is not None:
+            messages.append({"role": "assistant", "content": prefill})
+        prompt = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            continue_final_message=prefill is not None,
+            add_generation_prompt=prefill is None,
+            **_template_kwargs(args),
+        )
+    elif getattr(args, "prefill_response", None) is not None:
+        prompt += args.prefill_response
     return list(tokenizer.encode(prompt, add_special_tokens=not use_chat_template))
+
+
+def make_cli_sampler(args: argparse.Namespace, tokenizer: TokenizerWrapper):
+    """mlx_lm.generate's sampler from the flags (None: greedy, the engine's fast path)."""
+    if args.temp <= 0:
+        return None
+    return make_sampler(
+        args.temp,
+        args.top_p,
+        args.min_p,
+        args.min_tokens_to_keep,
+        top_k=args.top_k,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = setup_arg_parser()
-    parser.set_defaults(max_tokens=None)  # None: 256, or the embedded demo model's own length
     args = parser.parse_args(argv)
+    refused = refused_flag(parser, args, REFUSED)
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
     try:
-        from . import load
+        options = decode_defaults(args)
+        _template_kwargs(args)  # a bad --chat-template-config fails before loading
         from .canvas_view import CanvasView
 
         if args.model is None:  # the embedded demo model, with its own generation length
@@ -68,30 +174,75 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             args.model = str(DEMO_MODEL_PATH)
             args.max_tokens = DEMO_MAX_TOKENS if args.max_tokens is None else args.max_tokens
-            print(f"no --model given: using the embedded demo model (adds two 3-digit "
-                  f"numbers, e.g. '357+468='), max_tokens {args.max_tokens}", file=sys.stderr)
+            print(f"no --model given: using the embedded demo model (adds two numbers, "
+                  f"e.g. '357+468='), max_tokens {args.max_tokens}", file=sys.stderr)
         args.max_tokens = 256 if args.max_tokens is None else args.max_tokens
-        model, tokenizer = load(args.model)
+        model, tokenizer = load_for_cli(args)
+        for eos_token in args.extra_eos_token:
+            tokenizer.add_eos_token(eos_token)
         ids = _build_prompt(tokenizer, args)
-        sampler = make_sampler(args.temp, args.top_p) if args.temp > 0 else None
-        view = CanvasView(tokenizer, adapter_for(model, tokenizer).mask_id) if args.show_canvas else None
-        text = generate(
-            model,
-            tokenizer,
-            ids,
-            max_tokens=args.max_tokens,
-            verbose=args.verbose,
-            sampler=sampler,
-            seed=args.seed,
-            draft_callback=view,
-            **decode_defaults(args),
-        )
-        if not args.verbose:
+        sampler = make_cli_sampler(args, tokenizer)
+        if not args.show_canvas:
+            text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
+                            sampler=sampler, seed=args.seed, **options)
+            if not args.verbose:
+                print(text)
+            return 0
+        # The canvas on stderr, the answer on stdout once final: they never share a line.
+        view = CanvasView(tokenizer, adapter_for(model, tokenizer).mask_id)
+        text, last = "", None
+        try:
+            for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
+                                        seed=args.seed, draft_callback=view, **options):
+                text += last.text
+        finally:
+            view.close()
+        if args.verbose:
+            print("=" * 10)
             print(text)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+            print_stats(last)
+        else:
+            print(text)
+    except (ValueError, OSError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     return 0
+
+
+def print_stats(response) -> None:
+    """generate(verbose=True)'s closing lines."""
+    print("=" * 10)
+    if response is None:
+        return
+    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {response.generation_tokens} tokens, "
+          f"{response.generation_tps:.3f} tokens-per-sec, {response.forwards} forwards")
+    print(f"Peak memory: {response.peak_memory:.3f} GB")
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def load_for_cli(args: argparse.Namespace):
+    """`load` with the CLI's --adapter-path, --trust-remote-code, --quantize-activations;
+    a model that cannot be loaded is a ValueError saying so."""
+    from . import load
+
+    model_config = {"quantize_activations": True} if getattr(args, "quantize_activations", False) else None
+    try:
+        return load(
+            args.model,
+            adapter_path=getattr(args, "adapter_path", None),
+            trust_remote_code=getattr(args, "trust_remote_code", False),
+            model_config=model_config,
+        )
+    except (ValueError, OSError) as e:
+        reason = one_line(e)
+        raise ValueError(reason if str(args.model) in reason else f"cannot load --model {args.model}: {reason}") from e
 
 
 if __name__ == "__main__":
