@@ -93,7 +93,8 @@ from .protocol import run_request
 
 PROG = "mlx_lm_diffusion.server"
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
-REQUEST_FIELDS = compat.DECODE_FIELDS
+# The decoding fields are the options schema's named options, looked up per request (a
+# family registered after this import adds its own): compat.DECODE_FIELDS.
 PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 _RULE_FIELDS = ("strategy", "threshold")
@@ -199,7 +200,7 @@ class DiffusionRequest(CompletionRequest):
 
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
     """The decoding fields and the `drafts` flag of a JSON body, checked (ValueError)."""
-    options = compat.check_decode_fields({k: body[k] for k in REQUEST_FIELDS if k in body})
+    options = compat.check_decode_fields({k: body[k] for k in compat.DECODE_FIELDS if k in body})
     drafts = body.get("drafts", False)
     if drafts is None:
         drafts = False
@@ -483,7 +484,7 @@ _BODY_FIELDS = (
     "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
     "xtc_probability", "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed",
     "stop", "tools", "role_mapping", "chat_template_kwargs", "draft_model", "adapters",
-    "num_draft_tokens", "drafts", *REQUEST_FIELDS,
+    "num_draft_tokens", "drafts",
 )
 
 # finite-number fields and their ranges (low, high), checked before mlx_lm.server's own
@@ -784,7 +785,7 @@ class DiffusionAPIHandler(APIHandler):
         except RequestError as e:
             return self._send_error(e.status, str(e), param=e.param, code=e.code)
         except (ValueError, TypeError) as e:
-            return self._send_error(400, str(e), param=_param_of(str(e), _BODY_FIELDS))
+            return self._send_error(400, str(e), param=_param_of(str(e), _BODY_FIELDS + compat.DECODE_FIELDS))
         factories = {
             "/v1/completions": self.handle_text_completions,
             "/v1/chat/completions": self.handle_chat_completions,
@@ -794,7 +795,7 @@ class DiffusionAPIHandler(APIHandler):
             request = factories[self.path]()
         except Exception as e:
             message = str(e) or type(e).__name__
-            return self._send_error(400, message, param=_param_of(message, _BODY_FIELDS))
+            return self._send_error(400, message, param=_param_of(message, _BODY_FIELDS + compat.DECODE_FIELDS))
         self.handle_completion(request, stop_words)
 
     def _read_fields(self, body: dict) -> None:

@@ -17,15 +17,14 @@ import mlx.nn as nn
 
 from .base import Adapter, FamilyDefaults
 
-# model_type (as written in config.json) -> module under model_adapters (or a full module
-# name, for families registered from elsewhere with `register_family`)
+# model_type (as written in config.json) -> the module that defines its family
 FAMILIES: dict[str, str] = {
-    "llada": "llada",
-    "Dream": "dream",
-    "sdar": "sdar",
-    "llada2_moe": "llada2",
-    "nemotron_labs_diffusion": "nemotron_labs_diffusion",
-    "diffusion_gemma": "diffusion_gemma",
+    "llada": f"{__name__}.llada",
+    "Dream": f"{__name__}.dream",
+    "sdar": f"{__name__}.sdar",
+    "llada2_moe": f"{__name__}.llada2",
+    "nemotron_labs_diffusion": f"{__name__}.nemotron_labs_diffusion",
+    "diffusion_gemma": f"{__name__}.diffusion_gemma",
 }
 
 
@@ -35,19 +34,15 @@ def family_module(model_type: str) -> ModuleType:
             f"Unsupported model_type {model_type!r}; supported diffusion families: "
             + ", ".join(f"{t!r} ({_family_name(t)})" for t in FAMILIES)
         )
-    return _import(FAMILIES[model_type])
-
-
-def _import(name: str) -> ModuleType:
-    return importlib.import_module(name if "." in name else f"{__name__}.{name}")
+    return importlib.import_module(FAMILIES[model_type])
 
 
 def _family_name(model_type: str) -> str:
-    return _import(FAMILIES[model_type]).Adapter.family
+    return importlib.import_module(FAMILIES[model_type]).Adapter.family
 
 
 def register_family(model_type: str, module: str) -> None:
-    """Add a family defined outside this package: `module` (a full module name) defines
+    """Add a family defined outside this package: `module` (its module name) defines
     ModelArgs, Model and Adapter. Its options join the options schema, and mlx-lm's
     loader finds it like the built-in ones."""
     FAMILIES[model_type] = module
