@@ -69,7 +69,8 @@ def refuse_flags(parser: argparse.ArgumentParser, refused: dict) -> None:
 def refused_flag(parser: argparse.ArgumentParser, args: argparse.Namespace, refused: dict) -> Optional[str]:
     """The one-line reason for the first refused flag given, or None."""
     for dest, why in refused.items():
-        if getattr(args, dest, None) not in (None, (), False):
+        value = getattr(args, dest, None)
+        if not (value is None or value is False or value == ()):
             return f"{flag_of(parser, dest)} does not apply to a diffusion model: {why}"
     return None
 
