@@ -101,3 +101,107 @@ def test_main_needs_a_diffusion_model(capsys):
     with pytest.raises(SystemExit):
         chat.main([])
     assert "--model is required" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- issue 12, part 5
+
+
+@pytest.fixture(scope="module")
+def untemplated_path(llada_path, tmp_path_factory):
+    """The llada checkpoint without a chat template (a base model, as the demo was)."""
+    import json
+    import shutil
+
+    path = tmp_path_factory.mktemp("base") / "llada"
+    shutil.copytree(llada_path, path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_model_without_a_chat_template_gets_the_raw_prompt(untemplated_path):
+    model, tok = mld.load(str(untemplated_path))
+    assert not tok.has_chat_template
+    ui = ScriptedUI(["Hello", "And then?"])
+    chat.chat_loop(model, tok, args_for(untemplated_path), ui)
+    # each message on its own, as its raw prompt (no turns to tell apart)
+    assert ui.turns == [decode(model, tok, tok.encode(q))[1] for q in ("Hello", "And then?")]
+    assert ui.events == ["bye"]
+
+
+def test_main_says_once_that_there_is_no_chat_template(untemplated_path, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello\n"))  # then end of input
+    assert chat.main(["--model", str(untemplated_path), "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(chat.NO_TEMPLATE_NOTICE) == 1 and "bye" in out and "tokens" in out
+
+
+def test_ctrl_c_at_the_prompt_and_during_a_reply(llada, llada_path):
+    model, tok = llada
+
+    class InterruptingUI(ScriptedUI):
+        def prompt(self):
+            if self.queries and self.queries[0] is KeyboardInterrupt:
+                raise KeyboardInterrupt
+            return super().prompt()
+
+        def stream_token(self, text):
+            if self.interrupt:
+                self.interrupt = False
+                raise KeyboardInterrupt
+            super().stream_token(text)
+
+    ui = InterruptingUI(["Hello", "Hello", KeyboardInterrupt, "never read"])
+    ui.interrupt = True  # the first reply is cut at its first token
+    chat.chat_loop(model, tok, args_for(llada_path), ui)
+    assert ui.turns[0].endswith("[interrupted]") and ui.events == ["bye"]
+    assert ui.queries == [KeyboardInterrupt, "never read"]
+
+
+def test_show_canvas_holds_each_reply_until_final(llada, llada_path):
+    model, tok = llada
+    frames = []
+
+    class View:
+        closed = 0
+
+        def __call__(self, step):
+            frames.append(step.forwards)
+
+        def close(self):
+            View.closed += 1
+
+    ui = ScriptedUI(["Hello"])
+    chat.chat_loop(model, tok, args_for(llada_path), ui, draft_callback=View())
+    assert ui.turns == [decode(model, tok, turn_ids(tok, "Hello"))[1]] and frames and View.closed == 1
+
+
+def _repl(path, inputs, *flags):
+    import sys
+
+    from pty_run import run_in_pty
+
+    return run_in_pty([sys.executable, "-m", "mlx_lm_diffusion.chat", "--model", str(path),
+                       "--max-tokens", "4", *flags], inputs, timeout=150, wait_for="\u203a")
+
+
+@pytest.mark.parametrize("last", [b"\x03", b"\x04", "q"], ids=["ctrl-c", "end-of-input", "q"])
+def test_repl_on_a_terminal_exits_cleanly(untemplated_path, last):
+    code, out, _ = _repl(untemplated_path, ["Hello", "h", last])
+    assert code == 0, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    assert chat.NO_TEMPLATE_NOTICE in out and "bye" in out and "tokens" in out
+
+
+def test_repl_bad_model_is_one_line_exit_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.chat", "--model", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0], r.stderr
