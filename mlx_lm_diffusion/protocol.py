@@ -46,6 +46,7 @@ REQUEST_SCHEMA: dict = {
         "top_p": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},  # draft-07 form
         "confidence_threshold": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},
         "seed": schema()["seed"].json_schema(),  # extension fields, from the options schema
+        "cache": schema()["cache"].json_schema(),  # (LLaDA and Dream: Fast-dLLM's caches)
     },
     "required": [
         "prompt_tokens",
@@ -151,6 +152,7 @@ def run_request(model, tokenizer, request: dict) -> dict:
         temperature_schedule=request["temperature_schedule"],
         top_p=request["top_p"],
         seed=request.get("seed"),
+        cache=request.get("cache"),
     )
     engine = Engine(adapter, resolve(options, adapter, P), keep_logprobs=False)
     trace, last, previous = [], None, np.array([prompt + [adapter.mask_id] * (total - P)])

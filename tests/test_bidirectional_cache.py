@@ -348,3 +348,17 @@ def test_cache_option_everywhere_and_refused_elsewhere(tmp_path):
         mld.generate(model, tok, [72, 101], max_tokens=8, cache="dual")
     with pytest.raises(ValueError, match="cache must be one of prefix, dual"):
         schema()["cache"].check("full")
+
+
+def test_protocol_takes_cache_as_an_extension_field(llada):
+    from mlx_lm_diffusion.protocol import run_request, validate_response
+
+    model, tok = llada
+    request = dict(prompt_tokens=PROMPTS[0], target_length=21, num_steps=8, mask_schedule="cosine",
+                   temperature_schedule=[0.0] * 8, top_p=1.0)
+    for cache in ("prefix", "dual"):
+        response = run_request(model, tok, {**request, "cache": cache})
+        validate_response(response)
+        assert MASK_ID not in response["final_tokens"]
+    with pytest.raises(ValueError, match="cache"):
+        run_request(model, tok, {**request, "cache": "full"})
