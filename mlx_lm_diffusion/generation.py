@@ -144,15 +144,31 @@ def generate(
 def generate_batch(
     model: nn.Module,
     tokenizer: Any,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Union[str, Sequence[int], mx.array]],
     max_tokens: int = 256,
     **kwargs,
 ) -> tuple[List[List[int]], int]:
-    """Decode equal-length token prompts together; returns (tokens per row, forwards).
+    """Decode prompts of equal token length together; returns (tokens per row, forwards).
 
-    Each row stops at its own EOS (excluded from its tokens)."""
-    if not prompts or len({len(p) for p in prompts}) != 1:
-        raise ValueError("generate_batch needs one or more prompts of equal length")
+    Each prompt is a string (encoded as `stream_generate` encodes it) or a list of
+    token ids. Each row stops at its own EOS (excluded from its tokens)."""
+    if isinstance(prompts, mx.array) and prompts.ndim == 2:  # (rows, length) token ids
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, mx.array)) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+    ):
+        raise ValueError("generate_batch takes a list of prompts (strings or token lists); wrap one prompt in a list")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    prompts = [encode_prompt(tokenizer, p) for p in prompts or ()]
+    if not prompts:
+        raise ValueError("generate_batch needs one or more prompts")
+    lengths = sorted({len(p) for p in prompts})
+    if len(lengths) != 1:
+        raise ValueError(
+            f"generate_batch needs prompts of equal token length, got lengths {lengths}: "
+            "group the prompts by length, or call stream_generate for each"
+        )
     adapter, options = _engine(model, tokenizer, len(prompts[0]), max_tokens, kwargs)
     for p in prompts:
         check_prompt(list(p), adapter.mask_id, adapter.vocab_size)

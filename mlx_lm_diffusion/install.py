@@ -9,7 +9,11 @@ needs no patch: it calls the model's `make_cache()`, which gives diffusion model
 `TokenCache` (model_adapters.base.DiffusionModel).
 
 Callers that bound `from mlx_lm import stream_generate` before `install()` keep the
-original function: call `install()` first.
+original function: call `install()` first. That function reaches mlx-lm's
+`generate_step`, which `install()` makes refuse diffusion models with an error naming
+`install()` (`REFUSALS`); so do `mlx_lm.batch_generate` (use
+`mlx_lm_diffusion.generate_batch`) and `mlx_lm.cache_prompt` (no key/value cache to
+save), each saying what to call instead.
 """
 
 from __future__ import annotations
@@ -29,6 +33,27 @@ TARGETS: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
     ("mlx_lm", "stream_generate", compat.stream_generate),
     ("mlx_lm.server", "stream_generate", compat.stream_generate),
     ("mlx_lm.chat", "stream_generate", compat.stream_generate),
+)
+
+_BOUND_BEFORE_INSTALL = (
+    "mlx-lm's autoregressive generate_step cannot drive a diffusion model: this stream_generate "
+    "(or generate) was bound before mlx_lm_diffusion.install(), e.g. by `from mlx_lm import "
+    "stream_generate` done first; call mlx_lm_diffusion.install() before importing it, or call "
+    "mlx_lm_diffusion.stream_generate"
+)
+
+# (module, attribute, position of the model argument, why a diffusion model is refused)
+REFUSALS: Tuple[Tuple[str, str, int, str], ...] = (
+    ("mlx_lm.generate", "generate_step", 1, _BOUND_BEFORE_INSTALL),
+    ("mlx_lm.generate", "batch_generate", 0,
+     "mlx_lm.batch_generate decodes autoregressive models over key/value caches; for a diffusion "
+     "model call mlx_lm_diffusion.generate_batch(model, tokenizer, prompts, max_tokens=...)"),
+    ("mlx_lm", "batch_generate", 0,
+     "mlx_lm.batch_generate decodes autoregressive models over key/value caches; for a diffusion "
+     "model call mlx_lm_diffusion.generate_batch(model, tokenizer, prompts, max_tokens=...)"),
+    ("mlx_lm.cache_prompt", "generate_step", 1,
+     "mlx_lm.cache_prompt saves a key/value cache, and a diffusion model keeps none (every forward "
+     "re-reads the prompt); pass the prompt itself to mlx_lm_diffusion.generate / stream_generate"),
 )
 
 _lock = threading.Lock()
@@ -51,6 +76,25 @@ def _dispatcher(original: Callable[..., Any], diffusion: Callable[..., Any]) -> 
     return dispatch
 
 
+def _refuser(original: Callable[..., Any], index: int, why: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def refuse(*args, **kwargs):
+        model = args[index] if len(args) > index else kwargs.get("model")
+        if is_diffusion_model(model):
+            raise ValueError(why)
+        return original(*args, **kwargs)
+
+    refuse.__mlx_lm_diffusion__ = True
+    return refuse
+
+
+def _all_targets():
+    for module_name, attr, diffusion in TARGETS:
+        yield module_name, attr, lambda current, d=diffusion: _dispatcher(current, d)
+    for module_name, attr, index, why in REFUSALS:
+        yield module_name, attr, lambda current, i=index, w=why: _refuser(current, i, w)
+
+
 def _module(name: str):
     # `import mlx_lm.generate` names the function, not the module: go through importlib.
     return importlib.import_module(name)
@@ -61,14 +105,14 @@ def install() -> None:
     models (idempotent). Autoregressive models take the original code paths."""
     register()
     with _lock:
-        for module_name, attr, diffusion in TARGETS:
+        for module_name, attr, wrap in _all_targets():
             key = (module_name, attr)
             module = _module(module_name)
             current = getattr(module, attr)
             if key in _dispatchers and current is _dispatchers[key]:
                 continue
             _originals[key] = current
-            _dispatchers[key] = _dispatcher(current, diffusion)
+            _dispatchers[key] = wrap(current)
             setattr(module, attr, _dispatchers[key])
 
 
@@ -88,8 +132,8 @@ def installed() -> bool:
     """Whether every target currently dispatches diffusion models."""
     with _lock:
         return all(
-            getattr(_module(m), a) is _dispatchers.get((m, a)) for m, a, _ in TARGETS
+            getattr(_module(m), a) is _dispatchers.get((m, a)) for m, a, _ in _all_targets()
         )
 
 
-__all__ = ["install", "uninstall", "installed", "TARGETS"]
+__all__ = ["install", "uninstall", "installed", "TARGETS", "REFUSALS"]

@@ -46,6 +46,16 @@ class TokenCache(_BaseCache):
     def state(self, v):
         self.tokens = [int(t) for t in v.tolist()] if v is not None else []
 
+    def update_and_fetch(self, keys, values):
+        """What an autoregressive decoding loop calls on a KV cache: refused with what
+        to do (this cache holds tokens, not keys and values)."""
+        raise ValueError(
+            "a diffusion model's prompt cache (TokenCache) holds tokens, not keys and values, so "
+            "mlx-lm's autoregressive decoding (generate_step, stream_generate bound before install(), "
+            "cache_prompt) cannot drive the model: call mlx_lm_diffusion.install() before importing "
+            "stream_generate/generate from mlx_lm, or call mlx_lm_diffusion.stream_generate"
+        )
+
     def is_trimmable(self) -> bool:
         return True
 
