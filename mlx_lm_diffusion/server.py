@@ -1148,6 +1148,10 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
         serve_forever's, which this stops; setting `hurry` ends the grace period early.
         Returns how many requests were cancelled."""
         self.draining = True
+        try:  # refuse connections now, not at serve_forever's next poll
+            self.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.shutdown()
         try:
             self.socket.close()
@@ -1419,7 +1423,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for s, handler in previous.items():
         signal.signal(s, handler)
     logging.info("stopped")
+    if argv is None:  # the command line: leave without C++ static teardown (see _exit_now)
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """End the process once the server has stopped in order (connections drained,
+    generation thread joined, model released in it): flush what Python buffers, then
+    os._exit, so that no native destructor runs after Python's (MLX's stream threads at
+    interpreter teardown ended some exits with SIGABRT, "terminate called without an
+    active exception")."""
+    try:
+        import mlx.core as mx
+
+        mx.synchronize()
+    except Exception:
+        pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
