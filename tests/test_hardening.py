@@ -570,35 +570,54 @@ def _stop(proc):
         proc.wait(timeout=30)
 
 
+def _read_all(sock):
+    received = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return received
+        received += chunk
+
+
+def _events(received):
+    return [l[6:] for l in received.decode().split("\n") if l.startswith("data: ")]
+
+
 def test_sigterm_finishes_in_flight_cancels_the_rest_exits_0(llada_path, tmp_path):
+    """SIGTERM during a decode: the request in flight is answered in full, the one
+    still streaming when the grace period ends gets an SSE error and [DONE], the one
+    still queued a 503, and the server exits 0 without accepting new connections."""
     grace = 6.0
     proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace))
     try:
         results = {}
 
-        def slow():  # queued behind the stream, far longer than the grace period
-            results["slow"] = post(port, {"messages": USER, "max_tokens": 400, "logit_bias": NO_STOP})
+        def long_stream():  # starts after the first, streams far longer than the grace period
+            with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+                sock.sendall(request_bytes(json.dumps(
+                    {"messages": USER, "stream": True, "max_tokens": 400, "logit_bias": NO_STOP}).encode()))
+                results["stream"] = _read_all(sock)
 
-        stream = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-        stream.sendall(request_bytes(json.dumps(
+        def queued():  # behind both
+            results["queued"] = post(port, {"messages": USER, "max_tokens": 400, "logit_bias": NO_STOP})
+
+        first = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        first.sendall(request_bytes(json.dumps(
             {"messages": USER, "stream": True, "max_tokens": 96, "logit_bias": NO_STOP}).encode()))
         received = b""
         while b"data: " not in received:
-            chunk = stream.recv(4096)
+            chunk = first.recv(4096)
             assert chunk, "the stream ended before its first token"
             received += chunk
-        waiter = threading.Thread(target=slow)
-        waiter.start()
-        time.sleep(0.2)
+        waiters = [threading.Thread(target=long_stream), threading.Thread(target=queued)]
+        for w in waiters:
+            w.start()
+            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        while True:  # the in-flight stream completes
-            chunk = stream.recv(65536)
-            if not chunk:
-                break
-            received += chunk
-        stream.close()
-        events = [l[6:] for l in received.decode().split("\n") if l.startswith("data: ")]
+        received += _read_all(first)  # the request in flight completes
+        first.close()
+        events = _events(received)
         assert events[-1] == "[DONE]"
         assert [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]][-1] == "length"
         deadline = time.monotonic() + 5
@@ -612,8 +631,14 @@ def test_sigterm_finishes_in_flight_cancels_the_rest_exits_0(llada_path, tmp_pat
             pytest.fail("still accepting connections 5 s after SIGTERM")
         assert proc.wait(timeout=grace + 30) == 0, (tmp_path / "server.log").read_text()[-3000:]
         assert time.monotonic() - signalled < grace + 15
-        waiter.join(timeout=TIMEOUT)
-        status, data = results["slow"]
+        for w in waiters:
+            w.join(timeout=TIMEOUT)
+        events = _events(results["stream"])
+        assert results["stream"].startswith(b"HTTP/1.0 200") and events[-1] == "[DONE]"
+        assert "choices" in json.loads(events[0])
+        error = assert_openai_error(json.loads(events[-2]), 503)
+        assert "shutting down" in error["message"]
+        status, data = results["queued"]
         assert status == 503 and "shutting down" in assert_openai_error(data, 503)["message"]
         log = (tmp_path / "server.log").read_text()
         assert "terminate called" not in log and "Traceback" not in log
