@@ -1221,6 +1221,9 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
     --model (StartupError if it cannot), then bind the HTTP server; call
     `serve_forever()` on the first result. Stop with `httpd.shutdown();
     httpd.server_close(); generator.stop_and_join()` (or `shutdown(httpd, generator)`)."""
+    model = getattr(args, "model", None)
+    if isinstance(model, str) and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
+        raise StartupError(f"cannot load --model {model!r}: no such directory")
     install()
     provider = ModelProvider(args)
     prompt_cache = LRUPromptCache(args.prompt_cache_size)

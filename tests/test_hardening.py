@@ -507,13 +507,15 @@ def test_nofile_limit_is_restored():
 # ----------------------------------------------------------------------------- issue 12 part 6: start
 
 
-def test_bad_model_fails_at_start_before_binding(monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("kind", ["missing", "empty"])  # empty: fails in the loader itself
+def test_bad_model_fails_at_start_before_binding(monkeypatch, capsys, tmp_path, kind):
     bound, restored = [], []
     monkeypatch.setattr(dserver, "make_http_server", lambda *a, **k: bound.append(a))
     monkeypatch.setattr(dserver, "restore_nofile", lambda: restored.append(1))
     monkeypatch.setattr(signal, "signal", lambda *a: None)  # main's handlers stay out of pytest
     try:
-        rc = dserver.main(["--model", str(tmp_path / "missing"), "--port", "0"])
+        (tmp_path / "empty").mkdir()
+        rc = dserver.main(["--model", str(tmp_path / kind), "--port", "0"])
     finally:
         mld.uninstall()
     err = capsys.readouterr().err.strip().splitlines()
