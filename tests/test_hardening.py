@@ -390,6 +390,15 @@ def test_host_header_is_checked(port, host, ok):
         assert "allowed-hosts" in assert_openai_error(json.loads(body))["message"]
 
 
+def test_allowed_hosts_flag(port, served, monkeypatch):
+    args = dserver.parse_args(["--model", "m", "--allowed-hosts", "api.example.com,other.test"])
+    assert args.allowed_hosts == ["api.example.com", "other.test"]
+    monkeypatch.setattr(served[1].cli_args, "allowed_hosts", args.allowed_hosts)
+    for host, status in (("api.example.com", 200), ("API.example.com:443", 200), ("evil.example.com", 403)):
+        got = exchange(port, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())[0]
+        assert got == status, host
+
+
 def test_logged_bodies_are_truncated_and_escaped(port, caplog):
     forged = b'{"x": "\n2026-01-01 00:00:00 - INFO - forged line\n' + b"y" * 100_000 + b"\xff"
     with caplog.at_level("INFO"):
