@@ -68,7 +68,7 @@ def cache_table(models, lengths, repeats):
             for mode, walls in times.items():
                 wall = statistics.median(walls)
                 print(f"{name:6} {n:6d} {str(mode):>7} {forwards[mode]:8d} {n / wall:8.1f} {base / wall:7.2f}x"
-                      f" {1000 * wall / n:9.2f}")
+                      f" {1000 * wall / n:9.2f}", flush=True)
             assert len(set(forwards.values())) == 1, forwards
 
 
@@ -109,7 +109,7 @@ def peer_table(path, dream_dir, model, tok, lengths, repeats):
                 theirs.append(peer_wall)
             a, b = statistics.median(mine), statistics.median(theirs)
             print(f"{n:6d} {label:>22} {n / a:10.1f} {forwards / n:8.2f} {n / b:10.1f} {peer_forwards / n:8.2f}"
-                  f" {b / a:8.2f}x")
+                  f" {b / a:8.2f}x", flush=True)
 
 
 def _peer_ready(dream: Path) -> None:

@@ -342,7 +342,13 @@ def test_fast_preset(llada, dream):
 def test_cache_option_everywhere_and_refused_elsewhere(tmp_path):
     from checkpoints_block import write_sdar
 
+    import argparse
+
+    from mlx_lm_diffusion.options import add_arguments, check_fields
+
     assert "cache" in named_options() and schema()["cache"].json_schema()["enum"] == ["prefix", "dual"]
+    assert check_fields({"cache": "dual"}) == {"cache": "dual"}  # the server's JSON field
+    assert add_arguments(argparse.ArgumentParser()).parse_args(["--cache", "prefix"]).cache == "prefix"
     model, tok = mld.load(str(write_sdar(tmp_path / "sdar")))
     with pytest.raises(ValueError, match="cache does not apply to SDAR"):
         mld.generate(model, tok, [72, 101], max_tokens=8, cache="dual")
