@@ -530,6 +530,20 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
     return False
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with no number JSON cannot carry: -inf (a log-probability of an excluded
+    token) becomes -9999.0 as in OpenAI's answers, NaN and +inf become null."""
+    if isinstance(value, float):
+        if math.isnan(value) or value == math.inf:
+            return None
+        return -9999.0 if value == -math.inf else value
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def _host_of(header: str) -> str:
     """The host part of a Host header (no port; IPv6 without brackets)."""
     header = header.strip().lower()
@@ -956,6 +970,9 @@ class DiffusionAPIHandler(APIHandler):
         except _CLIENT_ERRORS:
             self.close_connection = True
 
+    def generate_response(self, *args, **kwargs) -> dict:
+        return json_safe(super().generate_response(*args, **kwargs))
+
     def _set_stream_headers(self, status_code: int = 200):
         super()._set_stream_headers(status_code)
         self._stream_started = True
@@ -981,7 +998,6 @@ class DiffusionAPIHandler(APIHandler):
         a request that breaks the schema gets a 400 carrying the validation message."""
         try:
             response = self.response_generator.run_protocol(body, self.cancel)
-            data = json.dumps(response, allow_nan=False).encode()
         except RequestError as e:
             return self._send_error(e.status, str(e), param=e.param, code=e.code)
         except (ValueError, TypeError) as e:
@@ -989,7 +1005,7 @@ class DiffusionAPIHandler(APIHandler):
         except Exception as e:
             logging.exception("protocol request failed")
             return self._send_error(500, f"{type(e).__name__}: {e}")
-        self._send_bytes(200, data)
+        self._send_bytes(200, json.dumps(json_safe(response)).encode())
 
     def _send_draft(self, payload: dict) -> None:
         self.wfile.write(f": draft {json.dumps(payload)}\n\n".encode())

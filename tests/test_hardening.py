@@ -282,6 +282,32 @@ def test_error_after_stream_began_is_an_sse_event(client, port, reference, monke
     assert answer(client) == reference
 
 
+def test_responses_are_strict_json_even_with_non_finite_numbers(port, client, reference, monkeypatch):
+    import dataclasses
+
+    import mlx.core as mx
+
+    dispatch = mlx_lm.server.stream_generate
+
+    def poisoned(*args, **kwargs):  # NaN and -inf log-probabilities, as a broken sampler gives
+        for i, r in enumerate(dispatch(*args, **kwargs)):
+            fill = float("nan") if i % 2 else -float("inf")
+            yield dataclasses.replace(r, logprobs=mx.full(r.logprobs.shape, fill))
+
+    monkeypatch.setattr(mlx_lm.server, "stream_generate", poisoned)
+
+    def strict(raw):
+        return json.loads(raw, parse_constant=lambda name: pytest.fail(f"{name} in a response"))
+
+    body = json.dumps({"messages": USER, "logprobs": True, "top_logprobs": 2}).encode()
+    status, _, data = exchange(port, request_bytes(body))
+    assert status == 200
+    content = strict(data)["choices"][0]["logprobs"]["content"]
+    assert {c["logprob"] for c in content} <= {None, -9999.0}
+    monkeypatch.undo()
+    assert answer(client) == reference
+
+
 # ----------------------------------------------------------------------------- part 5: what a client may touch
 
 
