@@ -672,7 +672,7 @@ def test_sigterm_finishes_in_flight_cancels_the_rest_exits_0(llada_path, tmp_pat
             w.join(timeout=TIMEOUT)
         events = _events(results["stream"])
         assert results["stream"].startswith(b"HTTP/1.0 200") and events[-1] == "[DONE]"
-        assert "choices" in json.loads(events[0])
+        assert all("choices" in json.loads(e) for e in events[:-2])  # tokens, if any came in time
         error = assert_openai_error(json.loads(events[-2]), 503)
         assert "shutting down" in error["message"]
         status, data = results["queued"]
