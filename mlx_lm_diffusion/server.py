@@ -735,8 +735,9 @@ class DiffusionAPIHandler(APIHandler):
             return None
         raw = self.rfile.read(length)
         self._disarm()
-        if len(raw) < length:
-            raise ConnectionError("the client closed the connection within its body")
+        if len(raw) < length:  # the client left, or --read-timeout closed it, within its body
+            logging.info(f"{self.address_string()}: closed within its body ({len(raw)} of {length} bytes)")
+            return None
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -1079,6 +1080,14 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
         finally:
             with self._lock:
                 self._open -= 1
+
+    def handle_error(self, request, client_address):
+        """A client that left is one line in the log, not a traceback."""
+        error = sys.exc_info()[1]
+        if isinstance(error, _CLIENT_ERRORS + (BrokenPipeError,)):
+            logging.info(f"{client_address[0]}: connection closed ({type(error).__name__})")
+            return
+        logging.exception(f"error while serving {client_address[0]}")
 
     def open_connections(self) -> int:
         return self._open

@@ -470,7 +470,7 @@ def test_open_connections_are_capped_with_503(served, port, client, reference):
     assert answer(client) == reference
 
 
-def test_slow_clients_are_closed_while_others_are_served(port, client, reference):
+def test_slow_clients_are_closed_while_others_are_served(port, client, reference, capfd):
     slow_headers = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     slow_body = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     try:
@@ -494,6 +494,7 @@ def test_slow_clients_are_closed_while_others_are_served(port, client, reference
         slow_headers.close()
         slow_body.close()
     assert answer(client) == reference
+    assert "Traceback" not in capfd.readouterr().err  # closed quietly
 
 
 def test_a_non_streaming_client_that_leaves_cancels_its_decode(port, client, monkeypatch):
