@@ -104,3 +104,13 @@ def test_cli_flags_exist():
     assert setup_arg_parser().parse_args(["--trust-remote-code"]).trust_remote_code is True
     assert setup_arg_parser().parse_args([]).trust_remote_code is False
     assert chat.setup_arg_parser().parse_args(["--trust-remote-code"]).trust_remote_code is True
+
+
+def test_chat_repl_on_a_terminal(auto_map_path):
+    code, out, _ = run_in_pty(
+        [sys.executable, "-m", "mlx_lm_diffusion.chat", "--model", str(auto_map_path), "--max-tokens", "4"],
+        ["Hi", "q"], timeout=120, wait_for="\u203a",
+    )
+    assert code == 0, out
+    assert not any(w in out for w in PROMPT_WORDS) and "REMOTE CODE RAN" not in out, out
+    assert "bye" in out and "Traceback" not in out
