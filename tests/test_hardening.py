@@ -470,6 +470,33 @@ def test_open_connections_are_capped_with_503(served, port, client, reference):
     assert answer(client) == reference
 
 
+def test_32_concurrent_clients_all_answered_as_serial(served, port, monkeypatch):
+    """32 clients at once, 2 requests each (the listen backlog and the connection
+    cap above them): every request answered, each equal to its serial answer."""
+    import concurrent.futures
+
+    monkeypatch.setattr(served[0], "max_connections", 64)
+    bodies = [{"messages": [{"role": "user", "content": f"Q{i}?"}], "max_tokens": 4, "temperature": 0}
+              for i in range(8)]
+
+    def ask(i):
+        status, data = post(port, bodies[i % len(bodies)])
+        assert status == 200, data
+        return data["choices"][0]["message"]["content"]
+
+    serial = [ask(i) for i in range(len(bodies))]
+    start = threading.Barrier(32, timeout=TIMEOUT)
+
+    def client_(k):
+        start.wait()
+        return [(i, ask(i)) for i in (k, k + 32)]
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        answers = [a for batch in pool.map(client_, range(32), timeout=4 * TIMEOUT) for a in batch]
+    assert len(answers) == 64
+    assert all(text == serial[i % len(bodies)] for i, text in answers)
+
+
 def test_slow_clients_are_closed_while_others_are_served(port, client, reference, capfd):
     slow_headers = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     slow_body = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
