@@ -604,11 +604,11 @@ class DiffusionAPIHandler(APIHandler):
         """Cancel this connection's request (shutdown): its decode raises `error` at
         the next forward and the client gets it as an error."""
         self.cancel_error = error
+        self.cancel.set()  # before reading _request: _diffusion_request checks it after setting that
         request = self._request
         if request is not None:
             request.cancel_error = error
             request.cancel.set()
-        self.cancel.set()
 
     def send_error(self, code, message=None, explain=None):
         """http.server's own errors (bad request line, headers too long, unsupported
@@ -808,6 +808,8 @@ class DiffusionAPIHandler(APIHandler):
         }
         try:
             request = factories[self.path]()
+        except RequestError as e:
+            return self._send_error(e.status, str(e), param=e.param, code=e.code)
         except Exception as e:
             message = str(e) or type(e).__name__
             return self._send_error(400, message, param=_param_of(message, _BODY_FIELDS + compat.DECODE_FIELDS))

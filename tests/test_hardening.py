@@ -376,7 +376,8 @@ def test_image_urls_are_never_fetched(port, trap):
     messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
                                              {"type": "image_url", "image_url": {"url": url}}]}]
     status, data = post(port, {"messages": messages})
-    assert status == 400 and "data: URLs" in assert_openai_error(data)["message"]
+    error = assert_openai_error(data)
+    assert status == 400 and "data: URLs" in error["message"] and error["param"] == "messages"
     assert_untouched(trap)
 
 
