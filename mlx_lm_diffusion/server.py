@@ -890,6 +890,12 @@ class DiffusionAPIHandler(APIHandler):
             self.stream_options = {**self.stream_options, "include_usage": include}
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        if (self.chat_template_kwargs or {}).get("chat_template") is not None and not getattr(
+            self.response_generator.cli_args, "allow_client_chat_templates", False
+        ):
+            raise RequestError("a client-supplied chat_template is refused (a template is code this "
+                               "server would run); start it with --allow-client-chat-templates",
+                               param="chat_template_kwargs")
         super().validate_model_parameters()
         self.decode_options, self.drafts = parse_request_options(self.body)
         if self.drafts and not self.stream:
@@ -1358,6 +1364,8 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Seconds a client has to send its request line, headers and body (default 30)")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    group.add_argument("--allow-client-chat-templates", action="store_true",
+                       help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
     group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
                             "(default 30)")

@@ -217,7 +217,8 @@ BAD_FIELDS = [
     ("top_logprobs", True), ("top_logprobs", "3"), ("top_logprobs", 1.5), ("top_logprobs", 100),
     ("stream_options", "yes"), ("stream_options", []), ("stream_options", {"include_usage": "yes"}),
     ("max_tokens", True), ("max_tokens", 2.5), ("top_k", True), ("stop", 5), ("stop", [1]),
-    ("chat_template_kwargs", []), ("model", 5),
+    ("chat_template_kwargs", []), ("chat_template_kwargs", {"chat_template": "{% for i in range(9**9) %}{% endfor %}"}),
+    ("model", 5),
     ("draft_model", "/tmp"), ("adapters", "/tmp"), ("num_draft_tokens", 3),
 ]
 
@@ -238,6 +239,15 @@ def test_fields_at_their_bounds_are_served(client, reference):
     chunks = list(client.chat.completions.create(
         model="default_model", messages=USER, temperature=0, stream=True, stream_options={}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
+
+
+def test_client_chat_templates_only_when_the_operator_allows(port, served, monkeypatch):
+    body = {"messages": USER, "max_tokens": 2,
+            "chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}"}}
+    assert post(port, body)[0] == 400
+    assert dserver.parse_args(["--model", "m", "--allow-client-chat-templates"]).allow_client_chat_templates
+    monkeypatch.setattr(served[1].cli_args, "allow_client_chat_templates", True, raising=False)
+    assert post(port, body)[0] == 200
 
 
 def test_the_openai_client_sees_the_reason(client):
