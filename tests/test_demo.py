@@ -1,4 +1,5 @@
-"""The embedded demo model: held-out accuracy, the parallel path, the CLI, training."""
+"""The embedded demo model: held-out accuracy, the parallel path, its chat template and
+generation_config.json, the evaluation CLI, the CLI, training (and the next model's loop)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_lm_diffusion.demo import DEMO_MAX_TOKENS, DEMO_MODEL_PATH, held_out_problems, is_held_out
-from mlx_lm_diffusion.demo.evaluate import evaluate
+from mlx_lm_diffusion.demo.evaluate import evaluate, generation_defaults
 from mlx_lm_diffusion.demo.problems import training_batch
 from mlx_lm_diffusion.demo.vocab import EOS_ID, MASK_ID
 
@@ -53,7 +54,8 @@ def test_held_out_set_is_excluded_from_training(pairs):
 
 def test_shipped_checkpoint_layout():
     files = {p.name: p for p in DEMO_MODEL_PATH.iterdir()}
-    assert {"model.safetensors", "config.json", "tokenizer.json", "recipe.json"} <= set(files)
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
+            "tokenizer_config.json", "recipe.json"} <= set(files)
     assert sum(p.stat().st_size for p in files.values()) <= 10 * 2**20
     config = json.loads(files["config.json"].read_text())
     assert config["model_type"] == "llada"
@@ -69,6 +71,55 @@ def test_tokenizer_ids_match_the_config(demo):
     assert tokenizer.encode("357+468=") == [3, 5, 7, 10, 4, 6, 8, 11]
     assert tokenizer.convert_tokens_to_ids(tokenizer.mask_token) == MASK_ID
     assert tokenizer.eos_token_id == EOS_ID
+
+
+def test_chat_template_renders_the_raw_prompt(demo):
+    _, tokenizer = demo
+    one = [{"role": "user", "content": "357+468="}]
+    assert tokenizer.apply_chat_template(one, tokenize=False, add_generation_prompt=True) == "357+468="
+    assert tokenizer.apply_chat_template(one, add_generation_prompt=True) == tokenizer.encode("357+468=")
+    turns = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "1+1="},
+             {"role": "assistant", "content": "2"}, {"role": "user", "content": "357+468="}]
+    assert tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) == "357+468="
+    parts = [{"role": "user", "content": [{"type": "text", "text": "357+"}, {"type": "text", "text": "468="}]}]
+    assert tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True) == "357+468="
+    config = json.loads((DEMO_MODEL_PATH / "tokenizer_config.json").read_text())
+    assert "chat_template" in config  # in tokenizer_config.json itself, as every loader reads it
+
+
+def test_generation_config_holds_valid_decoding_defaults(demo):
+    from model_adapters import adapter_for
+    from mlx_lm_diffusion.commit_rules import RULES
+    from mlx_lm_diffusion.options import DecodeOptions, resolve
+
+    generation = json.loads((DEMO_MODEL_PATH / "generation_config.json").read_text())
+    config = json.loads((DEMO_MODEL_PATH / "config.json").read_text())
+    assert {"block_length", "steps", "strategy", "max_new_tokens"} <= set(generation)
+    assert generation["strategy"] in RULES
+    for key in ("block_length", "steps", "max_new_tokens"):
+        assert isinstance(generation[key], int) and generation[key] >= 1
+    assert generation["steps"] <= generation["block_length"]
+    assert generation["max_new_tokens"] == DEMO_MAX_TOKENS  # the length this model answers at
+    assert generation["max_new_tokens"] + 8 <= config["max_sequence_length"]
+    assert (generation["eos_token_id"], generation["mask_token_id"]) == (EOS_ID, MASK_ID)
+    defaults = generation_defaults(DEMO_MODEL_PATH)
+    assert defaults == {k: generation[k] for k in ("block_length", "steps", "strategy")}
+    resolved = resolve(DecodeOptions(max_tokens=generation["max_new_tokens"], **defaults), adapter_for(*demo), 8)
+    assert (resolved.block_length, resolved.steps) == (generation["block_length"], generation["steps"])
+
+
+def test_evaluation_cli_takes_max_tokens_and_threshold(tmp_path, capsys):
+    from mlx_lm_diffusion.demo.evaluate import main
+
+    out = tmp_path / "record.json"
+    assert main(["--problems", "32", "--max-tokens", str(DEMO_MAX_TOKENS), "--threshold", "0.9",
+                 "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    rows = {(r["rule"], r["max_tokens"]): r for r in record["results"]}
+    assert set(rows) == {("defaults", DEMO_MAX_TOKENS), ("threshold 0.9", DEMO_MAX_TOKENS)}
+    assert rows["defaults", DEMO_MAX_TOKENS]["exact_match"] >= 0.9
+    assert rows["threshold 0.9", DEMO_MAX_TOKENS]["tokens_per_forward"] > 1.0
+    assert "exact match" in capsys.readouterr().out
 
 
 def test_held_out_exact_match_at_defaults(one_per_step):
@@ -116,7 +167,40 @@ def test_training_smoke_loss_falls_and_is_reproducible(tmp_path):
     assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:5])
     assert train(None, seed=3, **kwargs)["losses"] == losses  # same seed, same curve
 
+    assert json.loads((tmp_path / "tiny" / "generation_config.json").read_text())["strategy"]
+    assert "chat_template" in json.loads((tmp_path / "tiny" / "tokenizer_config.json").read_text())
     # the written checkpoint loads through load() and computes the trained model's logits
     model, _ = load(str(tmp_path / "tiny"))
     x = mx.array([[3, 5, 7, 10, 4, 6, 8, 11] + [MASK_ID] * DEMO_MAX_TOKENS])
     assert mx.allclose(model(x), run["model"](x), atol=1e-5)
+
+
+def test_next_model_rows_pad_with_eos_and_mask_only_the_generated_region():
+    from mlx_lm_diffusion.demo.next.problems import PROMPT_MAX, canvas_batch
+    from mlx_lm_diffusion.demo.next.train import mask_batch
+    from mlx_lm_diffusion.demo.next.vocab import EOS_ID as EOS, MASK_ID as MASK, encode, encode_chars
+
+    rng = np.random.default_rng(1)
+    for length in (16, 64, 528):
+        batch = canvas_batch(rng, 16, length)
+        inputs, targets, weights = mask_batch(rng, batch)
+        for i, (x, y) in enumerate(zip(batch.a.tolist(), batch.b.tolist())):
+            p, ans = encode(f"{x}+{y}="), encode_chars(str(x + y))
+            assert len(p) == PROMPT_MAX  # every operand written with 4 digits
+            assert targets[i].tolist() == p + ans + [EOS] * (length - len(p) - len(ans))
+            assert (inputs[i, : len(p)] == p).all()  # the prompt is never masked
+            assert (weights[i, : len(p)] == 0).all() and (weights[i][inputs[i] != MASK] == 0).all()
+        assert (inputs == MASK).any(axis=1).all() and np.isclose(weights.sum(), 1.0, atol=1e-5)
+
+
+def test_next_model_training_smoke(tmp_path):
+    from mlx_lm_diffusion.demo.next.train import train
+
+    kwargs = dict(steps=30, batch_tokens=512, warmup=5, d_model=32, n_layers=1, n_heads=2, mlp=64,
+                  max_canvas=24, log_every=10)
+    run = train(tmp_path / "next", seed=3, **kwargs)
+    assert np.mean(run["losses"][-10:]) < 0.8 * np.mean(run["losses"][:5])
+    files = {p.name for p in (tmp_path / "next").iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json"} <= files
+    config = json.loads((tmp_path / "next" / "config.json").read_text())
+    assert config["max_sequence_length"] >= 10 + 512

@@ -1,15 +1,25 @@
 """Exact-match decoding of addition problems through the shared engine.
 
+    python -m mlx_lm_diffusion.demo.evaluate [--model DIR] [--problems N]
+        [--max-tokens 5 ...] [--threshold 0.9] [--json FILE]
+
 Problems are decoded in batches of equal prompt length. Per row it records the
 forwards the row needed (the forward at which its final prefix reached EOS) and the
 tokens it emitted (answer digits plus the stopping EOS), so that tokens per forward
-is what a single-prompt decode of that row would report.
+is what a single-prompt decode of that row would report. "At its defaults" means the
+decoding in the checkpoint's generation_config.json (block_length, steps per block,
+strategy); `--threshold` swaps in the threshold rule, the rest unchanged.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +31,9 @@ from ..options import DecodeOptions, resolve
 from .problems import GEN_LENGTH, answer_text, group_by_prompt_length
 from .vocab import decode
 
+MAX_TOKENS = (GEN_LENGTH,)  # the canvas lengths the shipped figures are measured at
+DECODING_KEYS = ("block_length", "steps", "strategy")  # generation_config.json keys read here
+
 
 @dataclass
 class Evaluation:
@@ -28,6 +41,7 @@ class Evaluation:
     answers: list = field(default_factory=list)  # decoded text per problem
     forwards: list = field(default_factory=list)  # forwards each row needed
     emitted: list = field(default_factory=list)  # tokens each row emitted (incl. EOS)
+    stopped: list = field(default_factory=list)  # the row's final prefix ends with EOS
     seconds: float = 0.0
 
     @property
@@ -47,32 +61,103 @@ class Evaluation:
         return float(np.sum(self.emitted) / max(self.seconds, 1e-9))
 
 
-def evaluate(model, tokenizer, pairs, max_tokens: int = GEN_LENGTH, batch_size: int = 512,
+def generation_defaults(path) -> dict:
+    """The decoding defaults in a checkpoint's generation_config.json (DECODING_KEYS)."""
+    file = Path(path) / "generation_config.json"
+    if not file.exists():
+        return {}
+    config = json.loads(file.read_text())
+    return {k: config[k] for k in DECODING_KEYS if k in config}
+
+
+def evaluate(model, tokenizer, pairs, max_tokens: int = GEN_LENGTH, batch_size: Optional[int] = None,
              **options) -> Evaluation:
     """Decode every `a+b=` prompt with `options` (DecodeOptions fields; `None` or absent
-    takes the family default) and compare with the true sum."""
+    takes the family default) and compare with the true sum. batch_size: rows per
+    decode (default: as many as keep a batch near 32k canvas positions)."""
     adapter = adapter_for(model, tokenizer)
     result = Evaluation()
     tic = time.perf_counter()
     for group in group_by_prompt_length(list(pairs), max_tokens):
-        for lo in range(0, len(group.a), batch_size):
-            prompts = group.prompts[lo : lo + batch_size]
+        rows = batch_size or max(8, min(512, 2**15 // (group.prompts.shape[1] + max_tokens)))
+        for lo in range(0, len(group.a), rows):
+            prompts = group.prompts[lo : lo + rows]
             resolved = resolve(DecodeOptions(max_tokens=max_tokens, **options), adapter, prompts.shape[1])
-            _decode(Engine(adapter, resolved, keep_logprobs=False), prompts, result)
-            result.pairs += list(zip(group.a[lo : lo + batch_size].tolist(), group.b[lo : lo + batch_size].tolist()))
+            _decode(Engine(adapter, resolved, keep_logprobs=False), prompts, result, adapter.eos_ids)
+            result.pairs += list(zip(group.a[lo : lo + rows].tolist(), group.b[lo : lo + rows].tolist()))
     result.seconds = time.perf_counter() - tic
     return result
 
 
-def _decode(engine: Engine, prompts: np.ndarray, result: Evaluation) -> None:
+def _decode(engine: Engine, prompts: np.ndarray, result: Evaluation, eos_ids) -> None:
     B, P = prompts.shape
     forwards = np.zeros(B, dtype=np.int64)
     last = None
     for last in engine.run(mx.array(prompts)):
         forwards[(forwards == 0) & last.done] = last.forwards
     forwards[forwards == 0] = last.forwards
+    eos = set(int(e) for e in eos_ids)
     for b in range(B):
         tokens = last.canvas[b, P : P + last.final[b]]
         result.answers.append(decode(tokens))
         result.emitted.append(int(last.final[b]))
         result.forwards.append(int(forwards[b]))
+        result.stopped.append(bool(len(tokens)) and int(tokens[-1]) in eos)
+
+
+def metrics(path, n: int, max_tokens: Sequence[int] = MAX_TOKENS, threshold: float = 0.9,
+            stream=sys.stderr) -> dict:
+    """Held-out exact match and tokens per forward of the checkpoint at `path`, at its
+    defaults and with `threshold`, at every max_tokens: the record in recipe.json."""
+    from .. import load
+    from .problems import held_out_problems
+
+    model, tokenizer = load(str(path))
+    defaults = generation_defaults(path)
+    pairs = held_out_problems(n)
+    rules = {"defaults": dict(defaults), f"threshold {threshold}": {**defaults, "strategy": None,
+                                                                     "threshold": threshold}}
+    out = {"held_out_problems": n, "default_decoding": defaults, "results": []}
+    for name, options in rules.items():
+        for m in max_tokens:
+            r = evaluate(model, tokenizer, pairs, max_tokens=m, **options)
+            row = {"rule": name, "max_tokens": m, "exact_match": round(r.accuracy, 4),
+                   "stopped_at_eos": round(float(np.mean(r.stopped)), 4),
+                   "tokens_per_forward": round(r.tokens_per_forward, 3),
+                   "forwards_per_problem": round(float(np.mean(r.forwards)), 2),
+                   "seconds": round(r.seconds, 1)}
+            out["results"].append(row)
+            if stream is not None:
+                print(json.dumps(row), file=stream, flush=True)
+    return out
+
+
+def table(record: dict) -> str:
+    head = f"{'rule':<16}{'max_tokens':>11}{'exact match':>13}{'EOS stop':>10}{'tok/forward':>13}{'fwd/problem':>13}"
+    lines = [f"{record['held_out_problems']} held-out problems; defaults {record['default_decoding']}", head,
+             "-" * len(head)]
+    for r in record["results"]:
+        lines.append(f"{r['rule']:<16}{r['max_tokens']:>11}{100 * r['exact_match']:>12.1f}%"
+                     f"{100 * r['stopped_at_eos']:>9.1f}%{r['tokens_per_forward']:>13.2f}{r['forwards_per_problem']:>13.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from . import DEMO_MODEL_PATH
+
+    p = argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEMO_MODEL_PATH, help="Checkpoint (default: the demo)")
+    p.add_argument("--problems", type=int, default=512, help="Held-out problems")
+    p.add_argument("--max-tokens", type=int, nargs="+", default=list(MAX_TOKENS))
+    p.add_argument("--threshold", type=float, default=0.9, help="Threshold of the second rule")
+    p.add_argument("--json", type=Path, help="Also write the record here")
+    args = p.parse_args(argv)
+    record = metrics(args.model, args.problems, args.max_tokens, args.threshold)
+    print(table(record))
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,9 @@ pair. Training is deterministic for a seed: the same command gives the same loss
 The checkpoint is written in the Hugging Face LLaDA layout (`model.transformer.*`,
 config model_type "llada") with a character-level tokenizer, so `load()` reads it
 like any other LLaDA checkpoint; recipe.json beside it records the command, seed,
-configuration, wall time and final metrics.
+configuration, wall time and final metrics; generation_config.json carries the model's
+decoding defaults (block_length, steps per block, strategy, max_new_tokens) and
+tokenizer_config.json a chat template that renders the last user message as is.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ from .problems import GEN_LENGTH, held_out_problems, training_batch
 from .vocab import EOS_ID, MASK_ID, VOCAB_SIZE, write_tokenizer
 
 MASK_EPS = 1e-3  # LLaDA's minimum mask probability
+# The decoding defaults written to generation_config.json (DecodeOptions field names;
+# steps are denoising steps per block; max_new_tokens is the length when none is asked:
+# the trained canvas, the only length this model answers right at).
+GENERATION_DEFAULTS = {"block_length": GEN_LENGTH, "steps": GEN_LENGTH, "strategy": "low_confidence",
+                       "max_new_tokens": GEN_LENGTH}
 
 
 def model_config(d_model: int, n_layers: int, n_heads: int, mlp: int, rope_theta: float = 10000.0,
@@ -130,7 +137,14 @@ def save_checkpoint(model: nn.Module, config: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), hf_weights(model), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_generation_config(out)
     write_tokenizer(out)
+
+
+def write_generation_config(out: Path) -> None:
+    """generation_config.json: the model's decoding defaults and its special token ids."""
+    generation = {**GENERATION_DEFAULTS, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "mask_token_id": MASK_ID}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 def lr_schedule(lr: float, steps: int, warmup: int):

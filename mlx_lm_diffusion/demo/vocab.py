@@ -4,10 +4,14 @@ One token per character of "0123456789+=", then EOS, the mask token and an unkno
 token; whitespace is dropped by the normalizer, so "357 + 468 =" reads as "357+468=".
 The tokenizer is a `tokenizers` BPE with single-character tokens and no merges, saved
 with transformers so that `AutoTokenizer` (and therefore `mlx_lm.load`) reads it offline.
+Its chat template (`CHAT_TEMPLATE`, in tokenizer_config.json) renders the last user
+message's text and nothing else, so the chat prompt of "357+468=" is "357+468=" itself:
+the model knows no roles, and any chat door answers what the raw prompt answers.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 CHARS = "0123456789+="
@@ -20,6 +24,22 @@ EOS_ID = ID[EOS]
 MASK_ID = ID[MASK]
 UNK_ID = ID[UNK]
 VOCAB_SIZE = len(TOKENS)
+
+# The last user message's content (a string, or OpenAI-style parts whose text is joined),
+# then nothing else: the generation prompt is empty and there are no role markers.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(text='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{%- if message['content'] is string -%}{%- set ns.text = message['content'] -%}"
+    "{%- else -%}{%- set ns.text = '' -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{%- set ns.text = ns.text + part['text'] -%}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{{- ns.text -}}"
+)
 
 
 def encode(text: str) -> list[int]:
@@ -56,4 +76,16 @@ def write_tokenizer(path: Path) -> None:
         unk_token=UNK,
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
+    # the template lives in tokenizer_config.json (what every transformers version reads),
+    # not in a separate chat_template.jinja
+    add_chat_template(Path(path) / "tokenizer_config.json")
+    (Path(path) / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def add_chat_template(config_path: Path) -> None:
+    """Write CHAT_TEMPLATE into a tokenizer_config.json."""
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
