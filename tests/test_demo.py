@@ -1,5 +1,5 @@
 """The embedded demo model: held-out accuracy, the parallel path, its chat template and
-generation_config.json, the evaluation CLI, the CLI, training (and the next model's loop)."""
+generation_config.json, the evaluation CLI, the CLI, training."""
 
 from __future__ import annotations
 
@@ -174,33 +174,3 @@ def test_training_smoke_loss_falls_and_is_reproducible(tmp_path):
     x = mx.array([[3, 5, 7, 10, 4, 6, 8, 11] + [MASK_ID] * DEMO_MAX_TOKENS])
     assert mx.allclose(model(x), run["model"](x), atol=1e-5)
 
-
-def test_next_model_rows_pad_with_eos_and_mask_only_the_generated_region():
-    from mlx_lm_diffusion.demo.next.problems import PROMPT_MAX, canvas_batch
-    from mlx_lm_diffusion.demo.next.train import mask_batch
-    from mlx_lm_diffusion.demo.next.vocab import EOS_ID as EOS, MASK_ID as MASK, encode, encode_chars
-
-    rng = np.random.default_rng(1)
-    for length in (16, 64, 528):
-        batch = canvas_batch(rng, 16, length)
-        inputs, targets, weights = mask_batch(rng, batch)
-        for i, (x, y) in enumerate(zip(batch.a.tolist(), batch.b.tolist())):
-            p, ans = encode(f"{x}+{y}="), encode_chars(str(x + y))
-            assert len(p) == PROMPT_MAX  # every operand written with 4 digits
-            assert targets[i].tolist() == p + ans + [EOS] * (length - len(p) - len(ans))
-            assert (inputs[i, : len(p)] == p).all()  # the prompt is never masked
-            assert (weights[i, : len(p)] == 0).all() and (weights[i][inputs[i] != MASK] == 0).all()
-        assert (inputs == MASK).any(axis=1).all() and np.isclose(weights.sum(), 1.0, atol=1e-5)
-
-
-def test_next_model_training_smoke(tmp_path):
-    from mlx_lm_diffusion.demo.next.train import train
-
-    kwargs = dict(steps=30, batch_tokens=512, warmup=5, d_model=32, n_layers=1, n_heads=2, mlp=64,
-                  max_canvas=24, log_every=10)
-    run = train(tmp_path / "next", seed=3, **kwargs)
-    assert np.mean(run["losses"][-10:]) < 0.8 * np.mean(run["losses"][:5])
-    files = {p.name for p in (tmp_path / "next").iterdir()}
-    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer_config.json"} <= files
-    config = json.loads((tmp_path / "next" / "config.json").read_text())
-    assert config["max_sequence_length"] >= 10 + 512
