@@ -33,7 +33,8 @@ What a client may do is bounded (mlx_lm.server leaves these open):
 * models: only --model and the --allowed-models the operator named are served; any
   other "model" is a 404 that reads neither the filesystem nor the Hub; a request's
   draft_model, adapters and num_draft_tokens are refused, image URLs must be data:
-  URLs (nothing is fetched);
+  URLs (nothing is fetched), a client's chat template is refused unless
+  --allow-client-chat-templates;
 * browsers: CORS is off unless --allowed-origins names origins; a request carrying an
   Origin not allowed, or a Host that is a domain name this server was not told of
   (--allowed-hosts; DNS rebinding), gets a 403;
