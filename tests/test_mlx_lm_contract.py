@@ -204,3 +204,30 @@ def test_chat_parser_and_ui():
                  "__enter__", "__exit__"):
         assert callable(getattr(ui, name)), name
     assert "input(" in source(mlx_lm.cli_ui.corridor_input)  # EOF raises EOFError
+
+
+# ----------------------------------------------------------------- every private name, once
+
+# (module, dotted name, why the project relies on it). mlx-lm may change any of these
+# without notice: this list is the one place that says which ones we depend on.
+PRIVATE_NAMES = [
+    ("mlx_lm.models.cache", "_BaseCache", "prompt_cache.TokenCache subclasses it, so mlx-lm's cache helpers accept it"),
+    ("mlx_lm.utils", "_download", "load() and convert resolve a path or Hub repo as mlx_lm.load does"),
+    ("mlx_lm.utils", "_parse_size", "the server parses its size flags as mlx_lm.server does"),
+    ("mlx_lm.server", "_image_parts", "the server refuses image content parts before mlx_lm.server reads them"),
+    ("mlx_lm.server", "_image_url", "... and the URLs in them (never fetched)"),
+    ("mlx_lm.server", "ResponseGenerator._generate", "overridden: the generation thread's loop, with cancellation"),
+    ("mlx_lm.server", "ResponseGenerator._tokenize", "overridden: up-front checks of a decode (a 400, not a dropped stream)"),
+    ("mlx_lm.server", "ResponseGenerator._serve_single", "overridden: decoding options and drafts around one request"),
+    ("mlx_lm.server", "APIHandler._set_completion_headers", "called and remapped: request errors keep their status"),
+    ("mlx_lm.server", "APIHandler._set_stream_headers", "overridden: SSE headers with the server's CORS policy"),
+    ("mlx_lm.server", "APIHandler._set_cors_headers", "overridden: CORS off unless the operator allows origins"),
+]
+
+
+@pytest.mark.parametrize("module,name,why", PRIVATE_NAMES, ids=[f"{m}:{n}" for m, n, _ in PRIVATE_NAMES])
+def test_private_names_we_rely_on_exist(module, name, why):
+    target = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    assert target is not None, why
