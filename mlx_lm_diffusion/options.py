@@ -27,12 +27,13 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 _PROBABILITY = dict(kind=float, low=0.0, high=1.0)
+_COUNT_LIMIT = 1 << 20  # block and step counts past this are input errors, not decodes
 
 GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("max_tokens", int, "Tokens to generate", default=256, low=1, named=False,
            hint="ask for at least one token"),
-    Option("block_length", int, "Tokens per block", low=1, hint="use a positive block size"),
-    Option("steps", int, "Denoising steps per block", low=1,
+    Option("block_length", int, "Tokens per block", low=1, high=_COUNT_LIMIT, hint="use a positive block size"),
+    Option("steps", int, "Denoising steps per block", low=1, high=_COUNT_LIMIT,
            hint="use at least one denoising step per block"),
     Option("strategy", str, f"Commit rule: {', '.join(RULES)}", choices=tuple(RULES)),
     Option("threshold", help=f"Confidence threshold (selects the 'threshold' strategy unless the "
@@ -44,7 +45,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
            "(0: the most confident first)", low=0.0),
     Option("editing_threshold", help="Revise committed tokens whose replacement is this confident",
            **_PROBABILITY),
-    Option("max_post_steps", int, "Editing passes once a block is full", low=0),
+    Option("max_post_steps", int, "Editing passes once a block is full", low=0, high=_COUNT_LIMIT),
     Option("preset", str, "A family's named settings (see its presets)"),
     Option("schedule", str, f"Mask schedule as the per-step quota, instead of --strategy: "
            f"{', '.join(GAMMAS)}", choices=tuple(GAMMAS)),

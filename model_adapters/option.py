@@ -77,10 +77,11 @@ class Option:
         return self.high is None or value <= self.high
 
     def _span(self) -> str:
+        low, high = _number(self.low), _number(self.high)
         if self.low is not None and self.high is not None:
-            return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+            return f"in {'(' if self.low_open else '['}{low}, {high}]"
         if self.low is not None:
-            return f"> {self.low:g}" if self.low_open else f">= {self.low:g}"
+            return f"> {low}" if self.low_open else f">= {low}"
         return "(finite)"
 
     def _hint(self) -> str:
@@ -110,6 +111,10 @@ class Option:
             group.add_argument(self.flag, nargs="+", type=self.item, default=None, help=self.help)
         else:
             group.add_argument(self.flag, type=self.kind, default=None, help=self.help)
+
+
+def _number(value: Optional[float]) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 __all__ = ["Option"]
