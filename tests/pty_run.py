@@ -10,6 +10,8 @@ import signal
 import time
 from typing import Optional, Sequence, Tuple
 
+QUIET_SECONDS = 0.5
+
 
 def run_in_pty(
     argv: Sequence[str],
@@ -32,6 +34,7 @@ def run_in_pty(
         finally:
             os._exit(127)
     out = b""
+    last_output = start
     pending = list(inputs)
     seen = 0  # prompts consumed so far
     status = None
@@ -41,7 +44,10 @@ def run_in_pty(
                 os.kill(pid, signal.SIGKILL)
                 break
             text = out.decode("utf-8", "replace")
-            if pending and (wait_for is None or text.count(wait_for) > seen):
+            # Type only once the program has been quiet for a moment after its prompt: a
+            # line editor entering raw mode flushes input typed before it reads (TCSAFLUSH).
+            quiet = time.monotonic() - last_output > QUIET_SECONDS
+            if pending and quiet and (wait_for is None or text.count(wait_for) > seen):
                 item = pending.pop(0)
                 seen += 1
                 if item == b"\x03":
@@ -59,6 +65,7 @@ def run_in_pty(
                 if not chunk:
                     break
                 out += chunk
+                last_output = time.monotonic()
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 # drain what is left
