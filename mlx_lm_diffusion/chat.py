@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, NoReturn, Optional, Sequence
 
 import mlx.core as mx
 import mlx_lm.chat as mlx_chat
@@ -137,7 +137,7 @@ def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, dra
         ui.end_turn(last_response)
 
 
-def fail(message: str) -> "NoReturn":  # noqa: F821
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
 

@@ -25,3 +25,15 @@ def dream(dream_path):
     import mlx_lm_diffusion
 
     return mlx_lm_diffusion.load(str(dream_path))
+
+
+@pytest.fixture
+def installed():
+    """install() for one test, then uninstall()."""
+    import mlx_lm_diffusion
+
+    mlx_lm_diffusion.install()
+    try:
+        yield
+    finally:
+        mlx_lm_diffusion.uninstall()

@@ -15,15 +15,6 @@ generate_module = importlib.import_module("mlx_lm.generate")
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
 
-@pytest.fixture
-def installed():
-    mld.install()
-    try:
-        yield
-    finally:
-        mld.uninstall()
-
-
 def test_batch_generate_after_install_names_generate_batch(llada, installed):
     model, tok = llada
     for batch_generate in (mlx_lm.batch_generate, generate_module.batch_generate):

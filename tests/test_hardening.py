@@ -26,6 +26,7 @@ import mlx_lm_diffusion as mld
 from mlx_lm_diffusion import server as dserver
 
 from checkpoints import EOS_ID, EOT_ID, write_llada
+from serving import running_server
 
 TIMEOUT = 60
 READ_TIMEOUT = 1.0
@@ -64,22 +65,12 @@ def served(llada_path, dream_path, trap, tmp_path_factory):
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # the Hub "reachable": the trap
         mp.setattr(hf_constants, "ENDPOINT", endpoint)
         mp.setenv("HF_ENDPOINT", endpoint)
-        args = dserver.parse_args([
+        with running_server([
             "--model", str(llada_path), "--port", "0", "--max-tokens", "12",
             "--read-timeout", str(READ_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
             "--allowed-models", str(dream_path),
-        ])
-        httpd, generator = dserver.start(args)
-        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield httpd, generator
-        finally:
-            httpd.shutdown()
-            httpd.server_close()
-            generator.stop_and_join()
-            thread.join(timeout=TIMEOUT)
-            mld.uninstall()
+        ]) as served:
+            yield served
 
 
 @pytest.fixture(scope="module")

@@ -28,15 +28,6 @@ generate_module = importlib.import_module("mlx_lm.generate")
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
 
-@pytest.fixture
-def installed():
-    mld.install()
-    try:
-        yield
-    finally:
-        mld.uninstall()
-
-
 @pytest.fixture(scope="module")
 def ar_path(tmp_path_factory):
     """A tiny random Llama checkpoint (mlx-lm layout) with the byte-level tokenizer."""

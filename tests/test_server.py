@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import mlx_lm_diffusion as mld
 from mlx_lm_diffusion import server as dserver
 
 from checkpoints import EOS_ID, EOT_ID
+from serving import running_server
 
 TIMEOUT = 120  # seconds any single client call may take before the test fails
 MAX_TOKENS = 12
@@ -37,20 +37,8 @@ def served(llada_path, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf") / "hub"))
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-        args = dserver.parse_args(
-            ["--model", str(llada_path), "--port", "0", "--max-tokens", str(MAX_TOKENS)]
-        )
-        httpd, generator = dserver.start(args)
-        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-        thread.start()
-        try:
-            yield httpd, generator
-        finally:
-            httpd.shutdown()
-            httpd.server_close()
-            generator.stop_and_join()
-            thread.join(timeout=TIMEOUT)
-            mld.uninstall()
+        with running_server(["--model", str(llada_path), "--port", "0", "--max-tokens", str(MAX_TOKENS)]) as served:
+            yield served
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,17 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import openai
 import pytest
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import server as dserver
 from mlx_lm_diffusion.options import named_options
 
 import toy_family  # noqa: F401  (registers the family: the one registry line)
 from checkpoints import write_dream
+from serving import running_server
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 TESTS = Path(__file__).resolve().parent
@@ -71,10 +70,7 @@ def test_the_server_takes_the_family_field(paths, tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-        httpd, generator = dserver.start(dserver.parse_args(["--model", str(toy), "--port", "0"]))
-        thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-        thread.start()
-        try:
+        with running_server(["--model", str(toy), "--port", "0"]) as (httpd, _):
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
                                    api_key="unused", max_retries=0, timeout=120)
             model, tok = mld.load(str(toy))
@@ -85,9 +81,3 @@ def test_the_server_takes_the_family_field(paths, tmp_path):
             with pytest.raises(openai.BadRequestError, match="logit_shift"):
                 client.completions.create(model="default_model", prompt="Hi", max_tokens=8,
                                           extra_body={"logit_shift": 7})
-        finally:
-            httpd.shutdown()
-            httpd.server_close()
-            generator.stop_and_join()
-            thread.join(timeout=120)
-            mld.uninstall()
