@@ -74,8 +74,8 @@ def _token_caches(prompt_cache: Optional[List[Any]]) -> List[TokenCache]:
         kinds = sorted({type(c).__name__ for c in prompt_cache})
         raise ValueError(
             f"a diffusion model keeps a TokenCache, not {', '.join(kinds)}: make the cache "
-            "with mlx_lm_diffusion.compat.make_prompt_cache(model), or with mlx-lm's "
-            "make_prompt_cache after mlx_lm_diffusion.install()"
+            "with mlx-lm's make_prompt_cache(model) (it calls model.make_cache()) or "
+            "mlx_lm_diffusion.compat.make_prompt_cache(model)"
         )
     if any(c.tokens != prompt_cache[0].tokens for c in prompt_cache):
         raise ValueError("the TokenCache entries of one prompt cache disagree")
