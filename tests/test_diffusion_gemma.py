@@ -357,3 +357,10 @@ def test_cli_generates_and_shows_the_canvas(gemma_path):
     )
     assert r.returncode == 0, r.stderr
     assert "forwards" in r.stdout and "[forward 1]" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_sampler_returning_an_id_outside_the_vocabulary_is_a_clear_error(gemma):
+    model, tok = gemma
+    sampler = lambda logprobs: mx.full((logprobs.shape[0],), VOCAB, mx.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="sampler returned token ids"):
+        mld.generate(model, tok, PROMPTS[0], max_tokens=8, sampler=sampler, seed=0)

@@ -233,3 +233,24 @@ def test_importing_the_cli_module_keeps_generate_the_function():
     from mlx_lm_diffusion import generate
 
     assert callable(generate)
+
+
+@pytest.mark.parametrize("bad", [VOCAB + 5, -1, MASK_ID])
+def test_a_sampler_returning_an_id_outside_the_vocabulary_is_a_clear_error(llada, bad):
+    """Issue 13 part 3: whatever a sampler returns, no id past the vocabulary (read out of
+    bounds by the embedding) and never the mask token enters the canvas."""
+    model, tok = llada
+    sampler = lambda logprobs: mx.full((logprobs.shape[0],), bad, mx.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="sampler returned token ids"):
+        mld.generate(model, tok, PROMPT, max_tokens=8, block_length=4, sampler=sampler)
+    good = mld.generate(model, tok, PROMPT, max_tokens=8, block_length=4)  # the next decode is fine
+    assert good == mld.generate(model, tok, PROMPT, max_tokens=8, block_length=4)
+
+
+def test_tiny_temperatures_decode_greedily(llada):
+    """Issue 13 part 3: a temperature below a float32-safe epsilon is greedy decoding, not
+    log-probs overflowing to inf / NaN."""
+    model, tok = llada
+    kw = dict(max_tokens=8, block_length=8, steps=8)
+    greedy = mld.generate(model, tok, PROMPT, temperature_schedule=[0.0] * 8, **kw)
+    assert mld.generate(model, tok, PROMPT, temperature_schedule=[1e-38] * 8, seed=3, **kw) == greedy

@@ -161,6 +161,23 @@ class Decoder:
     def decode_block(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator[Queued]:
         raise NotImplementedError
 
+    def sample(self, logprobs: mx.array) -> mx.array:
+        """(B, L) tokens drawn by the caller's sampler from (B, L, V) log-probs. The ids are
+        checked before anything embeds them (an id past the vocabulary would be read out of
+        bounds): a sampler that returns one, or a suppressed id, is a ValueError."""
+        B, L, V = logprobs.shape
+        x0 = self.options.sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
+        bad = (x0 < 0) | (x0 >= V)
+        for token in self.adapter.suppress_ids:
+            bad = bad | (x0 == token)
+        if mx.any(bad).item():
+            ids = sorted(set(np.array(x0)[np.array(bad)].tolist()))[:5]
+            raise ValueError(
+                f"the sampler returned token ids outside the vocabulary [0, {V}) or a suppressed "
+                f"id ({sorted(self.adapter.suppress_ids)}): {ids}"
+            )
+        return x0
+
     def process(self, canvas: Canvas, logits: mx.array, stop: Optional[int]) -> mx.array:
         """mlx-lm logits processors, per row, over the row's committed tokens before
         `stop` (mask ids left out); logits in float32."""

@@ -29,6 +29,10 @@ from .base import (
 )
 
 
+# Temperatures below this decode greedily: log-probs divided by less can overflow float32.
+MIN_TEMPERATURE = 1e-4
+
+
 class MaskedBlockDecoder(Decoder):
     name = "masked_block"
 
@@ -181,18 +185,17 @@ class MaskedBlockDecoder(Decoder):
 
     def _propose(self, logprobs: mx.array):
         """Proposed tokens with their temperature-1 probability."""
-        sampler = self.options.sampler
-        if sampler is None:
+        if self.options.sampler is None:
             return greedy_proposal(logprobs)
-        B, L, V = logprobs.shape
-        x0 = sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
+        x0 = self.sample(logprobs)
         prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
         return x0, prob
 
     def _propose_tempered(self, logprobs: mx.array, temperature: float):
         """The step-schedule protocol's proposal: logits / temperature (greedy at 0),
-        confidence = the largest tempered probability, tokens drawn with nucleus top_p."""
-        if temperature == 0:
+        confidence = the largest tempered probability, tokens drawn with nucleus top_p.
+        A temperature below MIN_TEMPERATURE decodes greedily, as 0 does."""
+        if temperature < MIN_TEMPERATURE:  # (dividing by less overflows float32 to inf / NaN)
             return greedy_proposal(logprobs)
         tempered = log_softmax(logprobs / temperature)
         confidence = mx.exp(mx.max(tempered, axis=-1))

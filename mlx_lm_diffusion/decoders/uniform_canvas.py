@@ -109,5 +109,4 @@ class UniformCanvasDecoder(Decoder):
         """A token per position from softmax(z), as the reference draws; or the caller's sampler."""
         if self.options.sampler is None:
             return mx.random.categorical(z).astype(mx.int32)
-        B, L, V = logprobs.shape
-        return self.options.sampler(logprobs.reshape(B * L, V)).reshape(B, L).astype(mx.int32)
+        return self.sample(logprobs)
