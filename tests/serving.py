@@ -1,7 +1,12 @@
 """A diffusion server in this process on 127.0.0.1:<free port>, for the server tests."""
 
 import contextlib
+import http.client
+import socket
+import subprocess
 import threading
+import time
+from pathlib import Path
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion import server as dserver
@@ -23,3 +28,38 @@ def running_server(argv):
         generator.stop_and_join()
         thread.join(timeout=TIMEOUT)
         mld.uninstall()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def console_server(command, env, log, ready_within=240):
+    """The server as its own process (`command` + --port), on 127.0.0.1; yields the port once
+    /health answers 200, and stops the process after (its output goes to `log`)."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*command, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + ready_within
+        while True:
+            assert proc.poll() is None, Path(log).read_text()[-2000:]
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)

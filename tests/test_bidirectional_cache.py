@@ -22,12 +22,12 @@ import pytest
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.commit_rules import RULES
-from mlx_lm_diffusion.engine import Engine
 from mlx_lm_diffusion.options import DecodeOptions, named_options, resolve, schema
 from model_adapters import adapter_for
 
 import oracles
 from checkpoints import MASK_ID
+from decoding import engine_decode
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33, 40]]
 MODES = ["prefix", "dual"]
@@ -210,16 +210,6 @@ def fast_dllm_cached(model, prompt, *, gen, block_length, steps, rule, mode, shi
     return x[P:].tolist(), forwards
 
 
-def _engine(model, tok, prompt, **options):
-    adapter = adapter_for(model, tok)
-    adapter.eos_ids = frozenset()  # fill the whole canvas, as the references do
-    resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
-    last = None
-    for last in Engine(adapter, resolved).run(mx.array([prompt])):
-        pass
-    return last.canvas[0, len(prompt):].tolist(), last.forwards
-
-
 LLADA_CASES = [(32, 8, 8), (32, 8, 4), (24, 24, 6), (20, 8, 3), (16, 16, 1)]
 
 
@@ -230,7 +220,7 @@ def test_llada_quota_matches_fast_dllm(llada, mode, prompt, gen, block, steps):
     model, tok = llada
     expected = fast_dllm_cached(model, prompt, gen=gen, block_length=block, steps=steps, rule="quota",
                                 mode=mode, shift=0)
-    got = _engine(model, tok, prompt, max_tokens=gen, block_length=block, steps=steps,
+    got = engine_decode(model, tok, prompt, max_tokens=gen, block_length=block, steps=steps,
                   strategy="low_confidence", cache=mode)
     assert got == expected
 
@@ -242,7 +232,7 @@ def test_llada_threshold_matches_fast_dllm(llada, mode, prompt, gen, block):
     model, tok = llada
     expected = fast_dllm_cached(model, prompt, gen=gen, block_length=block, steps=block, rule="threshold",
                                 mode=mode, shift=0)
-    got = _engine(model, tok, prompt, max_tokens=gen, block_length=block, threshold=0.9, cache=mode)
+    got = engine_decode(model, tok, prompt, max_tokens=gen, block_length=block, threshold=0.9, cache=mode)
     assert got == expected
 
 
@@ -255,24 +245,24 @@ def test_dream_matches_fast_dllm(dream, mode, prompt, rule, gen, block, steps):
     expected = fast_dllm_cached(model, prompt, gen=gen, block_length=block, steps=steps, rule=rule,
                                 mode=mode, shift=1)
     options = dict(threshold=0.9) if rule == "threshold" else dict(strategy=rule, steps=steps)
-    got = _engine(model, tok, prompt, max_tokens=gen, block_length=block, cache=mode, **options)
+    got = engine_decode(model, tok, prompt, max_tokens=gen, block_length=block, cache=mode, **options)
     assert got == expected
 
 
 def test_no_cache_is_todays_decode(llada, dream):
     """cache=None: the uncached references, token for token and forward for forward."""
     model, tok = llada
-    assert _engine(model, tok, PROMPTS[1], max_tokens=24, block_length=8, steps=4) == oracles.llada_generate(
+    assert engine_decode(model, tok, PROMPTS[1], max_tokens=24, block_length=8, steps=4) == oracles.llada_generate(
         model, PROMPTS[1], gen_length=24, block_length=8, steps=4, mask_id=MASK_ID)
     model, tok = dream
-    assert _engine(model, tok, PROMPTS[0], max_tokens=16, steps=8, strategy="entropy") == oracles.dream_generate(
+    assert engine_decode(model, tok, PROMPTS[0], max_tokens=16, steps=8, strategy="entropy") == oracles.dream_generate(
         model, PROMPTS[0], max_new_tokens=16, steps=8, alg="entropy", mask_id=MASK_ID)
 
 
 def test_caches_cut_the_work_not_the_forwards(llada):
     """One token per step: the same number of forwards with and without a cache."""
     model, tok = llada
-    runs = {mode: _engine(model, tok, PROMPTS[0], max_tokens=32, block_length=8, cache=mode)
+    runs = {mode: engine_decode(model, tok, PROMPTS[0], max_tokens=32, block_length=8, cache=mode)
             for mode in (None, "prefix", "dual")}
     assert {mode: forwards for mode, (_, forwards) in runs.items()} == {None: 32, "prefix": 32, "dual": 32}
     # (and the caches are approximate: on this random model each decodes differently)
@@ -294,7 +284,7 @@ def test_every_commit_rule_runs_with_each_cache(family, mode, request):
     variants += [dict(schedule="cosine"), dict(threshold=0.5, editing_threshold=0.5),
                  dict(temperature_schedule=(0.0, 0.5, 0.0, 1.0), seed=3, steps=4)]
     for options in variants:
-        tokens, forwards = _engine(model, tok, PROMPTS[0], max_tokens=16, block_length=8, cache=mode,
+        tokens, forwards = engine_decode(model, tok, PROMPTS[0], max_tokens=16, block_length=8, cache=mode,
                                    **{"steps": 4, "seed": 1, **options})
         assert len(tokens) == 16 and MASK_ID not in tokens, options
         assert 2 <= forwards <= 16 + (17 * 2 if "editing_threshold" in options else 0), options

@@ -5,27 +5,12 @@ EOS stopping is switched off here (the references always fill the whole canvas);
 it is tested on its own in test_generate.py.
 """
 
-import mlx.core as mx
 import pytest
 
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
-from model_adapters import adapter_for
-
 import oracles
+from decoding import engine_decode
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]
-
-
-def _engine_decode(model, tokenizer, prompt, **options):
-    adapter = adapter_for(model, tokenizer)
-    adapter.eos_ids = frozenset()  # fill the whole canvas, as the references do
-    resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
-    last = None
-    for last in Engine(adapter, resolved).run(mx.array([prompt])):
-        pass
-    P = len(prompt)
-    return last.canvas[0, P:].tolist(), last.forwards
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -35,7 +20,7 @@ def test_llada_low_confidence_matches_reference(llada, prompt, gen, block, steps
     ref_tokens, ref_forwards = oracles.llada_generate(
         model, prompt, gen_length=gen, block_length=block, steps=steps, mask_id=260
     )
-    tokens, forwards = _engine_decode(
+    tokens, forwards = engine_decode(
         model, tok, prompt, max_tokens=gen, block_length=block, steps=steps, strategy="low_confidence"
     )
     assert tokens == ref_tokens
@@ -50,7 +35,7 @@ def test_llada_more_steps_than_masks_skips_only_idle_forwards(llada):
     ref_tokens, ref_forwards = oracles.llada_generate(
         model, prompt, gen_length=8, block_length=4, steps=6, mask_id=260
     )
-    tokens, forwards = _engine_decode(model, tok, prompt, max_tokens=8, block_length=4, steps=6)
+    tokens, forwards = engine_decode(model, tok, prompt, max_tokens=8, block_length=4, steps=6)
     assert tokens == ref_tokens
     assert forwards == 8 < ref_forwards == 12
 
@@ -63,7 +48,7 @@ def test_dream_matches_reference(dream, prompt, alg, gen, steps):
     ref_tokens, ref_forwards = oracles.dream_generate(
         model, prompt, max_new_tokens=gen, steps=steps, alg=alg, mask_id=260
     )
-    tokens, forwards = _engine_decode(model, tok, prompt, max_tokens=gen, steps=steps, strategy=alg)
+    tokens, forwards = engine_decode(model, tok, prompt, max_tokens=gen, steps=steps, strategy=alg)
     assert tokens == ref_tokens
     assert forwards == ref_forwards == steps
 
@@ -75,7 +60,7 @@ def test_fast_dllm_threshold_matches_reference(llada, threshold):
     ref_tokens, ref_forwards = oracles.fast_dllm_threshold(
         model, prompt, gen_length=24, block_length=8, threshold=threshold, mask_id=260
     )
-    tokens, forwards = _engine_decode(model, tok, prompt, max_tokens=24, block_length=8, threshold=threshold)
+    tokens, forwards = engine_decode(model, tok, prompt, max_tokens=24, block_length=8, threshold=threshold)
     assert tokens == ref_tokens
     assert forwards == ref_forwards
 
@@ -88,7 +73,7 @@ def test_editing_matches_reference_loop(llada, editing_threshold, max_post_steps
         model, prompt, gen_length=16, block_length=8, threshold=0.5,
         editing_threshold=editing_threshold, max_post_steps=max_post_steps, mask_id=260,
     )
-    tokens, forwards = _engine_decode(
+    tokens, forwards = engine_decode(
         model, tok, prompt, max_tokens=16, block_length=8, threshold=0.5,
         editing_threshold=editing_threshold, max_post_steps=max_post_steps,
     )

@@ -18,15 +18,14 @@ import io
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from pty_run import run_in_pty
+from serving import console_server
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -178,45 +177,15 @@ def test_stock_mlx_lm_chat_after_install_on_a_terminal(demo_path):
 # ----------------------------------------------------------------------------- the server
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def client(demo_path, tmp_path_factory):
-    import http.client
-
     import openai
 
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**ENV, "HF_HUB_CACHE": str(log.parent / "hub")}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(BIN / "mlx_lm_diffusion.server"), "--model", demo_path, "--port", str(port)],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
+    with console_server([str(BIN / "mlx_lm_diffusion.server"), "--model", demo_path], env, log) as port:
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                             timeout=TIMEOUT)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 @DEMO_CANVAS_ONLY

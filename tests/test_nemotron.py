@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 
 from checkpoints import EOS_ID, VOCAB
 from checkpoints_nemotron_gemma import NEMOTRON_MASK_ID as MASK_ID
 from checkpoints_nemotron_gemma import write_nemotron
+from decoding import engine_decode
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]
 
@@ -168,16 +167,6 @@ def nemotron_generate(model, prompt, *, gen_length, block_length, threshold, cau
     return x[len(prompt):], forwards
 
 
-def _engine_decode(model, tok, prompt, **options):
-    adapter = adapter_for(model, tok)
-    adapter.eos_ids = frozenset()  # fill the whole canvas, as the reference does
-    resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
-    last = None
-    for last in Engine(adapter, resolved).run(mx.array([prompt])):
-        pass
-    return last.canvas[0, len(prompt):].tolist(), last.forwards
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("causal_context", [True, False])
 @pytest.mark.parametrize("threshold", [0.3, 0.9, None])
@@ -187,7 +176,7 @@ def test_decode_matches_reference_loop(nemotron, prompt, causal_context, thresho
         model, prompt, gen_length=24, block_length=8, threshold=threshold, causal_context=causal_context
     )
     strategy = {"threshold": threshold} if threshold is not None else {"strategy": "low_confidence"}
-    tokens, forwards = _engine_decode(
+    tokens, forwards = engine_decode(
         model, tok, prompt, max_tokens=24, block_length=8, causal_context=causal_context, **strategy
     )
     assert tokens == ref_tokens
@@ -203,7 +192,7 @@ def test_editing_matches_reference_loop(nemotron, causal_context, editing_thresh
         model, prompt, gen_length=16, block_length=8, threshold=0.5, causal_context=causal_context,
         editing_threshold=editing_threshold, max_post_steps=max_post_steps,
     )
-    tokens, forwards = _engine_decode(
+    tokens, forwards = engine_decode(
         model, tok, prompt, max_tokens=16, block_length=8, threshold=0.5, causal_context=causal_context,
         editing_threshold=editing_threshold, max_post_steps=max_post_steps,
     )
@@ -223,7 +212,7 @@ def test_decode_matches_mlx_vlm_diffusion_mode(nemotron, reference, prompt, thre
         eos_id=-1, stats=stats,
     )
     strategy = {"threshold": threshold} if threshold is not None else {"strategy": "low_confidence"}
-    tokens, forwards = _engine_decode(model, tok, prompt, max_tokens=32, block_length=8, **strategy)
+    tokens, forwards = engine_decode(model, tok, prompt, max_tokens=32, block_length=8, **strategy)
     assert tokens == theirs[0].tolist()
     assert forwards == stats["diffusion_denoise_nfe"]
 

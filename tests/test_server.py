@@ -10,9 +10,7 @@ import http.client
 import json
 import os
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx_lm.server
@@ -23,7 +21,7 @@ import mlx_lm_diffusion as mld
 from mlx_lm_diffusion import server as dserver
 
 from checkpoints import EOS_ID, EOT_ID
-from serving import running_server
+from serving import console_server, running_server
 
 TIMEOUT = 120  # seconds any single client call may take before the test fails
 MAX_TOKENS = 12
@@ -368,46 +366,18 @@ def test_parse_args_takes_mlx_lm_server_flags():
         dserver.parse_args(["--model", "m", "--no-such-flag"])
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_python_m_server(llada_path, tmp_path):
     """`python -m mlx_lm_diffusion.server` serves the model (the console script runs the
     same `main`)."""
-    port = _free_port()
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(llada_path),
-             "--port", str(port), "--max-tokens", "4", "--block-length", "2"],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if raw(port, "GET", "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
+    command = [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(llada_path),
+               "--max-tokens", "4", "--block-length", "2"]
+    with console_server(command, env, tmp_path / "server.log") as port:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
                           timeout=TIMEOUT)
         r = c.chat.completions.create(model="default_model", messages=USER)
         assert r.usage.completion_tokens <= 4
         assert r.choices[0].finish_reason in ("stop", "length")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 def test_console_scripts_point_at_main():
