@@ -57,7 +57,10 @@ def load(
     trust_remote_code: bool = False,
 ):
     """Load a diffusion checkpoint (Hugging Face layout or converted MLX) with mlx-lm's
-    own loader; returns (model, tokenizer) as `mlx_lm.load` does.
+    own loader; returns (model, tokenizer) as `mlx_lm.load` does, or (model, processor)
+    as `mlx_vlm.load` does for a checkpoint with a vision tower and processor files
+    (DiffusionGemma: mlx-vlm's DiffusionGemma4Processor; pass it where the tokenizer
+    goes, with `image=[...]`).
 
     Remote code is never run unless `trust_remote_code=True` (as in mlx-lm): the
     released checkpoints name their modeling code in config.json's `auto_map`, but
@@ -80,15 +83,31 @@ def load(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return mlx_lm_load(
+        model, tokenizer = mlx_lm_load(
             str(model_path),
             tokenizer_config={"trust_remote_code": bool(trust_remote_code), **(tokenizer_config or {})},
             model_config=model_config,
             adapter_path=adapter_path,
             trust_remote_code=bool(trust_remote_code),
         )
+        processor = _processor(model, model_path, config)
+        if processor is None:
+            return model, tokenizer
+        processor._mlx_lm_tokenizer = tokenizer  # the text doors keep mlx-lm's wrapper
+        return model, processor
     finally:
         hf_logging.set_verbosity(verbosity)
+
+
+def _processor(model: Any, model_path: Any, config: dict) -> Any:
+    """The image processor of a checkpoint whose model loaded a vision tower, or None."""
+    if not getattr(model, "has_vision", False):
+        return None
+    from pathlib import Path
+
+    from .images import load_processor
+
+    return load_processor(Path(model_path), config)
 
 
 __all__ = [

@@ -13,6 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from model_adapters import adapter_for
 
+from . import images
 from .engine import Engine, Step
 from .options import DecodeOptions, resolve
 
@@ -66,12 +67,16 @@ def stream_generate(
     Options (keyword): sampler, logits_processors, block_length, steps, threshold,
     strategy, factor, entropy_bound, alg_temp, seed; `None` takes the family default.
     `draft_callback(step)` receives the whole draft canvas after every forward.
+    Images (mlx-vlm's convention, DiffusionGemma): pass the processor `load` returned
+    as `tokenizer` and `image=[paths or PIL images]` (`video=[paths]`); `prompt` may
+    also be chat messages with image content parts (mlx_lm_diffusion.images).
     """
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    tokenizer, prompt, vision = images.request_inputs(model, tokenizer, prompt, kwargs)
     ids = encode_prompt(tokenizer, prompt)
     adapter, options = _engine(model, tokenizer, len(ids), max_tokens, kwargs)
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
+    if vision is not None:
+        adapter.vision = vision  # encoded with the prompt (model_adapters.diffusion_gemma)
     engine = Engine(adapter, options)
     P = len(ids)
     detokenizer = tokenizer.detokenizer
@@ -158,8 +163,7 @@ def generate_batch(
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
     ):
         raise ValueError("generate_batch takes a list of prompts (strings or token lists); wrap one prompt in a list")
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    tokenizer = images.text_tokenizer(tokenizer)
     prompts = [encode_prompt(tokenizer, p) for p in prompts or ()]
     if not prompts:
         raise ValueError("generate_batch needs one or more prompts")

@@ -1,11 +1,14 @@
 """DiffusionGemma: a Gemma 4 MoE encoder (causal, fills the KV cache) and a decoder that
 shares its weights (bidirectional over the cached prefix and the canvas, reads the cache
-without storing) with a self-conditioning block; text only.
+without storing) with a self-conditioning block; images through mlx-vlm's Gemma 4 vision
+tower and projector when the checkpoint has them (model_adapters.gemma_vision).
 
 Weights follow transformers' `DiffusionGemmaForBlockDiffusion` checkpoints: the decoder
 holds every shared weight (`model.decoder.*`), the encoder only its own layer scalars
 (`model.encoder.language_model.layers.N.layer_scalar`); `lm_head` is tied to the decoder's
-embeddings; the vision tower is dropped. Layers are mlx-lm's gemma4_text parts.
+embeddings; the vision tower and projector (`model.encoder.vision_tower.*`,
+`model.encoder.embed_vision.*`) load when the config has a `vision_config`. Layers are
+mlx-lm's gemma4_text parts, the vision modules mlx-vlm's.
 
 Decoding (Hugging Face's generation_diffusion_gemma.py) is the engine's uniform-noise
 path: there is no mask token; the adapter feeds the previous step's temperature-scaled
@@ -24,6 +27,7 @@ from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from . import gemma_vision
 from .base import Adapter as _BaseAdapter
 from .base import DiffusionModel, FamilyDefaults, _stop_ids
 from .option import Option
@@ -40,8 +44,12 @@ class ModelArgs(BaseModelArgs):
     text_config: dict
     canvas_length: int = 256
     eos_token_id: Optional[Union[int, list]] = None
+    vision_config: Optional[dict] = None
+    image_token_id: Optional[int] = None
+    video_token_id: Optional[int] = None
 
     def __post_init__(self):
+        self.vision = gemma_vision.vision_config(self.vision_config)
         t = self.text_config
         if t.get("use_bidirectional_attention") == "all":
             raise ValueError("DiffusionGemma with use_bidirectional_attention='all' is not supported")
@@ -149,16 +157,19 @@ class _EncoderLanguageModel(nn.Module):
 
 
 class _Encoder(nn.Module):
-    def __init__(self, n: int):
+    def __init__(self, n: int, vision: Any = None, hidden_size: int = 0):
         super().__init__()
         self.language_model = _EncoderLanguageModel(n)
+        if vision is not None:  # mlx-vlm's modules, under the checkpoint's names
+            self.vision_tower, self.embed_vision = gemma_vision.vision_modules(vision, hidden_size)
 
 
 class Backbone(nn.Module):
-    def __init__(self, args: gemma4_text.ModelArgs):
+    def __init__(self, args: gemma4_text.ModelArgs, vision: Any = None):
         super().__init__()
         self.decoder = Decoder(args)
-        self.encoder = _Encoder(args.num_hidden_layers)  # its layer scalars; all else is shared
+        # its layer scalars (all else is shared with the decoder) and the vision modules
+        self.encoder = _Encoder(args.num_hidden_layers, vision, args.hidden_size)
 
 
 class _PrefixView:
@@ -187,7 +198,7 @@ class Model(DiffusionModel):
     always tied to the decoder's embeddings."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, Backbone(args.text))
+        super().__init__(args, Backbone(args.text, args.vision))
         self.embed_scale = args.text.hidden_size**0.5
         self.softcap = args.text.final_logit_softcapping
 
@@ -202,17 +213,36 @@ class Model(DiffusionModel):
         logits = self.model.decoder.embed_tokens.as_linear(hidden).astype(mx.float32)
         return mx.tanh(logits / self.softcap) * self.softcap
 
-    def encode(self, inputs: mx.array, cache: list) -> mx.array:
-        """Causal pass of the encoder over `inputs`, stored in `cache`; the final hidden states."""
+    @property
+    def has_vision(self) -> bool:
+        return hasattr(self.model.encoder, "vision_tower")
+
+    def encode(self, inputs: mx.array, cache: list, vision: Optional[gemma_vision.VisionInputs] = None) -> mx.array:
+        """Causal pass of the encoder over `inputs`, stored in `cache`; the final hidden
+        states. With `vision`, the image tokens of `inputs` carry the images' features."""
         d, window = self.model.decoder, self.args.text.sliding_window
         h = d.embed_tokens(inputs) * self.embed_scale
         masks = {
             "full_attention": create_attention_mask(h, cache[0]),
             "sliding_attention": create_attention_mask(h, cache[0], window_size=window),
         }
+        if vision is not None:
+            h, masks = self._with_images(inputs, h, cache[0].offset, vision, masks)
         for layer, c, s in zip(d.layers, cache, self.model.encoder.language_model.layers):
             h = layer(h, masks[layer.layer_type], c, s.layer_scalar)
         return d.norm(h)
+
+    def _with_images(self, inputs: mx.array, h: mx.array, offset: int, vision: gemma_vision.VisionInputs,
+                     masks: dict) -> tuple:
+        if not self.has_vision:
+            raise ValueError("this DiffusionGemma checkpoint has no vision tower; it takes text only")
+        a, enc = self.args, self.model.encoder
+        where = gemma_vision.vision_token_mask(inputs, (a.image_token_id, a.video_token_id), vision.mm_token_type_ids)
+        features = enc.embed_vision(enc.vision_tower(vision.pixel_values))
+        h = gemma_vision.scatter_features(h, where, features)
+        if a.text_config.get("use_bidirectional_attention") == "vision":
+            masks = gemma_vision.encoder_masks(where, offset, a.text.sliding_window)
+        return h, masks
 
     def _soft_embeddings(self, logits: mx.array) -> mx.array:
         """softmax(logits) @ embeddings, scaled like the embeddings (self-conditioning input)."""
@@ -239,11 +269,13 @@ class Model(DiffusionModel):
         return self.head(d.norm(h))
 
     def __call__(self, inputs: mx.array, cache=None, canvas: Optional[mx.array] = None,
-                 self_conditioning: Optional[mx.array] = None) -> mx.array:
-        """Encode `inputs` causally into `cache` (a fresh one if None); return the decoder's
-        logits over `canvas` when given, else the encoder's own (causal) logits."""
+                 self_conditioning: Optional[mx.array] = None,
+                 vision: Optional[gemma_vision.VisionInputs] = None) -> mx.array:
+        """Encode `inputs` (with its images' features when `vision` is given) causally into
+        `cache` (a fresh one if None); return the decoder's logits over `canvas` when
+        given, else the encoder's own (causal) logits."""
         cache = self.make_kv_cache() if cache is None else cache
-        hidden = self.encode(inputs, cache)
+        hidden = self.encode(inputs, cache, vision)
         if canvas is None:
             return self.head(hidden)
         return self.decode(canvas, cache, self_conditioning)
@@ -254,7 +286,9 @@ class Model(DiffusionModel):
             if key == "lm_head.weight" or "rotary_emb" in key:
                 continue  # tied to the decoder's embeddings
             if key.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
-                continue  # text only
+                if self.has_vision and not _unused_clip_bound(key, self.args.vision):
+                    out[key] = value
+                continue
             if key.startswith("model.encoder.language_model.") and not key.endswith(".layer_scalar"):
                 continue  # tied to the decoder's
             m = _EXPERTS.match(key)
@@ -269,6 +303,12 @@ class Model(DiffusionModel):
                 out[f"{base}.switch_glu.gate_proj{suffix}"] = mx.contiguous(gate)
                 out[f"{base}.switch_glu.up_proj{suffix}"] = mx.contiguous(up)
         return out
+
+
+def _unused_clip_bound(key: str, vision: Any) -> bool:
+    """Clipping calibration tensors, which only clipped linears read (mlx-vlm drops them too)."""
+    bound = key.rsplit(".", 1)[-1] in ("input_max", "input_min", "output_max", "output_min")
+    return bound and not getattr(vision, "use_clipped_linears", False)
 
 
 # transformers' fused expert tensors (no suffix) and mlx-vlm's SwitchLinear names
@@ -328,10 +368,11 @@ class Adapter(_BaseAdapter):
         self.max_length = model.max_length
         self.eos_ids = frozenset(_eos_ids(model.args, tokenizer))
         self.defaults = replace(type(self).defaults, block_length=model.args.canvas_length)
+        self.vision: Optional[gemma_vision.VisionInputs] = None  # the next decode's images
 
     def start(self, prompt: mx.array) -> _State:
         state = _State(self.model.make_kv_cache())
-        self.model.encode(prompt, state.cache)
+        self.model.encode(prompt, state.cache, self.vision)
         return state
 
     def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:

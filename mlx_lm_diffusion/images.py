@@ -1,0 +1,325 @@
+"""Images (and video) for the doors: reading them safely, mlx-vlm's processor, prompts.
+
+One job: turn what a caller gives (a prompt or chat messages, plus images as paths, PIL
+images or data: URLs, videos as paths) into the prompt's token ids and the
+`VisionInputs` the DiffusionGemma adapter encodes. The processor is mlx-vlm's
+`DiffusionGemma4Processor` (imported, with mlx-vlm's loader); it expands each image
+placeholder into the image's soft tokens and gives the pixel values.
+
+Reading an image is all-or-nothing: it is opened, its size checked against the limits,
+and decoded in full (a truncated file fails here, not half-way through a decode).
+Remote URLs are never fetched. Local paths are read in the Python door and the CLI; the
+server reads them only under a directory its operator allows (`ImagePolicy.allowed_dir`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from model_adapters.gemma_vision import VisionInputs
+
+MAX_IMAGES = 8  # per request
+MAX_IMAGE_BYTES = 20 * 1000 * 1000  # an encoded image
+MAX_IMAGE_PIXELS = 40 * 1000 * 1000  # a decoded image (width * height): decompression bombs
+
+
+class ImageError(ValueError):
+    """A bad image: `status` is the HTTP status a server answers it with (400, or 413
+    for an image past the size limits)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """What an image source may be. The Python door and the CLI read any local path; the
+    server reads paths only under `allowed_dir` (None: no paths at all)."""
+
+    allow_paths: bool = True
+    allowed_dir: Optional[Path] = None
+    max_images: int = MAX_IMAGES
+    max_bytes: int = MAX_IMAGE_BYTES
+    max_pixels: int = MAX_IMAGE_PIXELS
+
+
+LOCAL = ImagePolicy()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _data_url_bytes(url: str, policy: ImagePolicy) -> bytes:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.startswith("data:image/") or not header.endswith(";base64"):
+        raise ImageError("an image data: URL must read data:image/<type>;base64,<data>")
+    if len(payload) * 3 // 4 > policy.max_bytes:
+        raise ImageError(f"an image is larger than the limit of {policy.max_bytes} bytes", status=413)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"an image data: URL is not valid base64 ({e})") from None
+
+
+def _path_bytes(source: str, policy: ImagePolicy) -> bytes:
+    name = source[len("file://"):] if source.startswith("file://") else source
+    path = Path(name).expanduser()
+    if not policy.allow_paths:
+        if policy.allowed_dir is None:
+            raise ImageError("local image paths are not allowed here; send the image as a data: URL")
+        root = policy.allowed_dir.resolve()
+        resolved = path.resolve()
+        if not path.is_absolute() or not resolved.is_relative_to(root):
+            raise ImageError(f"image path {name!r} is not under the allowed image directory")
+        path = resolved
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise ImageError(f"no image at {name!r}") from None
+    if size > policy.max_bytes:
+        raise ImageError(f"image {name!r} is larger than the limit of {policy.max_bytes} bytes", status=413)
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ImageError(f"cannot read image {name!r}: {e.strerror or e}") from None
+
+
+def _decode(data: bytes, what: str, policy: ImagePolicy):
+    from PIL import Image, ImageOps
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        if image.width * image.height > policy.max_pixels:
+            raise ImageError(f"{what} has {image.width}x{image.height} pixels, past the limit of "
+                             f"{policy.max_pixels}", status=413)
+        image.load()  # decoded in full now: a truncated file fails here
+        return ImageOps.exif_transpose(image).convert("RGB")
+    except ImageError:
+        raise
+    except Image.DecompressionBombError:
+        raise ImageError(f"{what} is past the decoded size limit", status=413) from None
+    except Exception as e:  # PIL raises several kinds for damaged data
+        raise ImageError(f"{what} is not a readable image ({type(e).__name__}: {e})") from None
+
+
+def open_image(source: Any, policy: ImagePolicy = LOCAL):
+    """A PIL RGB image from a PIL image, raw bytes, a data: URL or a local path (as the
+    policy allows). Remote URLs are refused: nothing is fetched."""
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        if source.width * source.height > policy.max_pixels:
+            raise ImageError(f"an image has {source.width}x{source.height} pixels, past the limit", status=413)
+        return source.convert("RGB")
+    if isinstance(source, (bytes, bytearray)):
+        if len(source) > policy.max_bytes:
+            raise ImageError(f"an image is larger than the limit of {policy.max_bytes} bytes", status=413)
+        return _decode(bytes(source), "an image", policy)
+    if isinstance(source, Path):
+        source = str(source)
+    if not isinstance(source, str) or not source:
+        raise ImageError(f"an image must be a path, a data: URL or a PIL image, not {type(source).__name__}")
+    if source.startswith(("http://", "https://")):
+        raise ImageError("remote image URLs are refused (nothing is fetched); send the image as a data: URL")
+    if source.startswith("data:"):
+        return _decode(_data_url_bytes(source, policy), "an image data: URL", policy)
+    return _decode(_path_bytes(source, policy), f"image {source!r}", policy)
+
+
+def open_images(sources: Any, policy: ImagePolicy = LOCAL) -> list:
+    """Every image of a request, read in full before anything runs (count checked first)."""
+    if sources is None:
+        return []
+    items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    if len(items) > policy.max_images:
+        raise ImageError(f"{len(items)} images in one request; at most {policy.max_images}")
+    return [open_image(s, policy) for s in items]
+
+
+def open_videos(sources: Any) -> list:
+    """Each video path as (T, C, H, W) frames, with mlx-vlm's reader and its sampling."""
+    from mlx_vlm.utils import load_video
+
+    items = [] if sources is None else list(sources) if isinstance(sources, (list, tuple)) else [sources]
+    frames = []
+    for path in items:
+        if not Path(str(path)).is_file():
+            raise ImageError(f"no video at {str(path)!r}")
+        try:
+            video, _ = load_video(str(path))
+        except Exception as e:
+            raise ImageError(f"video {str(path)!r} cannot be read ({type(e).__name__}: {e})") from None
+        frames.append(video)
+    return frames
+
+
+# ----------------------------------------------------------------------------- processor
+
+
+def load_processor(model_path: Path, config: dict) -> Any:
+    """mlx-vlm's DiffusionGemma processor of a checkpoint with a vision tower and
+    processor files, or None."""
+    if config.get("model_type") != "diffusion_gemma" or not config.get("vision_config"):
+        return None
+    if not any((model_path / name).exists() for name in ("processor_config.json", "preprocessor_config.json")):
+        return None
+    import mlx_vlm.models.diffusion_gemma  # noqa: F401  (registers the processor with AutoProcessor)
+    from mlx_vlm.utils import load_processor as mlx_vlm_load_processor
+
+    return mlx_vlm_load_processor(model_path, add_detokenizer=False)
+
+
+def is_processor(obj: Any) -> bool:
+    return hasattr(obj, "image_processor") and hasattr(obj, "tokenizer")
+
+
+def text_tokenizer(tokenizer: Any) -> Any:
+    """mlx-lm's TokenizerWrapper for a tokenizer or a processor's tokenizer (one per
+    processor, kept on it, so an added EOS token stays)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if isinstance(tokenizer, TokenizerWrapper):
+        return tokenizer
+    if is_processor(tokenizer):
+        wrapped = getattr(tokenizer, "_mlx_lm_tokenizer", None)
+        if wrapped is None:
+            wrapped = TokenizerWrapper(tokenizer.tokenizer)
+            tokenizer._mlx_lm_tokenizer = wrapped
+        return wrapped
+    return TokenizerWrapper(tokenizer)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+_IMAGE_PARTS = ("image", "image_url", "input_image")
+
+
+def _part_source(part: dict) -> Any:
+    """The image of an image content part: OpenAI's {"image_url": {"url": ...}} or a
+    string, mlx-vlm's {"image": ...}, {"url": ...} or {"path": ...}."""
+    for key in ("image_url", "image", "url", "path"):
+        value = part.get(key)
+        if isinstance(value, dict):
+            value = value.get("url")
+        if value is not None:
+            return value
+    raise ImageError("an image content part names no image (give image_url.url)")
+
+
+def chat_messages(messages: Sequence[dict]) -> Tuple[List[dict], list, list]:
+    """Messages for the chat template (image parts as {"type": "image"}, video parts as
+    {"type": "video"}, text parts kept) and the image and video sources in order."""
+    out, images, videos = [], [], []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(dict(message))
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _IMAGE_PARTS:
+                images.append(_part_source(part))
+                parts.append({"type": "image"})
+            elif kind == "video":
+                videos.append(part.get("video") or part.get("path"))
+                parts.append({"type": "video"})
+            elif kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            else:
+                raise ImageError(f"content part type {kind!r} is not supported (text, image_url, image, video)")
+        out.append({**message, "content": parts})
+    return out, images, videos
+
+
+def has_media(messages: Any) -> bool:
+    """Whether chat messages carry an image or video part."""
+    if not isinstance(messages, list):
+        return False
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") in _IMAGE_PARTS + ("video",) for p in m["content"])
+        for m in messages)
+
+
+def _placeholders(processor: Any, text: str, n: int, token: str, kind: str) -> str:
+    """`text` with one placeholder per image: the caller's, else added at the start."""
+    have = text.count(token)
+    if have > n:
+        raise ImageError(f"the prompt has {have} {kind} placeholders ({token}) but {n} {kind}s were given")
+    return token * (n - have) + text
+
+
+def vision_prompt(processor: Any, text: str, images: list, videos: list,
+                  add_special_tokens: bool = True) -> Tuple[List[int], VisionInputs]:
+    """The processor's token ids and pixel values for `text` (one placeholder per image,
+    added at the start when the text has none) with decoded images and video frames."""
+    if images:
+        text = _placeholders(processor, text, len(images), processor.image_token, "image")
+    if videos:
+        text = _placeholders(processor, text, len(videos), processor.video_token, "video")
+    try:
+        inputs = processor(text=[text], images=images or None, videos=videos or None,
+                           add_special_tokens=add_special_tokens)
+    except ImageError:
+        raise
+    except Exception as e:
+        raise ImageError(f"the processor cannot prepare these images ({type(e).__name__}: {e})") from None
+    ids = [int(t) for t in mx.array(inputs["input_ids"]).reshape(-1).tolist()]
+    types = inputs.get("mm_token_type_ids")
+    types = None if types is None else mx.array(types).reshape(1, -1)
+    return ids, VisionInputs(inputs["pixel_values"], types, count=len(images) + len(videos))
+
+
+def templated(tokenizer: Any, messages: List[dict], **template_kwargs) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+
+
+def request_inputs(model: Any, tokenizer: Any, prompt: Any, kwargs: dict) -> Tuple[Any, Any, Optional[VisionInputs]]:
+    """The Python door's hook: pops `image`, `video` (and a prepared `vision`) from the
+    keyword options; returns (mlx-lm tokenizer, prompt, vision). `prompt` may be chat
+    messages (a list of dicts, rendered with the chat template) with image parts."""
+    image, video = kwargs.pop("image", None), kwargs.pop("video", None)
+    vision = kwargs.pop("vision", None)
+    processor = tokenizer if is_processor(tokenizer) else None
+    wrapped = text_tokenizer(tokenizer)
+    messages = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
+    media = image is not None or video is not None or (messages and has_media(prompt))
+    if not media:
+        if messages:
+            prompt = wrapped.apply_chat_template(list(prompt), add_generation_prompt=True)
+        return wrapped, prompt, vision
+    if processor is None or not getattr(model, "has_vision", False):
+        raise ImageError("images need a checkpoint with a vision tower and its processor: pass the "
+                         "processor that load() returned in place of the tokenizer")
+    text, images, videos, special = prompt, [], [], True
+    if messages:
+        chat, images, videos = chat_messages(prompt)
+        text, special = templated(wrapped, chat), False
+    elif not isinstance(prompt, str):
+        raise ImageError("with images, give the prompt as text or chat messages (the processor "
+                         "places each image's tokens)")
+    images = open_images(list(images) + _as_list(image))
+    videos = open_videos(list(videos) + _as_list(video))
+    ids, vision = vision_prompt(processor, text, images, videos, add_special_tokens=special)
+    return wrapped, ids, vision
+
+
+def _as_list(value: Any) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+__all__ = [
+    "ImageError", "ImagePolicy", "open_image", "open_images", "open_videos", "load_processor",
+    "is_processor", "text_tokenizer", "chat_messages", "has_media", "vision_prompt", "request_inputs",
+    "VisionInputs", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS",
+]
