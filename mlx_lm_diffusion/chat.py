@@ -7,7 +7,9 @@ Like mlx_lm.chat, each turn sends only the new user message through the chat
 template; the conversation so far lives in the prompt cache (a `compat.TokenCache`
 holding every earlier prompt and reply token), so the model reads the whole
 conversation. `r` clears it, `q` (or end of input, or Ctrl-C at the prompt) quits,
-`h` shows the commands; Ctrl-C during a reply ends that reply.
+`h` shows the commands; Ctrl-C during a reply ends that reply. With a checkpoint that
+takes images (DiffusionGemma with its processor), `/image PATH` attaches an image to
+the next message (images.ConversationImages keeps the conversation's images).
 
 A model without a chat template (a base model, the embedded demo before it had one)
 gets each message as its raw prompt, on its own (there are no turns to tell apart);
@@ -29,7 +31,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from model_adapters import adapter_for, is_diffusion_model
 
-from . import compat
+from . import compat, images
 from .canvas_view import CanvasView
 
 PROG = "mlx_lm_diffusion.chat"
@@ -71,21 +73,30 @@ def _sampler(args: argparse.Namespace, tokenizer: Any) -> Callable[[mx.array], m
     )
 
 
-def _turn_prompt(tokenizer: Any, args: argparse.Namespace, query: str) -> List[int]:
-    if not tokenizer.has_chat_template:
-        return list(tokenizer.encode(query))
+def _turn_prompt(tokenizer: Any, args: argparse.Namespace, query: str,
+                 pictures: Optional[images.ConversationImages] = None):
+    """The turn's prompt ids, and the conversation's vision inputs (None without images)."""
     messages = []
-    if args.system_prompt is not None:
+    if args.system_prompt is not None and tokenizer.has_chat_template:
         messages.append({"role": "system", "content": args.system_prompt})
     messages.append({"role": "user", "content": query})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    if pictures is not None:
+        ids, vision = pictures.turn(tokenizer, messages)
+        if ids is not None:
+            return ids, vision
+    if not tokenizer.has_chat_template:
+        return list(tokenizer.encode(query)), None
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True), None
 
 
 def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, draft_callback=None) -> None:
     """mlx_lm.chat's loop: one turn per query, the conversation kept in the prompt cache.
     A turn the model cannot take (the conversation fills its context) is reported,
-    not fatal; Ctrl-C during a turn ends the turn, at the prompt it quits."""
+    not fatal; Ctrl-C during a turn ends the turn, at the prompt it quits. `tokenizer`
+    may be a processor (images: `/image PATH`)."""
     options = compat.decode_defaults(args)
+    pictures = images.ConversationImages(tokenizer if images.is_processor(tokenizer) else None)
+    tokenizer = images.text_tokenizer(tokenizer)
     templated = bool(getattr(tokenizer, "has_chat_template", False))
     prompt_cache = compat.make_prompt_cache(model)
     while True:
@@ -99,16 +110,28 @@ def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, dra
             return
         if query == "r":
             prompt_cache = compat.make_prompt_cache(model)
+            pictures.reset()
             ui.say_reset()
             continue
         if query == "h":
             ui.say_help()
             continue
+        if query.startswith(images.IMAGE_COMMAND + " ") or query == images.IMAGE_COMMAND:
+            try:
+                print(pictures.attach(query[len(images.IMAGE_COMMAND):]), flush=True)
+            except ValueError as e:
+                print(f"[error: {e}]", flush=True)
+            continue
         if not templated:  # no turns to tell apart: each message on its own
             prompt_cache = compat.make_prompt_cache(model)
-        prompt = _turn_prompt(tokenizer, args, query)
+            pictures.pixels = []
         last_response, held = None, []
         try:
+            prompt, vision = _turn_prompt(tokenizer, args, query, pictures)
+            if vision is not None:
+                options["vision"] = vision
+            else:
+                options.pop("vision", None)
             for response in compat.stream_generate(
                 model,
                 tokenizer,
@@ -168,11 +191,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     if not is_diffusion_model(model):
         fail(f"{args.model} is not a diffusion model; use mlx_lm.chat for it")
-    view = None
+    view, text = None, images.text_tokenizer(tokenizer)  # (a processor's tokenizer, for the text)
     if args.show_canvas:
-        view = CanvasView(tokenizer, adapter_for(model, tokenizer).mask_id)
+        view = CanvasView(text, adapter_for(model, text).mask_id)
     with ChatUI(args) as ui:
-        if not tokenizer.has_chat_template:
+        if not text.has_chat_template:
             print(NO_TEMPLATE_NOTICE, flush=True)
         try:
             chat_loop(model, tokenizer, args, ui, draft_callback=view)

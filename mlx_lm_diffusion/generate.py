@@ -4,8 +4,10 @@
 
 The parser is mlx_lm.generate's own (`setup_arg_parser`), so every one of its flags is
 here; the ones that cannot apply to a diffusion model (speculative decoding, the
-key/value cache, prefill chunking, images) are refused at start with one line saying
-why (exit 2), never accepted and ignored. The diffusion decoding flags come from the
+key/value cache, prefill chunking) are refused at start with one line saying why
+(exit 2), never accepted and ignored. `--image PATH ...` (mlx_lm.generate's and
+mlx_vlm.generate's flag) and `--video PATH ...` go to a checkpoint with a vision tower
+and its processor (DiffusionGemma), one placeholder each, in order. The diffusion decoding flags come from the
 options schema (`compat.add_decode_arguments`).
 
 The Python API lives in `generation`; it is re-exported here so that
@@ -26,6 +28,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from model_adapters import adapter_for
 
 from .compat import add_decode_arguments, decode_defaults
+from .images import text_tokenizer
 from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: F401
 
 # `import mlx_lm.generate` names mlx_lm's generate function, not its module
@@ -46,7 +49,6 @@ REFUSED = {
     "quantized_kv_start": _NO_KV,
     "prompt_cache_file": "a diffusion model keeps no key/value cache to load from a file (mlx_lm.cache_prompt's files hold one)",
     "prefill_step_size": "there is no prefill to split: every forward reads the prompt and the canvas together",
-    "image": "no diffusion family here takes images",
 }
 
 
@@ -100,6 +102,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.set_defaults(max_tokens=None)  # None: 256, or the embedded demo model's own length
     refuse_flags(p, REFUSED)
     verbose_flag(p)
+    p.add_argument("--video", type=str, default=(), nargs="+",
+                   help="Video files for the video placeholders of the prompt, in order (DiffusionGemma)")
     p.add_argument("--show-canvas", action="store_true",
                    help="Show the canvas being unmasked (on stderr); the answer is printed once final")
     return add_decode_arguments(p)  # --block-length, --steps, --strategy, --threshold, ...
@@ -117,10 +121,24 @@ def _template_kwargs(args: argparse.Namespace) -> dict:
     return config
 
 
-def _build_prompt(tokenizer: TokenizerWrapper, args: argparse.Namespace) -> List[int]:
+def _media_parts(args: argparse.Namespace) -> list:
+    """The user message's image and video parts (--image, --video), before its text."""
+    return ([{"type": "image", "image": path} for path in args.image or ()]
+            + [{"type": "video", "video": path} for path in getattr(args, "video", None) or ()])
+
+
+def _build_prompt(tokenizer: TokenizerWrapper, args: argparse.Namespace):
+    """The prompt's token ids; with --image/--video, the chat messages (or the text)
+    that the processor turns into ids and pixel values."""
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
     use_chat_template = not args.ignore_chat_template and tokenizer.has_chat_template
+    media = _media_parts(args)
+    if media and use_chat_template:
+        messages = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+        return messages + [{"role": "user", "content": media + [{"type": "text", "text": prompt}]}]
+    if media:
+        return prompt
     if use_chat_template:
         messages = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
         messages.append({"role": "user", "content": prompt})
@@ -178,11 +196,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"no --model given: using the embedded demo model (adds two numbers, "
                   f"e.g. '357+468='), max_tokens {args.max_tokens}", file=sys.stderr)
         args.max_tokens = 256 if args.max_tokens is None else args.max_tokens
-        model, tokenizer = load_for_cli(args)
+        model, loaded = load_for_cli(args)
+        tokenizer = text_tokenizer(loaded)  # (a processor's tokenizer, for the text)
         for eos_token in args.extra_eos_token:
             tokenizer.add_eos_token(eos_token)
         ids = _build_prompt(tokenizer, args)
-        sampler = make_cli_sampler(args, tokenizer)
+        if args.image or args.video:
+            tokenizer = loaded  # the processor places the images' tokens
+            if isinstance(ids, str):  # no chat template: the images go with the text
+                options.update(image=list(args.image) or None, video=list(args.video) or None)
+        sampler = make_cli_sampler(args, text_tokenizer(tokenizer))
         if not args.show_canvas:
             text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
                             sampler=sampler, seed=args.seed, **options)
@@ -190,7 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(text)
             return 0
         # The canvas on stderr, the answer on stdout once final: they never share a line.
-        view = CanvasView(tokenizer, adapter_for(model, tokenizer).mask_id)
+        view = CanvasView(text_tokenizer(tokenizer), adapter_for(model, text_tokenizer(tokenizer)).mask_id)
         text, last = "", None
         try:
             for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,

@@ -127,10 +127,10 @@ def generate(
     **kwargs,
 ) -> str:
     """Generate a complete response (mlx-lm's `generate`, for diffusion models)."""
-    if verbose:
-        print("=" * 10)
     text, response = "", None
     for response in stream_generate(model, tokenizer, prompt, max_tokens, **kwargs):
+        if verbose and response.generation_tokens == 1:  # (not before a bad request fails)
+            print("=" * 10)
         if verbose:
             print(response.text, end="", flush=True)
         text += response.text

@@ -104,6 +104,8 @@ def _decode(data: bytes, what: str, policy: ImagePolicy):
         return ImageOps.exif_transpose(image).convert("RGB")
     except ImageError:
         raise
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"{what} is not an image (no image format recognised)") from None
     except Image.DecompressionBombError:
         raise ImageError(f"{what} is past the decoded size limit", status=413) from None
     except Exception as e:  # PIL raises several kinds for damaged data
@@ -128,7 +130,7 @@ def open_image(source: Any, policy: ImagePolicy = LOCAL):
     if not isinstance(source, str) or not source:
         raise ImageError(f"an image must be a path, a data: URL or a PIL image, not {type(source).__name__}")
     if source.startswith(("http://", "https://")):
-        raise ImageError("remote image URLs are refused (nothing is fetched); send the image as a data: URL")
+        raise ImageError("remote image URLs are refused (nothing is fetched); images must be data: URLs")
     if source.startswith("data:"):
         return _decode(_data_url_bytes(source, policy), "an image data: URL", policy)
     return _decode(_path_bytes(source, policy), f"image {source!r}", policy)
@@ -323,3 +325,113 @@ __all__ = [
     "is_processor", "text_tokenizer", "chat_messages", "has_media", "vision_prompt", "request_inputs",
     "VisionInputs", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS",
 ]
+
+
+# ----------------------------------------------------------------------------- conversations
+
+IMAGE_COMMAND = "/image"
+
+
+class ConversationImages:
+    """The chat REPL's images: `/image PATH` attaches an image (read in full at once) to
+    the next message; every decode re-reads the whole conversation, so the pixel values
+    of every earlier turn's images are kept, in order, with the conversation."""
+
+    def __init__(self, processor: Any):
+        self.processor = processor
+        self.pending: list = []
+        self.pixels: list = []  # one (1, C, H, W) array per image of the conversation
+
+    def attach(self, argument: str) -> str:
+        """A line saying what was attached (ValueError for a bad image or no processor)."""
+        if self.processor is None:
+            raise ImageError("this model takes no images (no vision tower and processor)")
+        path = argument.strip()
+        if not path:
+            raise ImageError(f"give a path: {IMAGE_COMMAND} PATH")
+        self.pending.append(open_image(path))
+        return f"[image {path} attached to the next message ({len(self.pending)} pending)]"
+
+    def reset(self) -> None:
+        self.pending, self.pixels = [], []
+
+    def turn(self, tokenizer: Any, messages: List[dict]) -> Tuple[List[int], Optional[VisionInputs]]:
+        """The turn's prompt ids (the pending images before the last message's text) and
+        the conversation's vision inputs, or (None, None) when this turn and the
+        conversation have no image (the text path builds the prompt as before)."""
+        if not self.pending and not self.pixels:
+            return None, None
+        new, self.pending = self.pending, []
+        if new:
+            last = dict(messages[-1])
+            last["content"] = [{"type": "image"} for _ in new] + [{"type": "text", "text": last["content"]}]
+            messages = messages[:-1] + [last]
+        if getattr(tokenizer, "has_chat_template", False):
+            text, special = templated(tokenizer, messages), False
+        else:
+            text, special = messages[-1]["content"][-1]["text"] if new else messages[-1]["content"], True
+        ids, vision = vision_prompt(self.processor, text, new, [], add_special_tokens=special) if new else (
+            None, None)
+        if ids is None:
+            ids = tokenizer.encode(text, add_special_tokens=special)
+        else:
+            pv = vision.pixel_values
+            self.pixels.extend(pv[i:i + 1] if not isinstance(pv, list) else mx.array(pv[i])[None]
+                               for i in range(len(new)))
+        return list(ids), VisionInputs(list(self.pixels), None, count=len(self.pixels))
+
+
+# ----------------------------------------------------------------------------- the server
+
+
+def add_server_arguments(parser: Any) -> None:
+    group = parser.add_argument_group("images (DiffusionGemma)")
+    group.add_argument("--allowed-image-dir", type=Path, default=None,
+                       help="A directory whose files requests may name as images (image_url.url a path "
+                            "or file:// URL under it); off by default: images are data: URLs only")
+    group.add_argument("--max-images", type=int, default=MAX_IMAGES,
+                       help=f"Images in one request at most (default {MAX_IMAGES}; more are a 400)")
+    group.add_argument("--max-image-bytes", type=int, default=MAX_IMAGE_BYTES,
+                       help=f"Largest encoded image (default {MAX_IMAGE_BYTES}; larger is a 413)")
+
+
+def server_policy(cli_args: Any) -> ImagePolicy:
+    """Clients name no local paths unless the operator allowed a directory."""
+    allowed = getattr(cli_args, "allowed_image_dir", None)
+    return ImagePolicy(allow_paths=False, allowed_dir=None if allowed is None else Path(allowed),
+                       max_images=getattr(cli_args, "max_images", MAX_IMAGES) or MAX_IMAGES,
+                       max_bytes=getattr(cli_args, "max_image_bytes", MAX_IMAGE_BYTES) or MAX_IMAGE_BYTES)
+
+
+def check_served_messages(messages: Sequence[dict], policy: ImagePolicy) -> list:
+    """Every image of a chat request, read in full on the handler thread (ImageError with
+    the status to answer); video parts are not served."""
+    _, sources, videos = chat_messages(messages)
+    if videos:
+        raise ImageError("video content parts are not served; use the Python API or the CLI (--video)")
+    return open_images(sources, policy)
+
+
+_processors: dict = {}
+
+
+def served_processor(model_provider: Any) -> Any:
+    """The served checkpoint's processor (loaded once per model), or None."""
+    key = getattr(model_provider, "model_key", None)
+    if key not in _processors:
+        from mlx_lm.utils import _download, load_config
+
+        path = _download(key[0]) if key else None
+        _processors[key] = None if path is None else load_processor(Path(path), load_config(Path(path)))
+    return _processors[key]
+
+
+def served_prompt(model_provider: Any, tokenizer: Any, messages: List[dict], pictures: list,
+                  template_kwargs: dict) -> Tuple[List[int], VisionInputs]:
+    """A chat request's prompt ids and vision inputs, through the served processor."""
+    processor = served_processor(model_provider)
+    if processor is None or not getattr(model_provider.model, "has_vision", False):
+        raise ImageError("the served model takes no images (no vision tower and processor)")
+    chat, _, _ = chat_messages(messages)
+    text = templated(tokenizer, chat, **template_kwargs)
+    return vision_prompt(processor, text, pictures, [], add_special_tokens=False)

@@ -32,8 +32,9 @@ What a client may do is bounded (mlx_lm.server leaves these open):
   cancels its decode at the next forward;
 * models: only --model and the --allowed-models the operator named are served; any
   other "model" is a 404 that reads neither the filesystem nor the Hub; a request's
-  draft_model, adapters and num_draft_tokens are refused, image URLs must be data:
-  URLs (nothing is fetched), a client's chat template is refused unless
+  draft_model, adapters and num_draft_tokens are refused, images (DiffusionGemma) are
+  data: URLs or files under --allowed-image-dir (nothing is fetched; --max-images,
+  --max-image-bytes: 400 / 413), a client's chat template is refused unless
   --allow-client-chat-templates;
 * browsers: CORS is off unless --allowed-origins names origins; a request carrying an
   Origin not allowed, or a Host that is a domain name this server was not told of
@@ -86,7 +87,7 @@ from mlx_lm.utils import _parse_size
 
 from model_adapters import adapter_for, is_diffusion_model
 
-from . import compat
+from . import compat, images
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
@@ -197,6 +198,8 @@ class DiffusionRequest(CompletionRequest):
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_error: Optional[BaseException] = None  # what a cancelled decode raises
     connection: Any = None  # the client's socket: a closed one cancels the decode
+    images: list = field(default_factory=list)  # decoded on the handler thread (images.py)
+    image_prompt: Optional[List[int]] = None  # their prompt, built by the processor
 
 
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
@@ -372,7 +375,9 @@ class DiffusionResponseGenerator(ResponseGenerator):
 
     def _tokenize(self, tokenizer, request, args):
         try:
-            result = super()._tokenize(tokenizer, request, args)
+            ids = getattr(request, "image_prompt", None)
+            result = (ids, [ids], ["assistant"], "normal", None) if ids is not None else super()._tokenize(
+                tokenizer, request, args)
         except Exception as e:
             raise RequestError(f"cannot build a prompt from this request: {e}") from e
         model = self.model_provider.model
@@ -410,6 +415,12 @@ class DiffusionResponseGenerator(ResponseGenerator):
                     drafts(step)
 
             options["draft_callback"] = on_step
+            if getattr(req, "images", None):
+                try:
+                    options["vision"] = self._image_prompt(req, request[2])
+                except (RequestError, ValueError) as e:
+                    rqueue.put(e if isinstance(e, RequestError) else RequestError(str(e), status=getattr(e, "status", 400)))
+                    return
         with self.decode_lock, compat.request_options(**options):
             try:
                 check()
@@ -417,6 +428,16 @@ class DiffusionResponseGenerator(ResponseGenerator):
                 rqueue.put(e)
                 return
             super()._serve_single(request, stream)
+
+    def _image_prompt(self, req, args):
+        """A request with images: its prompt through the processor (`req.image_prompt`)
+        and the vision inputs its decode encodes."""
+        template_kwargs = dict(self.model_provider.cli_args.chat_template_args or {})
+        template_kwargs.update(args.chat_template_kwargs or {})
+        template_kwargs.pop("tools", None)
+        req.image_prompt, vision = images.served_prompt(
+            self.model_provider, self.model_provider.tokenizer, req.messages, req.images, template_kwargs)
+        return vision
 
     def _draft_sender(self, rqueue) -> Callable[[Step], None]:
         tokenizer = self.model_provider.tokenizer
@@ -906,12 +927,13 @@ class DiffusionAPIHandler(APIHandler):
         messages = self.body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a list of message objects", param="messages")
-        for part in mlx_server._image_parts(messages):
-            url = mlx_server._image_url(part)
-            if not isinstance(url, str) or not url.startswith("data:"):
-                raise RequestError("images must be given as data: URLs; this server fetches nothing",
-                                   param="messages")
-        return self._diffusion_request(super().handle_chat_completions())
+        try:  # read in full here, before anything runs (mlx_lm_diffusion.images)
+            pictures = images.check_served_messages(messages, images.server_policy(self.response_generator.cli_args))
+        except images.ImageError as e:
+            raise RequestError(str(e), status=e.status, param="messages") from None
+        request = self._diffusion_request(super().handle_chat_completions())
+        request.images = pictures
+        return request
 
     def handle_text_completions(self) -> CompletionRequest:
         return self._diffusion_request(super().handle_text_completions())
@@ -1386,6 +1408,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ours = argparse.ArgumentParser(prog=PROG, add_help=False)
     compat.add_decode_arguments(ours)
     _server_arguments(ours)
+    images.add_server_arguments(ours)
     dargs, rest = ours.parse_known_args(argv)
     if any(a in ("-h", "--help") for a in rest):
         print("Diffusion and serving options (with every mlx_lm.server option below):")

@@ -54,7 +54,6 @@ def test_generate_takes_every_mlx_lm_generate_flag():
         ["--quantized-kv-start", "0"],
         ["--prompt-cache-file", "cache.safetensors"],
         ["--prefill-step-size", "512"],
-        ["--image", "x.png"],
     ],
 )
 def test_flags_that_cannot_apply_are_refused_at_start(flags, tmp_path):

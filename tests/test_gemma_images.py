@@ -211,3 +211,171 @@ def test_tokens_match_mlx_vlm_with_an_image(loaded, mlx_vlm_model, text, picture
     assert forwards == their_steps < 48 * canvases
     text_only, _ = engine_decode(model, processor, ids, None, max_tokens=CANVAS * canvases, seed=seed)
     assert text_only != tokens  # (the image changes the decode)
+
+
+# ---------------------------------------------------------------------------- doors
+
+
+def png_bytes(picture=None) -> bytes:
+    out = io.BytesIO()
+    (picture or make_image()).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(picture=None) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(picture)).decode()
+
+
+@pytest.fixture(scope="module")
+def picture_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pictures")
+    good = d / "allowed" / "a.png"
+    good.parent.mkdir()
+    good.write_bytes(png_bytes())
+    (d / "outside.png").write_bytes(png_bytes())
+    (d / "not_an_image.png").write_bytes(b"this is text, not a PNG")
+    (d / "truncated.png").write_bytes(png_bytes()[:200])
+    return d
+
+
+def library_tokens(model, processor, prompt, **kwargs):
+    return [r.token for r in mld.stream_generate(model, processor, prompt, max_tokens=CANVAS, seed=0, **kwargs)]
+
+
+def templated_ids(processor, text="What is it?", n=1):
+    """The processor's ids of one user message with `n` images before its text, and the
+    processor's pixel values (the reference every door is compared with)."""
+    tok = images.text_tokenizer(processor)
+    content = [{"type": "image"}] * n + [{"type": "text", "text": text}]
+    prompt = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+    out = processor(text=[prompt], images=[make_image()] * n, add_special_tokens=False)
+    return np.array(out["input_ids"])[0].tolist(), out
+
+
+def reference_tokens(model, processor, ids, out):
+    """The engine with explicitly prepared inputs: what every door should produce."""
+    adapter = adapter_for(model, processor)
+    adapter.vision = VisionInputs(out["pixel_values"], mx.array(out["mm_token_type_ids"]))
+    resolved = resolve(DecodeOptions(max_tokens=CANVAS, seed=0), adapter, len(ids))
+    last = None
+    for last in Engine(adapter, resolved).run(mx.array([ids])):
+        pass
+    tokens = last.canvas[0, len(ids):len(ids) + last.final[0]].tolist()
+    return tokens
+
+
+def test_python_door_paths_pil_images_and_messages_agree(loaded, picture_files):
+    model, processor = loaded
+    ids, out = templated_ids(processor)
+    expected = reference_tokens(model, processor, ids, out)
+    path = str(picture_files / "allowed" / "a.png")
+    message = lambda part: [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]  # noqa: E731
+    assert library_tokens(model, processor, message({"type": "image", "image": make_image()})) == expected
+    assert library_tokens(model, processor, message({"type": "image", "image": path})) == expected
+    assert library_tokens(model, processor, message({"type": "image_url", "image_url": {"url": data_url()}})) == expected
+    text = images.text_tokenizer(processor).apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}],
+        tokenize=False, add_generation_prompt=True)
+    # a text prompt with the placeholder; images as paths or PIL images (mlx-vlm's image=[...])
+    raw = [r.token for r in mld.stream_generate(model, processor, text, image=[path], max_tokens=CANVAS, seed=0)]
+    assert raw == library_tokens(model, processor, text, image=[make_image()])
+    assert mld.generate(model, processor, "Hi", image=path, max_tokens=CANVAS, seed=0) == mld.generate(
+        model, processor, "<|image|>Hi", image=[make_image()], max_tokens=CANVAS, seed=0)
+
+
+def test_text_requests_are_unchanged_by_the_processor(loaded):
+    model, processor = loaded
+    tok = images.text_tokenizer(processor)
+    assert mld.generate(model, processor, "Hello", max_tokens=CANVAS, seed=3) == mld.generate(
+        model, tok, "Hello", max_tokens=CANVAS, seed=3)
+    rows, _ = mld.generate_batch(model, processor, ["ab", "cd"], max_tokens=CANVAS, seed=1)
+    assert rows == mld.generate_batch(model, tok, ["ab", "cd"], max_tokens=CANVAS, seed=1)[0]
+
+
+@pytest.mark.parametrize("source,word", [
+    ("not_an_image.png", "not an image"),
+    ("truncated.png", "not a readable image"),
+    ("missing.png", "no image at"),
+    ("http://127.0.0.1:9/cat.png", "remote image URLs are refused"),
+    ("data:image/png;base64,@@@", "base64"),
+    ("data:text/plain;base64,aGk=", "data:image/"),
+])
+def test_bad_images_are_a_clear_error_before_anything_runs(loaded, picture_files, source, word):
+    model, processor = loaded
+    if not source.startswith(("http", "data")):
+        source = str(picture_files / source)
+    with pytest.raises(ValueError, match=word):
+        next(mld.stream_generate(model, processor, "What?", image=[source], max_tokens=CANVAS))
+
+
+def test_limits_and_mismatches(loaded, llada):
+    model, processor = loaded
+    with pytest.raises(ValueError, match="at most 8"):
+        mld.generate(model, processor, "x", image=[make_image()] * 9, max_tokens=CANVAS)
+    with pytest.raises(images.ImageError, match="pixels") as e:
+        images.open_image(png_bytes(), images.ImagePolicy(max_pixels=100))
+    assert e.value.status == 413
+    with pytest.raises(images.ImageError, match="larger") as e:
+        images.open_image(data_url(), images.ImagePolicy(max_bytes=100))
+    assert e.value.status == 413
+    with pytest.raises(ValueError, match="2 image placeholders"):
+        mld.generate(model, processor, "<|image|><|image|>", image=[make_image()], max_tokens=CANVAS)
+    with pytest.raises(ValueError, match="processor"):  # a tokenizer cannot place image tokens
+        mld.generate(model, images.text_tokenizer(processor), "x", image=[make_image()], max_tokens=CANVAS)
+    with pytest.raises(ValueError, match="vision tower"):  # nor a model without a vision tower
+        mld.generate(llada[0], llada[1], "x", image=[make_image()], max_tokens=4)
+    with pytest.raises(ValueError, match="image tokens"):  # features and placeholders must agree
+        mld.generate(model, processor, [5, IMAGE_ID, 6], vision=VisionInputs(mx.zeros((1, 3, 16, 16))), max_tokens=CANVAS)
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.generate", *argv], capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_cli_image_flag(loaded, vision_path, picture_files):
+    model, processor = loaded
+    path = str(picture_files / "allowed" / "a.png")
+    r = run_cli("--model", str(vision_path), "--prompt", "What is it?", "--image", path, "--max-tokens",
+                str(CANVAS), "--seed", "0", "--verbose", "False")
+    assert r.returncode == 0, r.stderr
+    ids, out = templated_ids(processor)
+    expected = mld.generate(model, processor, ids, vision=VisionInputs(out["pixel_values"]), max_tokens=CANVAS, seed=0)
+    assert r.stdout == expected + "\n"
+    bad = run_cli("--model", str(vision_path), "--prompt", "x", "--image", str(picture_files / "truncated.png"),
+                  "--max-tokens", "4")
+    assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
+    assert "not a readable image" in bad.stderr
+
+
+def test_chat_image_command_attaches_to_the_next_message(loaded, vision_path, picture_files, capsys):
+    from mlx_lm_diffusion import chat
+    from test_chat import ScriptedUI, args_for
+
+    model, processor = loaded
+    path = str(picture_files / "allowed" / "a.png")
+    args = args_for(vision_path, "--max-tokens", str(CANVAS))
+    ui = ScriptedUI([f"/image {path}", "What is it?", f"/image {picture_files / 'truncated.png'}", "q"])
+    mx.random.seed(7)
+    chat.chat_loop(model, processor, args, ui)
+    printed = capsys.readouterr().out
+    assert "attached to the next message" in printed and "not a readable image" in printed
+    ids, out = templated_ids(processor)
+    mx.random.seed(7)
+    expected = mld.generate(model, processor, ids, vision=VisionInputs(out["pixel_values"]), max_tokens=CANVAS,
+                            sampler=chat._sampler(args, images.text_tokenizer(processor)))
+    assert ui.turns == [expected]
+
+
+def test_chat_turns_keep_the_conversations_images(loaded):
+    """A second turn re-reads the whole conversation: the first turn's image goes with it."""
+    model, processor = loaded
+    pictures = images.ConversationImages(processor)
+    tok = images.text_tokenizer(processor)
+    pictures.pending.append(make_image())
+    ids, vision = pictures.turn(tok, [{"role": "user", "content": "What?"}])
+    assert vision.count == 1 and ids.count(IMAGE_ID) == 15
+    ids2, vision2 = pictures.turn(tok, [{"role": "user", "content": "And?"}])
+    assert IMAGE_ID not in ids2 and vision2.count == 1  # no new image, the old one kept
+    pictures.reset()
+    assert pictures.turn(tok, [{"role": "user", "content": "x"}]) == (None, None)
