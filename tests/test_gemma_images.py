@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -379,3 +380,92 @@ def test_chat_turns_keep_the_conversations_images(loaded):
     assert IMAGE_ID not in ids2 and vision2.count == 1  # no new image, the old one kept
     pictures.reset()
     assert pictures.turn(tok, [{"role": "user", "content": "x"}]) == (None, None)
+
+
+# ---------------------------------------------------------------------------- server
+
+
+@pytest.fixture(scope="module")
+def image_server(vision_path, picture_files, tmp_path_factory):
+    import huggingface_hub.constants as hf_constants
+
+    from serving import running_server
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf") / "hub"))
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        argv = ["--model", str(vision_path), "--port", "0", "--max-tokens", str(CANVAS), "--max-images", "2",
+                "--max-image-bytes", "30000", "--allowed-image-dir", str(picture_files / "allowed")]
+        with running_server(argv) as served:
+            yield served[0].server_address[1]
+
+
+def image_message(*urls, text="What is it?"):
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def test_server_answers_image_url_parts_with_the_openai_client(image_server, loaded, picture_files):
+    import openai
+    from mlx_lm.sample_utils import make_sampler
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{image_server}/v1", api_key="x", max_retries=0, timeout=240)
+    reply = client.chat.completions.create(model="default_model", messages=image_message(data_url()),
+                                           temperature=0.0, seed=0, max_tokens=CANVAS)
+    model, processor = loaded
+    mx.random.seed(0)
+    expected = mld.generate(model, processor, image_message(data_url()), max_tokens=CANVAS, sampler=make_sampler(0.0))
+    assert reply.choices[0].message.content == expected
+    # a file under --allowed-image-dir reads the same
+    path = str(picture_files / "allowed" / "a.png")
+    again = client.chat.completions.create(model="default_model", messages=image_message(path),
+                                           temperature=0.0, seed=0, max_tokens=CANVAS)
+    assert again.choices[0].message.content == expected
+
+
+def post_json(port, body):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=240)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read() or b"{}")
+
+
+def noisy_png(size=120) -> str:
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3)).astype(np.uint8)
+    return data_url(Image.fromarray(pixels))
+
+
+@pytest.mark.parametrize("urls,status,word", [
+    (lambda d: [str(d / "outside.png")], 400, "not under the allowed image directory"),
+    (lambda d: [str(d / "allowed" / ".." / "outside.png")], 400, "not under the allowed image directory"),
+    (lambda d: ["relative.png"], 400, "not under the allowed image directory"),
+    (lambda d: ["http://127.0.0.1:9/cat.png"], 400, "data: URLs"),
+    (lambda d: [data_url()] * 3, 400, "at most 2"),
+    (lambda d: [noisy_png()], 413, "larger than the limit"),
+    (lambda d: ["data:image/png;base64," + base64.b64encode(b"not a png").decode()], 400, "not an image"),
+    (lambda d: ["data:image/png;base64," + base64.b64encode(png_bytes()[:300]).decode()], 400, "readable"),
+])
+def test_server_refuses_bad_images_with_openai_errors(image_server, picture_files, urls, status, word):
+    got, body = post_json(image_server, {"messages": image_message(*urls(picture_files)), "max_tokens": 4})
+    assert got == status, body
+    assert word in body["error"]["message"] and body["error"]["param"] == "messages"
+
+
+def test_server_serves_text_requests_and_refuses_video_parts(image_server):
+    got, body = post_json(image_server, {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+    assert got == 200 and body["choices"][0]["message"]["content"] is not None
+    video = [{"role": "user", "content": [{"type": "video", "video": "x.mp4"}]}]
+    got, body = post_json(image_server, {"messages": video, "max_tokens": 4})
+    assert got == 400 and "video" in body["error"]["message"]
+
+
+def test_server_default_policy_reads_no_paths(picture_files):
+    policy = images.server_policy(SimpleNamespace())
+    assert policy.allowed_dir is None
+    with pytest.raises(images.ImageError, match="not allowed"):
+        images.open_image(str(picture_files / "allowed" / "a.png"), policy)
+    images.open_image(data_url(), policy)  # data: URLs always
