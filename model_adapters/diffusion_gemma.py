@@ -244,8 +244,12 @@ class Model(DiffusionModel):
             masks = gemma_vision.encoder_masks(where, offset, a.text.sliding_window)
         return h, masks
 
-    def _soft_embeddings(self, logits: mx.array) -> mx.array:
-        """softmax(logits) @ embeddings, scaled like the embeddings (self-conditioning input)."""
+    def _soft_embeddings(self, logits: mx.array, top_k: int = 0) -> mx.array:
+        """softmax(logits) @ embeddings, scaled like the embeddings (self-conditioning input).
+        With `top_k`, from the k largest logits only (renormalised over them) and the k
+        embedding rows they name (Fast-dLLM-mlx's cheaper step; not the reference's)."""
+        if 0 < top_k < logits.shape[-1]:
+            return _top_k_soft_embeddings(self.model.decoder.embed_tokens, logits, top_k) * self.embed_scale
         table = self.model.decoder.embed_tokens
         probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
         if isinstance(table, nn.QuantizedEmbedding):
@@ -257,11 +261,13 @@ class Model(DiffusionModel):
             soft = probs.astype(table.weight.dtype) @ table.weight
         return soft * self.embed_scale
 
-    def decode(self, canvas: mx.array, cache: list, self_conditioning: Optional[mx.array] = None) -> mx.array:
-        """Softcapped logits (B, C, V) of the decoder over `canvas`, on top of the cached prefix."""
+    def decode(self, canvas: mx.array, cache: list, self_conditioning: Optional[mx.array] = None,
+               top_k: int = 0) -> mx.array:
+        """Softcapped logits (B, C, V) of the decoder over `canvas`, on top of the cached
+        prefix (`top_k`: the cheaper self-conditioning, see `_soft_embeddings`)."""
         d, window = self.model.decoder, self.args.text.sliding_window
         h = d.embed_tokens(canvas) * self.embed_scale
-        soft = mx.zeros_like(h) if self_conditioning is None else self._soft_embeddings(self_conditioning)
+        soft = mx.zeros_like(h) if self_conditioning is None else self._soft_embeddings(self_conditioning, top_k)
         h = d.self_conditioning(h, soft.astype(h.dtype))
         for layer, c in zip(d.layers, cache):
             view = _PrefixView(c, window if layer.layer_type == "sliding_attention" else None)
@@ -303,6 +309,16 @@ class Model(DiffusionModel):
                 out[f"{base}.switch_glu.gate_proj{suffix}"] = mx.contiguous(gate)
                 out[f"{base}.switch_glu.up_proj{suffix}"] = mx.contiguous(up)
         return out
+
+
+def _top_k_soft_embeddings(table: nn.Module, logits: mx.array, k: int) -> mx.array:
+    """sum_j softmax(top-k logits)_j * E[index_j]: only k embedding rows per position are
+    read (dequantized by the table itself when it is quantized)."""
+    indices = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    top = mx.take_along_axis(logits, indices, axis=-1).astype(mx.float32)
+    probs = mx.softmax(top, axis=-1, precise=True)
+    rows = table(indices)  # (B, C, k, D)
+    return (probs[..., None, :].astype(rows.dtype) @ rows)[..., 0, :]
 
 
 def _unused_clip_bound(key: str, vision: Any) -> bool:
@@ -359,6 +375,10 @@ class Adapter(_BaseAdapter):
                "repeats this many times (and is confident)", default=1, low=1),
         Option("confidence_threshold", float, "DiffusionGemma: ... and its mean entropy is below this",
                default=0.005, low=0.0),
+        Option("fast_self_conditioning", bool, "DiffusionGemma: self-condition from the top-k scaled logits "
+               "only (renormalised; k embedding rows per position) instead of the whole vocabulary: a "
+               "cheaper step, not the reference's (off: exact)", default=False),
+        Option("self_conditioning_k", int, "DiffusionGemma: k of --fast-self-conditioning", default=256, low=1),
     )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
@@ -369,6 +389,11 @@ class Adapter(_BaseAdapter):
         self.eos_ids = frozenset(_eos_ids(model.args, tokenizer))
         self.defaults = replace(type(self).defaults, block_length=model.args.canvas_length)
         self.vision: Optional[gemma_vision.VisionInputs] = None  # the next decode's images
+        self.top_k = 0  # 0: exact self-conditioning
+
+    def configure(self, options: Any) -> None:
+        family = options.family
+        self.top_k = family["self_conditioning_k"] if family.get("fast_self_conditioning") else 0
 
     def start(self, prompt: mx.array) -> _State:
         state = _State(self.model.make_kv_cache())
@@ -384,7 +409,7 @@ class Adapter(_BaseAdapter):
             raise RuntimeError(f"cache holds {state.cache[0].offset} positions, canvas starts at {start}")
         if state.canvas != start:  # a new canvas starts without self-conditioning
             state.canvas, state.self_conditioning = start, None
-        return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning)
+        return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k)
 
     def condition(self, state: _State, logits: mx.array) -> None:
         """The logits the engine decided from (temperature-scaled): next step's self-conditioning."""

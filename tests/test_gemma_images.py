@@ -469,3 +469,50 @@ def test_server_default_policy_reads_no_paths(picture_files):
     with pytest.raises(images.ImageError, match="not allowed"):
         images.open_image(str(picture_files / "allowed" / "a.png"), policy)
     images.open_image(data_url(), policy)  # data: URLs always
+
+
+# ---------------------------------------------------------------------------- the cheaper step
+
+
+def test_top_k_self_conditioning_matches_its_definition(loaded):
+    """softmax over the k largest scaled logits, times the k embedding rows they name."""
+    from model_adapters.diffusion_gemma import _top_k_soft_embeddings
+
+    model, _ = loaded
+    table = model.model.decoder.embed_tokens
+    logits = mx.array(np.random.default_rng(0).standard_normal((2, 5, VOCAB)).astype(np.float32) * 4)
+    ours = np.array(_top_k_soft_embeddings(table, logits, 7))
+    z, E = np.array(logits), np.array(table.weight)
+    top = np.argsort(-z, axis=-1)[..., :7]
+    vals = np.take_along_axis(z, top, -1)
+    p = np.exp(vals - vals.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    assert np.abs(ours - np.einsum("blk,blkd->bld", p, E[top])).max() <= 1e-5
+    # k = V is the whole vocabulary: the exact soft embeddings
+    exact = np.array(model._soft_embeddings(logits)) / model.embed_scale
+    assert np.abs(np.array(_top_k_soft_embeddings(table, logits, VOCAB)) - exact).max() <= 1e-4
+    # a quantized table gives its own dequantized rows
+    q = table.to_quantized(group_size=32, bits=8)
+    deq = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=8)
+    got = np.array(_top_k_soft_embeddings(q, logits, 7))
+    assert np.abs(got - np.einsum("blk,blkd->bld", p, np.array(deq)[top])).max() <= 1e-4
+
+
+def test_fast_self_conditioning_is_opt_in(loaded):
+    model, processor = loaded
+    adapter = adapter_for(model, processor)
+    exact = resolve(DecodeOptions(max_tokens=CANVAS), adapter, 4)
+    adapter.configure(exact)
+    assert adapter.top_k == 0  # the default is the reference's step
+    adapter.configure(resolve(DecodeOptions(max_tokens=CANVAS, fast_self_conditioning=True), adapter, 4))
+    assert adapter.top_k == 256
+    adapter.configure(resolve(DecodeOptions(max_tokens=CANVAS, fast_self_conditioning=True, self_conditioning_k=2),
+                              adapter, 4))
+    assert adapter.top_k == 2
+    kw = dict(max_tokens=2 * CANVAS, seed=0)
+    base = mld.generate(model, processor, "Hello", **kw)
+    assert base == mld.generate(model, processor, "Hello", fast_self_conditioning=True,
+                                self_conditioning_k=VOCAB, **kw)  # k = V: the exact step
+    assert base != mld.generate(model, processor, "Hello", fast_self_conditioning=True, self_conditioning_k=1, **kw)
+    with pytest.raises(ValueError, match="self_conditioning_k"):
+        mld.generate(model, processor, "Hello", self_conditioning_k=0, max_tokens=CANVAS)
