@@ -6,8 +6,16 @@ canvas that runs all its steps ends without mlx-vlm drawing the reference's last
 noise, so later canvases start from different random streams). Best of 3
 alternating runs after a warm-up; the ratio is mlx-vlm's time over ours.
 
+DiffusionGemma with an image: the same, on a checkpoint with its vision tower and processor
+(the prompt holds an image's soft tokens; both sides get the processor's pixel values).
+
+The cheaper step (--fast-self-conditioning, top-k self-conditioning): on a checkpoint with a
+65,536-token vocabulary, the time of one denoising step (decoder forward with
+self-conditioning) exact against top-k, and the token agreement of whole seeded decodes
+with the exact path (positions equal, decodes equal) over many seeds.
+
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_vs_mlx_vlm.py
+        python bench/bench_vs_mlx_vlm.py [--gemma-only]
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import mlx_lm_diffusion as mld  # noqa: E402
+from checkpoints_gemma_images import make_image, write_gemma_with_vision  # noqa: E402
 from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron  # noqa: E402
+from model_adapters.gemma_vision import VisionInputs  # noqa: E402
 from mlx_lm_diffusion.engine import Engine  # noqa: E402
 from mlx_lm_diffusion.options import DecodeOptions, resolve  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
@@ -32,16 +42,17 @@ PROMPT = list(range(40, 72))
 NEMOTRON_GEN, GEMMA_GEN, GEMMA_CANVAS = 128, 128, 64
 
 
-def engine(model, tok, **options):
+def engine(model, tok, prompt=PROMPT, vision=None, **options):
     """The engine without EOS (both sides decode every token); returns (tokens, forwards)."""
     adapter = adapter_for(model, tok)
     adapter.eos_ids = frozenset()
-    resolved = resolve(DecodeOptions(**options), adapter, len(PROMPT))
+    adapter.vision = vision
+    resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
     last = None
-    for last in Engine(adapter, resolved, keep_logprobs=False).run(mx.array([PROMPT])):
+    for last in Engine(adapter, resolved, keep_logprobs=False).run(mx.array([prompt])):
         pass
     n = options["max_tokens"]
-    return last.canvas[0, len(PROMPT):len(PROMPT) + n].tolist(), last.forwards
+    return last.canvas[0, len(prompt):len(prompt) + n].tolist(), last.forwards
 
 
 def alternate(ours, theirs, runs=3):
@@ -83,60 +94,138 @@ def nemotron_rows(tmp: Path):
     return rows
 
 
-def gemma_rows(tmp: Path):
-    from mlx_vlm.generate.diffusion import stream_diffusion_generate
+GEMMA_DIMS = dict(
+    canvas_length=GEMMA_CANVAS, sliding_window=64, hidden_size=256, intermediate_size=512,
+    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, global_head_dim=64,
+    num_global_key_value_heads=2, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    num_experts=8, top_k_experts=2, moe_intermediate_size=128,
+)
+
+
+def mlx_vlm_gemma(path: Path, vision: bool):
     from mlx_vlm.models import diffusion_gemma as ref
 
-    path = write_diffusion_gemma(
-        tmp / "gemma", canvas_length=GEMMA_CANVAS, sliding_window=64, hidden_size=256, intermediate_size=512,
-        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, global_head_dim=64,
-        num_global_key_value_heads=2, layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        num_experts=8, top_k_experts=2, moe_intermediate_size=128,
-    )
-    model, tok = mld.load(str(path))
     cfg = json.loads((path / "config.json").read_text())
-    cfg["vision_config"] = None
+    if not vision:
+        cfg["vision_config"] = None
     layer = cfg["text_config"]["per_layer_config"]["3"]
     cfg["text_config"].update(global_head_dim=layer["head_dim"], num_global_key_value_heads=layer["num_key_value_heads"])
     vlm = ref.Model(ref.ModelConfig.from_dict(cfg))
     vlm.load_weights(list(vlm.sanitize(mx.load(str(path / "model.safetensors"))).items()))
     vlm.config.generation_config = {"stability_threshold": 1, "confidence_threshold": 0.005}
+    return vlm
 
-    class NoText:
-        class detokenizer:
-            last_segment = ""
-            reset = finalize = staticmethod(lambda: None)
-            add_token = staticmethod(lambda token, skip_special_token_ids=None: None)
-        stopping_criteria = staticmethod(lambda token: False)
 
-    def theirs():
-        mx.random.seed(0)
-        tokens, last = [], None
-        for last in stream_diffusion_generate(
-            vlm, NoText, NoText, mx.array([PROMPT]), None, None, max_tokens=GEMMA_GEN, temperature=1.0,
-            skip_special_token_ids=[], max_denoising_steps=48, diffusion_full_canvas=True,
-            diffusion_sampler="entropy-bound",
-        ):
-            if not (last.is_draft or last.diffusion_block_complete or last.finish_reason):
-                tokens.append(last.token)
-        return tokens, last.diffusion_denoising_steps
+class NoText:
+    class detokenizer:
+        last_segment = ""
+        reset = finalize = staticmethod(lambda: None)
+        add_token = staticmethod(lambda token, skip_special_token_ids=None: None)
+    stopping_criteria = staticmethod(lambda token: False)
 
-    ours = lambda: engine(model, tok, max_tokens=GEMMA_GEN, seed=0)  # noqa: E731
+
+def mlx_vlm_decode(vlm, prompt, pixel_values=None, types=None):
+    from mlx_vlm.generate.diffusion import stream_diffusion_generate
+
+    mx.random.seed(0)
+    tokens, last = [], None
+    for last in stream_diffusion_generate(
+        vlm, NoText, NoText, mx.array([prompt]), pixel_values, None, max_tokens=GEMMA_GEN, temperature=1.0,
+        skip_special_token_ids=[], max_denoising_steps=48, diffusion_full_canvas=True,
+        diffusion_sampler="entropy-bound", mm_token_type_ids=types,
+    ):
+        if not (last.is_draft or last.diffusion_block_complete or last.finish_reason):
+            tokens.append(last.token)
+    return tokens, last.diffusion_denoising_steps
+
+
+def gemma_row(name, model, tok, vlm, prompt, vision=None, **fast):
+    pixels, types = (vision.pixel_values, vision.mm_token_type_ids) if vision is not None else (None, None)
+    theirs = lambda: mlx_vlm_decode(vlm, prompt, pixels, types)  # noqa: E731
+    ours = lambda: engine(model, tok, prompt, vision, max_tokens=GEMMA_GEN, seed=0, **fast)  # noqa: E731
     t_ours, t_theirs, (a, fa), (b, fb) = alternate(ours, theirs)
     # after a canvas that runs all its steps, mlx-vlm skips the reference's last draws and
     # the random streams part: "same" compares the first canvas, which both start alike
     same = a[:GEMMA_CANVAS] == b[:GEMMA_CANVAS]
+    return (name, same, GEMMA_GEN, fa, fb, t_ours, t_theirs)
+
+
+def gemma_rows(tmp: Path):
+    path = write_diffusion_gemma(tmp / "gemma", **GEMMA_DIMS)
+    model, tok = mld.load(str(path))
+    vlm = mlx_vlm_gemma(path, vision=False)
     name = f"DiffusionGemma entropy-bound ({GEMMA_GEN // GEMMA_CANVAS} canvases)"
-    return [(name, same, GEMMA_GEN, fa, fb, t_ours, t_theirs)]
+    return [gemma_row(name, model, tok, vlm, PROMPT)]
+
+
+def gemma_image_rows(tmp: Path):
+    path = write_gemma_with_vision(tmp / "gemma_vision", **GEMMA_DIMS)
+    model, processor = mld.load(str(path))
+    vlm = mlx_vlm_gemma(path, vision=True)
+    out = processor(text=["<|image|>Describe the picture in detail."], images=[make_image(40, 24)])
+    prompt = mx.array(out["input_ids"])[0].tolist()
+    vision = VisionInputs(mx.array(out["pixel_values"]), mx.array(out["mm_token_type_ids"]))
+    return [
+        gemma_row("DiffusionGemma + image, exact step", model, processor, vlm, prompt, vision),
+        gemma_row("DiffusionGemma + image, fast self-cond. k=256", model, processor, vlm, prompt, vision,
+                  fast_self_conditioning=True),
+    ]
+
+
+STEP_VOCAB = 65536
+AGREEMENT_SEEDS = 24
+
+
+def cheaper_step_rows(tmp: Path):
+    """Time per denoising step and token agreement, exact against top-k self-conditioning."""
+    path = write_diffusion_gemma(tmp / "gemma_big_vocab", vocab_size=STEP_VOCAB, **GEMMA_DIMS)
+    model, tok = mld.load(str(path))
+    cache = model.make_kv_cache()
+    model.encode(mx.array([PROMPT]), cache)
+    canvas = mx.random.randint(0, STEP_VOCAB, (1, GEMMA_CANVAS))
+    sc = model.decode(canvas, cache) / 0.7
+    mx.eval(sc)
+
+    def step(k):
+        def run():
+            out = None
+            for _ in range(5):
+                out = model.decode(canvas, cache, sc, k)
+                mx.eval(out)
+            return out
+        return run
+
+    rows = []
+    for k in (256, 64):
+        t_exact, t_fast, _, _ = alternate(step(0), step(k))
+        agree = positions = equal = 0
+        for seed in range(AGREEMENT_SEEDS):
+            a, _ = engine(model, tok, max_tokens=GEMMA_CANVAS, seed=seed)
+            b, _ = engine(model, tok, max_tokens=GEMMA_CANVAS, seed=seed, fast_self_conditioning=True,
+                          self_conditioning_k=k)
+            agree += sum(x == y for x, y in zip(a, b))
+            positions += len(a)
+            equal += a == b
+        rows.append((k, t_exact / 5, t_fast / 5, agree / positions, equal))
+    return rows
 
 
 def main():
+    gemma_only = "--gemma-only" in sys.argv[1:]  # DiffusionGemma's rows (text, image, cheaper step)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = nemotron_rows(Path(tmp)) + gemma_rows(Path(tmp))
-    print(f"{'case':42} {'same':>5} {'tokens':>6} {'fwd':>5} {'vlm fwd':>7} {'tok/s':>8} {'vlm tok/s':>9} {'ratio':>6}")
+        rows = [] if gemma_only else nemotron_rows(Path(tmp))
+        rows += gemma_rows(Path(tmp)) + gemma_image_rows(Path(tmp))
+        steps = cheaper_step_rows(Path(tmp))
+    print(f"{'case':46} {'same':>5} {'tokens':>6} {'fwd':>5} {'vlm fwd':>7} {'tok/s':>8} {'vlm tok/s':>9} {'ratio':>6}")
     for name, same, tokens, fa, fb, t_ours, t_theirs in rows:
-        print(f"{name:42} {str(same):>5} {tokens:6d} {fa:5d} {fb:7d} {tokens / t_ours:8.1f} "
+        print(f"{name:46} {str(same):>5} {tokens:6d} {fa:5d} {fb:7d} {tokens / t_ours:8.1f} "
               f"{tokens / t_theirs:9.1f} {t_theirs / t_ours:6.2f}")
+    print()
+    print(f"cheaper step, vocabulary {STEP_VOCAB}, canvas {GEMMA_CANVAS}, {AGREEMENT_SEEDS} seeded decodes")
+    print(f"{'k':>5} {'exact ms/step':>13} {'top-k ms/step':>13} {'speedup':>7} {'tokens agree':>12} {'decodes equal':>13}")
+    for k, t_exact, t_fast, agree, equal in steps:
+        print(f"{k:5d} {t_exact * 1e3:13.2f} {t_fast * 1e3:13.2f} {t_exact / t_fast:7.2f} {agree:12.1%} "
+              f"{equal:>6d}/{AGREEMENT_SEEDS}")
 
 
 if __name__ == "__main__":

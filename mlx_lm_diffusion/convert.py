@@ -8,6 +8,11 @@ mlx_lm.convert's flags, meaning the same (--q-mode, --q-group-size, --quant-pred
 a diffusion model re-reads its whole canvas through the head at every denoising step, and
 uniform 4-bit heads degrade under that repetition (mlx-vlm #1359). `--q-head-bits` equal
 to --q-bits quantizes them like every other layer.
+
+A checkpoint with a vision tower (DiffusionGemma) converts whole: the tower and projector
+are kept and, as mlx-vlm's convert does, never quantized (the family's quant_predicate);
+`vision_config` (which mlx-lm drops for a tower it does not find at `model.vision_tower`)
+and the processor files are carried over.
 """
 
 from __future__ import annotations
@@ -66,8 +71,6 @@ def convert(
     `q_head_bits`: with `quantize`, the embeddings and the output head are kept at
     this many bits (None: like every other layer). A `quant_predicate` recipe name
     (mlx-lm's mixed_*) decides every layer itself."""
-    import mlx_lm.utils as mlx_utils
-    from mlx_lm.convert import convert as mlx_lm_convert
     from mlx_lm.utils import _download, load_config
 
     register()
@@ -79,6 +82,44 @@ def convert(
         raise ValueError("choose either quantize (-q) or dequantize (-d), not both")
     if Path(mlx_path).exists():
         raise ValueError(f"{mlx_path} already exists; choose a new --mlx-path")
+
+    source = Path(_download(hf_path, revision=revision))
+    _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
+             upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
+    keep_vision(source, Path(mlx_path))
+
+
+# the processor's files (mlx-vlm's and transformers' names), copied with a vision tower
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def keep_vision(source: Path, converted: Path) -> None:
+    """Put the source's vision_config back into the converted config when the converted
+    weights hold the vision tower, and copy the processor files."""
+    import json
+    import shutil
+
+    src = json.loads((source / "config.json").read_text())
+    config_path = converted / "config.json"
+    config = json.loads(config_path.read_text())
+    if not src.get("vision_config") or config.get("vision_config"):
+        return
+    index = converted / "model.safetensors.index.json"
+    names = json.loads(index.read_text())["weight_map"] if index.exists() else {}
+    if not any(".vision_tower." in name for name in names):
+        return
+    config["vision_config"] = src["vision_config"]
+    config_path.write_text(json.dumps(config, indent=4))
+    for name in PROCESSOR_FILES:
+        if (source / name).exists() and not (converted / name).exists():
+            shutil.copy(source / name, converted / name)
+
+
+def _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
+             upload_repo, revision, dequantize, trust_remote_code, q_head_bits) -> None:
+    import mlx_lm.utils as mlx_utils
+    from mlx_lm.convert import convert as mlx_lm_convert
 
     if quantize and q_head_bits is not None and quant_predicate is None:
         # mlx-lm builds the model inside convert: choose the heads once it is built

@@ -286,6 +286,14 @@ class Model(DiffusionModel):
             return self.head(hidden)
         return self.decode(canvas, cache, self_conditioning)
 
+    @property
+    def quant_predicate(self):
+        """Quantize the text model; the vision tower and projector stay as they are, as
+        mlx-vlm's convert leaves every multimodal module."""
+        from mlx_vlm.utils import skip_multimodal_module
+
+        return lambda path, module: not skip_multimodal_module(path)
+
     def sanitize(self, weights: dict) -> dict:
         out = {}
         for key, value in _stack_experts(weights).items():

@@ -516,3 +516,32 @@ def test_fast_self_conditioning_is_opt_in(loaded):
     assert base != mld.generate(model, processor, "Hello", fast_self_conditioning=True, self_conditioning_k=1, **kw)
     with pytest.raises(ValueError, match="self_conditioning_k"):
         mld.generate(model, processor, "Hello", self_conditioning_k=0, max_tokens=CANVAS)
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+def test_convert_keeps_the_vision_tower_unquantized_and_the_processor(tmp_path, vision_path, loaded):
+    """As mlx-vlm's convert: the text model quantized, the vision tower and projector as
+    they are; vision_config and the processor files carried over; images still work."""
+    import mlx.nn as nn
+
+    from mlx_lm_diffusion.convert import convert
+
+    out = tmp_path / "q4"
+    convert(str(vision_path), str(out), quantize=True, q_bits=4, q_group_size=32)
+    model, processor = mld.load(str(out))
+    assert images.is_processor(processor)
+    enc = model.model.encoder
+    assert type(enc.vision_tower.patch_embedder.input_proj) is nn.Linear
+    assert type(enc.embed_vision.embedding_projection) is nn.Linear
+    assert isinstance(model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    assert model.model.decoder.embed_tokens.bits == 8  # the head stays at 8 bits
+    full, _ = loaded
+    ids, pixels, types = processed(processor)
+    vision = VisionInputs(mx.array(pixels), mx.array(types))
+    canvas = mx.array([list(range(CANVAS))])
+    a = np.array(model(mx.array(ids), canvas=canvas, vision=vision))
+    b = np.array(full(mx.array(ids), canvas=canvas, vision=vision))
+    assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.9  # quantization noise, the same model
+    assert isinstance(mld.generate(model, processor, "What?", image=[make_image()], max_tokens=CANVAS, seed=0), str)
