@@ -263,6 +263,8 @@ def vision_prompt(processor: Any, text: str, images: list, videos: list,
                   add_special_tokens: bool = True) -> Tuple[List[int], VisionInputs]:
     """The processor's token ids and pixel values for `text` (one placeholder per image,
     added at the start when the text has none) with decoded images and video frames."""
+    if images and videos:  # (their pixel values come in two layouts: one kind a request)
+        raise ImageError("give images or videos in one request, not both")
     if images:
         text = _placeholders(processor, text, len(images), processor.image_token, "image")
     if videos:
@@ -277,7 +279,9 @@ def vision_prompt(processor: Any, text: str, images: list, videos: list,
     ids = [int(t) for t in mx.array(inputs["input_ids"]).reshape(-1).tolist()]
     types = inputs.get("mm_token_type_ids")
     types = None if types is None else mx.array(types).reshape(1, -1)
-    return ids, VisionInputs(inputs["pixel_values"], types, count=len(images) + len(videos))
+    positions = inputs.get("video_position_ids") if videos else None
+    positions = None if positions is None else mx.array(positions)
+    return ids, VisionInputs(inputs["pixel_values"], types, count=len(images) + len(videos), position_ids=positions)
 
 
 def templated(tokenizer: Any, messages: List[dict], **template_kwargs) -> str:

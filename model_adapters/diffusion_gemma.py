@@ -238,7 +238,7 @@ class Model(DiffusionModel):
             raise ValueError("this DiffusionGemma checkpoint has no vision tower; it takes text only")
         a, enc = self.args, self.model.encoder
         where = gemma_vision.vision_token_mask(inputs, (a.image_token_id, a.video_token_id), vision.mm_token_type_ids)
-        features = enc.embed_vision(enc.vision_tower(vision.pixel_values))
+        features = enc.embed_vision(enc.vision_tower(vision.pixel_values, vision.position_ids))
         h = gemma_vision.scatter_features(h, where, features)
         if a.text_config.get("use_bidirectional_attention") == "vision":
             masks = gemma_vision.encoder_masks(where, offset, a.text.sliding_window)

@@ -45,7 +45,9 @@ class VisionInputs:
 
     pixel_values: Any
     mm_token_type_ids: Optional[mx.array] = None
-    count: int = 0  # images and video frames, for messages
+    count: int = 0  # images and videos, for messages
+    # videos: the processor gives frames as patches, with their (x, y) positions
+    position_ids: Optional[mx.array] = None
 
 
 def vision_token_mask(inputs: mx.array, token_ids: Sequence[Optional[int]],

@@ -545,3 +545,46 @@ def test_convert_keeps_the_vision_tower_unquantized_and_the_processor(tmp_path, 
     b = np.array(full(mx.array(ids), canvas=canvas, vision=vision))
     assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.9  # quantization noise, the same model
     assert isinstance(mld.generate(model, processor, "What?", image=[make_image()], max_tokens=CANVAS, seed=0), str)
+
+
+# ---------------------------------------------------------------------------- video
+
+
+@pytest.fixture(scope="module")
+def video_file(tmp_path_factory):
+    cv2 = pytest.importorskip("cv2")
+    path = tmp_path_factory.mktemp("video") / "v.mp4"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), 4, (32, 24))
+    for i in range(8):
+        frame = np.zeros((24, 32, 3), np.uint8)
+        frame[:, :, 0] = i * 30
+        frame[5:10, i * 3:i * 3 + 6] = 255
+        writer.write(frame)
+    writer.release()
+    return path
+
+
+def test_video_frames_go_through_the_vision_tower(loaded, vision_path, video_file):
+    """mlx-vlm's processor takes video (frames as patches with their positions); there is
+    no reference decode (transformers' DiffusionGemma takes no video, and mlx-vlm 0.7.10's
+    own DiffusionGemma drops the frame positions), so: the frames' features fill exactly
+    the video tokens, the video changes the answer, and --video reaches it."""
+    model, processor = loaded
+    tokens, vision = images.request_inputs(model, processor, "What happens?", {"video": [str(video_file)]})[1:]
+    assert vision.position_ids is not None and vision.mm_token_type_ids is not None
+    enc = model.model.encoder
+    features = enc.embed_vision(enc.vision_tower(vision.pixel_values, vision.position_ids))
+    from checkpoints_gemma_images import VIDEO_ID
+
+    assert features.shape[-2] == tokens.count(VIDEO_ID) > 0
+    kw = dict(max_tokens=CANVAS, seed=0)
+    with_video = mld.generate(model, processor, "What happens?", video=[str(video_file)], **kw)
+    assert with_video != mld.generate(model, processor, "What happens?", **kw)
+    r = run_cli("--model", str(vision_path), "--prompt", "What happens?", "--video", str(video_file),
+                "--max-tokens", str(CANVAS), "--seed", "0", "--verbose", "False", "--ignore-chat-template")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == with_video + "\n"
+    with pytest.raises(ValueError, match="not both"):
+        mld.generate(model, processor, "x", image=[make_image()], video=[str(video_file)], **kw)
+    with pytest.raises(ValueError, match="no video at"):
+        mld.generate(model, processor, "x", video=["/nonexistent.mp4"], **kw)
