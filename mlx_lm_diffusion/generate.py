@@ -20,7 +20,7 @@ import argparse
 import importlib
 import json
 import sys
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper

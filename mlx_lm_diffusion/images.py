@@ -298,6 +298,8 @@ def request_inputs(model: Any, tokenizer: Any, prompt: Any, kwargs: dict) -> Tup
     wrapped = text_tokenizer(tokenizer)
     messages = isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)
     media = image is not None or video is not None or (messages and has_media(prompt))
+    if vision is not None and not getattr(model, "has_vision", False):
+        raise ImageError("this model takes no images (no vision tower)")
     if not media:
         if messages:
             prompt = wrapped.apply_chat_template(list(prompt), add_generation_prompt=True)

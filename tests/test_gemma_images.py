@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
