@@ -173,6 +173,7 @@ def load_processor(model_path: Path, config: dict) -> Any:
         return None
     if not any((model_path / name).exists() for name in ("processor_config.json", "preprocessor_config.json")):
         return None
+    # (mlx-vlm is the `vision` extra; the model has a vision tower only when it is installed)
     import mlx_vlm.models.diffusion_gemma  # noqa: F401  (registers the processor with AutoProcessor)
     from mlx_vlm.utils import load_processor as mlx_vlm_load_processor
 

@@ -22,10 +22,18 @@ import mlx.nn as nn
 
 
 def vision_config(config: Optional[dict]) -> Any:
-    """mlx-vlm's Gemma 4 VisionConfig of a checkpoint's `vision_config`, or None."""
+    """mlx-vlm's Gemma 4 VisionConfig of a checkpoint's `vision_config`, or None. Without
+    mlx-vlm (the `vision` extra) the checkpoint loads text only, as before images."""
     if not config:
         return None
-    from mlx_vlm.models.gemma4.config import VisionConfig
+    try:
+        from mlx_vlm.models.gemma4.config import VisionConfig
+    except ImportError:
+        import warnings
+
+        warnings.warn("mlx-vlm is not installed (pip install 'mlx-lm-diffusion[vision]'): "
+                      "DiffusionGemma loads without its vision tower, text only", stacklevel=2)
+        return None
 
     return VisionConfig.from_dict(dict(config))
 

@@ -587,3 +587,14 @@ def test_video_frames_go_through_the_vision_tower(loaded, vision_path, video_fil
         mld.generate(model, processor, "x", image=[make_image()], video=[str(video_file)], **kw)
     with pytest.raises(ValueError, match="no video at"):
         mld.generate(model, processor, "x", video=["/nonexistent.mp4"], **kw)
+
+
+def test_without_mlx_vlm_the_checkpoint_loads_text_only(vision_path, monkeypatch):
+    """mlx-vlm is the `vision` extra: without it DiffusionGemma loads as before, text only."""
+    from model_adapters.diffusion_gemma import ModelArgs
+
+    monkeypatch.setitem(sys.modules, "mlx_vlm.models.gemma4.config", None)  # (import fails)
+    cfg = json.loads((vision_path / "config.json").read_text())
+    with pytest.warns(UserWarning, match="vision"):
+        args = ModelArgs.from_dict(cfg)
+    assert args.vision is None
