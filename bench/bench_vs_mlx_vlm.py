@@ -15,7 +15,7 @@ self-conditioning) exact against top-k, and the token agreement of whole seeded 
 with the exact path (positions equal, decodes equal) over many seeds.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_vs_mlx_vlm.py [--gemma-only]
+        python bench/bench_vs_mlx_vlm.py [--gemma-only] [--quick]
 """
 
 from __future__ import annotations
@@ -55,12 +55,15 @@ def engine(model, tok, prompt=PROMPT, vision=None, **options):
     return last.canvas[0, len(prompt):len(prompt) + n].tolist(), last.forwards
 
 
-def alternate(ours, theirs, runs=3):
+RUNS = 1 if "--quick" in sys.argv[1:] else 3  # --quick: one timed run each, fewer seeds
+
+
+def alternate(ours, theirs, runs=None):
     """Warm both up, then time them in turn `runs` times (the machine is noisy); returns the
     best seconds of each and their last results."""
     ours(), theirs()
     t_ours = t_theirs = float("inf")
-    for _ in range(runs):
+    for _ in range(runs or RUNS):
         tic = time.perf_counter()
         a = ours()
         t_ours = min(t_ours, time.perf_counter() - tic)
@@ -173,7 +176,7 @@ def gemma_image_rows(tmp: Path):
 
 
 STEP_VOCAB = 65536
-AGREEMENT_SEEDS = 24
+AGREEMENT_SEEDS = 6 if "--quick" in sys.argv[1:] else 24
 
 
 def cheaper_step_rows(tmp: Path):
@@ -196,7 +199,7 @@ def cheaper_step_rows(tmp: Path):
         return run
 
     rows = []
-    for k in (256, 64):
+    for k in (256,) if "--quick" in sys.argv[1:] else (256, 64):
         t_exact, t_fast, _, _ = alternate(step(0), step(k))
         agree = positions = equal = 0
         for seed in range(AGREEMENT_SEEDS):
@@ -211,21 +214,29 @@ def cheaper_step_rows(tmp: Path):
 
 
 def main():
-    gemma_only = "--gemma-only" in sys.argv[1:]  # DiffusionGemma's rows (text, image, cheaper step)
+    """Each table row is printed as soon as it is measured. --gemma-only: DiffusionGemma's
+    rows (image, cheaper step; with the text row unless --quick)."""
+    argv = sys.argv[1:]
+    print(f"{'case':46} {'same':>5} {'tokens':>6} {'fwd':>5} {'vlm fwd':>7} {'tok/s':>8} {'vlm tok/s':>9} {'ratio':>6}",
+          flush=True)
+
+    def show(rows):
+        for name, same, tokens, fa, fb, t_ours, t_theirs in rows:
+            print(f"{name:46} {str(same):>5} {tokens:6d} {fa:5d} {fb:7d} {tokens / t_ours:8.1f} "
+                  f"{tokens / t_theirs:9.1f} {t_theirs / t_ours:6.2f}", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [] if gemma_only else nemotron_rows(Path(tmp))
-        rows += gemma_rows(Path(tmp)) + gemma_image_rows(Path(tmp))
-        steps = cheaper_step_rows(Path(tmp))
-    print(f"{'case':46} {'same':>5} {'tokens':>6} {'fwd':>5} {'vlm fwd':>7} {'tok/s':>8} {'vlm tok/s':>9} {'ratio':>6}")
-    for name, same, tokens, fa, fb, t_ours, t_theirs in rows:
-        print(f"{name:46} {str(same):>5} {tokens:6d} {fa:5d} {fb:7d} {tokens / t_ours:8.1f} "
-              f"{tokens / t_theirs:9.1f} {t_theirs / t_ours:6.2f}")
-    print()
-    print(f"cheaper step, vocabulary {STEP_VOCAB}, canvas {GEMMA_CANVAS}, {AGREEMENT_SEEDS} seeded decodes")
-    print(f"{'k':>5} {'exact ms/step':>13} {'top-k ms/step':>13} {'speedup':>7} {'tokens agree':>12} {'decodes equal':>13}")
-    for k, t_exact, t_fast, agree, equal in steps:
-        print(f"{k:5d} {t_exact * 1e3:13.2f} {t_fast * 1e3:13.2f} {t_exact / t_fast:7.2f} {agree:12.1%} "
-              f"{equal:>6d}/{AGREEMENT_SEEDS}")
+        if "--gemma-only" not in argv:
+            show(nemotron_rows(Path(tmp)))
+        if "--quick" not in argv:
+            show(gemma_rows(Path(tmp)))
+        show(gemma_image_rows(Path(tmp)))
+        print(f"\ncheaper step, vocabulary {STEP_VOCAB}, canvas {GEMMA_CANVAS}, {AGREEMENT_SEEDS} seeded decodes")
+        print(f"{'k':>5} {'exact ms/step':>13} {'top-k ms/step':>13} {'speedup':>7} {'tokens agree':>12} "
+              f"{'decodes equal':>13}", flush=True)
+        for k, t_exact, t_fast, agree, equal in cheaper_step_rows(Path(tmp)):
+            print(f"{k:5d} {t_exact * 1e3:13.2f} {t_fast * 1e3:13.2f} {t_exact / t_fast:7.2f} {agree:12.1%} "
+                  f"{equal:>6d}/{AGREEMENT_SEEDS}", flush=True)
 
 
 if __name__ == "__main__":
