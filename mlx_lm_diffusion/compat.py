@@ -32,7 +32,7 @@ from model_adapters import adapter_for
 from .engine import Step
 from .generation import DiffusionResponse, check_prompt, encode_prompt
 from .generation import stream_generate as diffusion_stream_generate
-from .options import DecodeOptions, add_arguments, check_fields, named_options, resolve
+from .options import DecodeOptions, add_arguments, check_fields, check_forward_budget, named_options, resolve
 from .prompt_cache import TokenCache, make_prompt_cache
 from .request_options import current_request_options, request_options
 
@@ -103,14 +103,17 @@ def fit_max_tokens(model: nn.Module, tokenizer: Any, prompt_len: int, max_tokens
     return room if max_tokens == -1 else min(max_tokens, room)
 
 
-def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_tokens: int, options: dict) -> int:
+def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_tokens: int, options: dict,
+                  max_forwards: Optional[int] = None) -> int:
     """Everything `stream_generate` would reject about a decode, checked up front (the
-    server answers it with a 400 before streaming). Returns the fitted max_tokens."""
+    server answers it with a 400 before streaming), and a decode that could take more
+    than `max_forwards` forwards. Returns the fitted max_tokens."""
     ids = list(prompt)
     max_tokens = fit_max_tokens(model, tokenizer, len(ids), max_tokens)
     adapter = adapter_for(model, tokenizer)
     fields = {k: v for k, v in options.items() if k in named_options()}
-    resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
+    resolved = resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
+    check_forward_budget(resolved, adapter, len(ids), max_forwards)
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
     return max_tokens
 

@@ -104,6 +104,9 @@ DEFAULT_MAX_BODY_BYTES = 10 * 1000 * 1000
 DEFAULT_READ_TIMEOUT = 30.0
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_SHUTDOWN_GRACE = 30.0
+# Forwards a request may cost at most (--max-forwards): above any reference decode of a
+# few thousand tokens, below what would hold the model for hours ("steps": 10**5).
+DEFAULT_MAX_FORWARDS = 16384
 LISTEN_BACKLOG = 128
 MAX_JSON_DEPTH = 64
 LOG_EXCERPT = 200  # characters of a request body a log line may quote
@@ -310,7 +313,17 @@ class DiffusionResponseGenerator(ResponseGenerator):
             model, tokenizer = self.model_provider.model, self.model_provider.tokenizer
             if model is None:
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
-            return run_request(model, tokenizer, body)
+            return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
+                               on_step=lambda step: self._check_cancel(cancel))
+
+    @property
+    def max_forwards(self) -> Optional[int]:
+        return getattr(self.cli_args, "max_forwards", DEFAULT_MAX_FORWARDS)
+
+    @staticmethod
+    def _check_cancel(cancel: Optional[threading.Event]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled()
 
     # -- handler thread
 
@@ -378,7 +391,8 @@ class DiffusionResponseGenerator(ResponseGenerator):
         model = self.model_provider.model
         if is_diffusion_model(model):
             try:
-                compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request))
+                compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request),
+                                     max_forwards=self.max_forwards)
             except (ValueError, TypeError) as e:
                 raise RequestError(str(e)) from e
         return result
@@ -1367,6 +1381,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
     group.add_argument("--allow-client-chat-templates", action="store_true",
                        help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
+    group.add_argument("--max-forwards", type=int, default=DEFAULT_MAX_FORWARDS,
+                       help="Model forwards a request may take at most, from its settings (steps x blocks, "
+                            f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})")
     group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
                             "(default 30)")
@@ -1419,6 +1436,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _fail("--read-timeout must be positive")
     if args.max_connections < 1:
         _fail("--max-connections must be at least 1")
+    if args.max_forwards < 1:
+        _fail("--max-forwards must be at least 1")
     if not args.shutdown_grace >= 0:
         _fail("--shutdown-grace must be >= 0")
     return args
