@@ -450,6 +450,9 @@ class DiffusionResponseGenerator(ResponseGenerator):
 # ----------------------------------------------------------------------------- handler
 
 
+NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
+
+
 class _Answered(BaseException):
     """The error was answered already (passes mlx_lm.server's `except Exception`)."""
 
@@ -728,37 +731,38 @@ class DiffusionAPIHandler(APIHandler):
     # -- bodies
 
     def _read_body(self) -> Any:
-        """The request's JSON body, or None once an error has been answered."""
+        """The request's JSON body (any JSON value, null included), or NO_BODY once an
+        error has been answered."""
         self.close_connection = True
         limit = getattr(self.response_generator.cli_args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
         if self.headers.get("Transfer-Encoding") is not None:
             self._send_error(411, "a Content-Length is required (chunked bodies are not accepted)")
-            return None
+            return NO_BODY
         lengths = self.headers.get_all("Content-Length") or []
         if not lengths:
             self._send_error(411, "a Content-Length header is required")
-            return None
+            return NO_BODY
         text = lengths[0].strip()
         if len(set(v.strip() for v in lengths)) > 1 or not (text.isascii() and text.isdigit()):
             self._send_error(400, f"invalid Content-Length header {excerpt(text.encode(), 40)}")
-            return None
+            return NO_BODY
         length = int(text)
         if length > limit:
             self._send_error(413, f"the body ({length} bytes) is over this server's limit of "
                              f"{limit} bytes (--max-body-bytes)")
             self._drain_after_error()
-            return None
+            return NO_BODY
         raw = self.rfile.read(length)
         self._disarm()
         if len(raw) < length:  # the client left, or --read-timeout closed it, within its body
             logging.info(f"{self.address_string()}: closed within its body ({len(raw)} of {length} bytes)")
-            return None
+            return NO_BODY
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             logging.warning(f"body is not UTF-8: {excerpt(raw)}")
             self._send_error(400, f"the body is not UTF-8: {e}")
-            return None
+            return NO_BODY
         try:
             body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
         except RecursionError:
@@ -772,7 +776,7 @@ class DiffusionAPIHandler(APIHandler):
         if problem is not None:
             logging.warning(f"{problem}; body: {excerpt(raw)}")
             self._send_error(400, problem)
-            return None
+            return NO_BODY
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             logging.debug(f"Incoming Request Body: {excerpt(json.dumps(body).encode(), 2000)}")
         return body
@@ -800,7 +804,7 @@ class DiffusionAPIHandler(APIHandler):
             self.close_connection = True
             return self._send_error(404, f"no such endpoint: POST {self.path[:200]}")
         body = self._read_body()
-        if body is None:
+        if body is NO_BODY:
             return
         if self.path == PROTOCOL_PATH:
             return self.handle_protocol(body)

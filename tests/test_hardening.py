@@ -168,9 +168,11 @@ GOOD = json.dumps({"messages": USER, "max_tokens": 4}).encode()
         (request_bytes(b'{"messages": [], "temperature": NaN}'), 400),
         (request_bytes(b'{"messages": [], "temperature": 1e400}'), 400),
         (request_bytes(b'"a string"'), 400),
+        (request_bytes(b"null"), 400),  # (once answered with a closed connection: found by the fuzz test)
+        (request_bytes(b"null", path="/v1/diffusion/generate"), 400),
     ],
     ids=["no-length", "chunked", "negative", "non-numeric", "float", "two-lengths", "1e12", "over-10MB",
-         "non-utf8", "deep-1e5", "deep-70", "NaN", "1e400", "not-an-object"],
+         "non-utf8", "deep-1e5", "deep-70", "NaN", "1e400", "not-an-object", "null", "null-protocol"],
 )
 def test_malformed_bodies_get_a_clean_4xx(port, client, reference, data, status):
     got, headers, body = exchange(port, data)
