@@ -32,6 +32,7 @@ from model_adapters import adapter_for
 from .engine import Step
 from .generation import DiffusionResponse, check_prompt, encode_prompt
 from .generation import stream_generate as diffusion_stream_generate
+from .kv_reuse import PromptReuse
 from .options import DecodeOptions, add_arguments, check_fields, named_options, resolve
 from .prompt_cache import TokenCache, make_prompt_cache
 from .request_options import current_request_options, request_options
@@ -161,6 +162,11 @@ def _stream(
     options: dict,
 ) -> Iterator[DiffusionResponse]:
     user_callback = options.pop("draft_callback", None)
+    # (the server's: told how many prompt positions came from the cache's KV)
+    report_cached = options.pop("cached_tokens_callback", None)
+    # The KV of the cache's leading tokens (exact-KV families), and the decode's, left in
+    # the cache for the next call under "prompt + tokens yielded".
+    reuse = PromptReuse(caches[0].kv if caches else None)
 
     def on_step(step: Step) -> None:
         if progress is not None and step.forwards == 1:
@@ -170,11 +176,16 @@ def _stream(
 
     for cache in caches:  # the decode reads the whole prompt, as a prefill fills a KV cache
         cache.add(ids[cache.offset :])
+        cache.hold_kv(reuse.export)
     if progress is not None:
         progress(0, new_tokens)
+    first = True
     for response in diffusion_stream_generate(
-        model, tokenizer, ids, max_tokens, draft_callback=on_step, **options
+        model, tokenizer, ids, max_tokens, draft_callback=on_step, prompt_kv=reuse, **options
     ):
+        if first and report_cached is not None:
+            report_cached(reuse.reused)
+        first = False
         for cache in caches:
             cache.add([response.token])
         yield response
