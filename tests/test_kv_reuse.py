@@ -13,10 +13,14 @@ and give the cold request's tokens; LLaDA reports 0.
 from __future__ import annotations
 
 import copy
+import http.client
+import json
 
 import mlx.core as mx
 import numpy as np
+import openai
 import pytest
+from mlx_lm.models.cache import LRUPromptCache
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.engine import Engine
@@ -29,6 +33,7 @@ from model_adapters.prefix_kv import CAUSAL, PrefixKV, block_causal
 from checkpoints_ar import write_causal
 from checkpoints_block import write_llada2, write_sdar
 from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
+from serving import TIMEOUT, running_server
 
 EXACT = ["sdar", "llada2", "nemotron", "gemma", "ar"]
 # per family: decoding options (seeded: DiffusionGemma samples) and the first prompt's length
@@ -43,12 +48,17 @@ FIRST_LEN = {"sdar": 10, "llada2": 45, "nemotron": 13, "gemma": 13, "ar": 9}
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory):
+def sdar_path(tmp_path_factory):
+    return write_sdar(tmp_path_factory.mktemp("kv_reuse_sdar"))
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory, sdar_path):
     root = tmp_path_factory.mktemp("kv_reuse")
     import mlx_lm
 
     return {
-        "sdar": mld.load(str(write_sdar(root / "sdar"))),
+        "sdar": mld.load(str(sdar_path)),
         "llada2": mld.load(str(write_llada2(root / "llada2"))),
         "nemotron": mld.load(str(write_nemotron(root / "nemotron"))),
         "gemma": mld.load(str(write_diffusion_gemma(root / "gemma"))),
@@ -235,3 +245,139 @@ def test_stream_generate_reuses_the_prompt_cache(families):
     cold = [r.token for r in mld.stream_generate(model, tok, ids + first + more, max_tokens=8)]
     assert second == cold
     assert reports[1] > 0 and reports[1] % 4 == 0 and reports[1] >= len(ids) // 4 * 4
+
+
+def test_lru_prompt_cache_bounds_the_kv_bytes(families):
+    """mlx-lm's LRUPromptCache counts a TokenCache's KV in its bytes and evicts past
+    max_bytes; a fetch trims the KV with the tokens (to whole blocks)."""
+    history, prefix = first_turn(families, "sdar")
+    entry = TokenCache(history)
+    entry.hold_kv(prefix.trimmed)
+    lru = LRUPromptCache(max_size=10, max_bytes=entry.nbytes + 100)
+    lru.insert_cache("m", list(history), [entry])
+    assert lru.nbytes == entry.nbytes > prefix.nbytes
+    cache, rest = lru.fetch_nearest_cache("m", history[:9] + [1, 2, 3])
+    assert rest == [1, 2, 3] and cache[0].kv.length == 8  # a cache trimmed to 9 tokens: 2 blocks of 4
+    other = TokenCache(history[::-1])
+    other.hold_kv(prefix.trimmed)
+    lru.insert_cache("m", history[::-1], [other])  # over the bound: the older entry goes
+    assert len(lru) == 1 and lru.fetch_nearest_cache("m", history)[0] is None
+
+
+# ----------------------------------------------------------------------------- server
+
+MAX_TOKENS = 12
+SYSTEM = {"role": "system", "content": "You are a terse assistant who answers in one line."}
+
+
+@pytest.fixture(scope="module", params=["sdar", "llada"])
+def served(request, sdar_path, llada_path):
+    """(family, port, response generator) of an in-process server."""
+    path = {"sdar": sdar_path, "llada": llada_path}[request.param]
+    argv = ["--model", str(path), "--port", "0", "--max-tokens", str(MAX_TOKENS), "--prompt-cache-bytes", "64MB"]
+    with running_server(argv) as (httpd, generator):
+        yield request.param, httpd.server_address[1], generator
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{served[1]}/v1", api_key="unused", max_retries=0,
+                         timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def pair(served, request):
+    """(model, tokenizer) of the served family, loaded in this process for cold decodes."""
+    if served[0] == "llada":
+        return request.getfixturevalue("llada")
+    return request.getfixturevalue("families")["sdar"]
+
+
+def cold_text(pair, ids, max_tokens=MAX_TOKENS):
+    """What mlx_lm.server sends for a fresh decode of `ids` (it drops the EOS step's text)."""
+    responses = list(mld.stream_generate(pair[0], pair[1], ids, max_tokens=max_tokens))
+    keep = responses[:-1] if responses[-1].finish_reason == "stop" else responses
+    return "".join(r.text for r in keep)
+
+
+def stats(port):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    try:
+        conn.request("GET", "/v1/stats")
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def exact_kv(family):
+    return family == "sdar"
+
+
+def test_second_chat_turn_reuses_the_first(served, client, pair):
+    family = served[0]
+    turn = [SYSTEM, {"role": "user", "content": "Name a colour."}]
+    first = client.chat.completions.create(model="default_model", messages=turn)
+    first_ids = pair[1].apply_chat_template(turn, add_generation_prompt=True)
+    messages = turn + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another?"},
+    ]
+    ids = pair[1].apply_chat_template(messages, add_generation_prompt=True)
+    second = client.chat.completions.create(model="default_model", messages=messages)
+    assert second.choices[0].message.content == cold_text(pair, ids)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert second.usage.prompt_tokens == len(ids)
+    if exact_kv(family):  # at least the first prompt's whole blocks (SDAR: blocks of 4)
+        assert len(first_ids) // 4 * 4 <= cached < len(ids) and cached % 4 == 0
+    else:  # LLaDA's KV depends on the canvas: nothing is reused
+        assert cached == 0
+    # streamed, with usage: the same text and count (the cache now holds this turn too)
+    chunks = list(client.chat.completions.create(
+        model="default_model", messages=messages, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == second.choices[0].message.content
+    again = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    # mlx-lm's LRU leaves one prompt token to read; the KV is kept in whole blocks of 4
+    assert again == ((len(ids) - 1) // 4 * 4 if exact_kv(family) else 0)
+
+
+def test_shared_system_prompt_is_reused(served, client, pair):
+    family = served[0]
+    system = {"role": "system", "content": "Shared instructions: " + "be brief and exact. " * 6}
+    client.chat.completions.create(model="default_model", messages=[system, {"role": "user", "content": "One"}])
+    messages = [system, {"role": "user", "content": "Two"}]
+    r = client.chat.completions.create(model="default_model", messages=messages)
+    ids = pair[1].apply_chat_template(messages, add_generation_prompt=True)
+    assert r.choices[0].message.content == cold_text(pair, ids)
+    head = len(pair[1].apply_chat_template([system], add_generation_prompt=False))
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= head // 4 * 4 if exact_kv(family) else cached == 0
+
+
+def test_text_completion_reuses_its_prefix(served, client, pair):
+    family = served[0]
+    prompt = "A long shared opening line of text, "
+    client.completions.create(model="default_model", prompt=prompt + "then one.", max_tokens=6)
+    r = client.completions.create(model="default_model", prompt=prompt + "then two.", max_tokens=6)
+    assert r.choices[0].text == cold_text(pair, pair[1].encode(prompt + "then two."), max_tokens=6)
+    streamed = list(client.completions.create(model="default_model", prompt=prompt + "then two.", max_tokens=6,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
+    for cached in (r.usage.prompt_tokens_details.cached_tokens,
+                   streamed[-1].usage.prompt_tokens_details.cached_tokens):
+        assert cached >= len(pair[1].encode(prompt)) // 4 * 4 if exact_kv(family) else cached == 0
+
+
+def test_stats_report_the_prompt_cache(served, client):
+    family, port, generator = served
+    client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Stats?"}])
+    status, body = stats(port)
+    assert status == 200 and body["object"] == "stats"
+    assert body["running"] == 0 and body["queued"] == 0  # nothing in flight between requests
+    cache = body["prompt_cache"]
+    assert cache["entries"] == len(generator.prompt_cache) >= 1
+    assert cache["bytes"] == generator.prompt_cache.nbytes > 0
+    assert cache["tokens"] > 0
+    assert (cache["kv_tokens"] > 0) if exact_kv(family) else cache["kv_tokens"] == 0
+    assert generator.prompt_cache.max_bytes == 64 * 1000 * 1000  # --prompt-cache-bytes 64MB
