@@ -9,7 +9,8 @@ whenever they like (stop strings, disconnects) and keep the cache under
 * `TokenCache`: LLaDA and Dream attend bidirectionally over the whole canvas, so no
   key/value state survives a decode. What a cache can honestly hold across calls is
   the token sequence it stands for; the next decode re-reads it as the start of its
-  prompt. It is trimmable (mlx-lm's LRU prompt cache trims to shared prefixes) and
+  prompt. For the exact-KV families it also holds the KV of its leading tokens, which
+  the next decode starts from (kv_reuse). It is trimmable (mlx-lm's LRU prompt cache trims to shared prefixes) and
   has no `merge`, so mlx-lm's server serves these models one request at a time
   instead of batching them as causal models.
 * `stream_generate`: mlx-lm's signature around `mlx_lm_diffusion.stream_generate`;

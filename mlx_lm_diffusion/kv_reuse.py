@@ -23,7 +23,9 @@ option keeps KV within one decode only). Their prompt caches hold tokens only an
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
+
+import numpy as np
 
 from model_adapters.prefix_kv import PrefixKV
 
@@ -54,13 +56,21 @@ class PromptReuse:
         self.reused = n
         return reuse
 
-    def export(self, length: int) -> Optional[PrefixKV]:
-        """The KV of at most the first `length` positions the decode leaves, as its adapter
-        vouches for them (None before the decode started, or for a family that reuses nothing)."""
+    def export(self, tokens: Sequence[int]) -> Optional[PrefixKV]:
+        """The KV the decode leaves for the leading positions of `tokens` (what the prompt
+        cache stands for: prompt + tokens yielded), as its adapter vouches for them, cut
+        where the canvas differs from `tokens` (a token edited after it was yielded, or a
+        prompt token an editing rule revised); None before the decode started, or for a
+        family that reuses nothing."""
         state = getattr(self._engine, "state", None)
         if self._adapter is None or state is None:
             return None
-        return self._adapter.export_prefix(state, length)
+        prefix = self._adapter.export_prefix(state, len(tokens))
+        if prefix is None:
+            return None
+        canvas = np.array(self._engine.canvas.tokens[0, : prefix.length])
+        differs = np.flatnonzero(canvas != np.asarray(tokens[: prefix.length]))
+        return prefix if not differs.size else prefix.trimmed(int(differs[0]))
 
 
 def cache_occupancy(prompt_cache: Any) -> dict:

@@ -33,7 +33,7 @@ class TokenCache(_BaseCache):
         # The keys and values of the leading tokens, for the families where they are exact
         # (mlx_lm_diffusion.kv_reuse): never longer than `tokens`, trimmed with them.
         self._kv: Optional[PrefixKV] = None
-        self._kv_source: Optional[Callable[[int], Optional[PrefixKV]]] = None
+        self._kv_source: Optional[Callable[[List[int]], Optional[PrefixKV]]] = None
 
     @property
     def kv(self) -> Optional[PrefixKV]:
@@ -41,12 +41,13 @@ class TokenCache(_BaseCache):
         the cache (`hold_kv`), the first read takes the decode's KV for the tokens so far."""
         if self._kv_source is not None:
             source, self._kv_source = self._kv_source, None
-            self._kv = source(len(self.tokens))
+            kv = source(list(self.tokens))
+            self._kv = kv if kv is None or kv.length <= len(self.tokens) else kv.trimmed(len(self.tokens))
         return self._kv
 
-    def hold_kv(self, source: Callable[[int], Optional[PrefixKV]]) -> None:
-        """Let a running decode provide the KV (`source(length)`: its KV of at most the
-        first `length` tokens), read when the cache is next used, trimmed or copied."""
+    def hold_kv(self, source: Callable[[List[int]], Optional[PrefixKV]]) -> None:
+        """Let a running decode provide the KV (`source(tokens)`: its KV of the leading
+        positions of these tokens), read when the cache is next used, trimmed or copied."""
         self._kv, self._kv_source = None, source
 
     def __deepcopy__(self, memo) -> "TokenCache":

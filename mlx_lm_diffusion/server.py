@@ -44,7 +44,11 @@ What a client may do is bounded (mlx_lm.server leaves these open):
   when --model cannot be loaded or a flag cannot apply to a diffusion model.
 
 Diffusion models are served one request at a time (their prompt cache, a
-`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them).
+`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them). For the
+families whose prompt KV is exact that cache also holds the KV of its leading tokens, so a
+request sharing a prefix with an earlier one prefills only the rest; usage's
+`prompt_tokens_details.cached_tokens` counts the positions reused, and GET /v1/stats
+reports running and queued requests and the prompt cache's occupancy (kv_reuse).
 """
 
 from __future__ import annotations

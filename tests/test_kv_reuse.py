@@ -115,7 +115,7 @@ def first_turn(families, family):
     ids = [int(t) for t in np.random.default_rng(7).integers(0, 250, FIRST_LEN[family])]
     tokens, _, _, reuse = decode(pair, ids, **OPTIONS[family])
     history = ids + tokens
-    return history, reuse.export(len(history))
+    return history, reuse.export(history)
 
 
 def check_exact(pair, ids, prefix, options):
@@ -154,7 +154,7 @@ def test_trimmed_prefix_is_exact(families, family):
     block = prefix.block
     shared = prefix.length - block // 2 - 1  # inside the last cached block (off its boundary)
     cache = TokenCache(history)
-    cache.hold_kv(lambda n: prefix.trimmed(n))
+    cache.hold_kv(lambda tokens: prefix.trimmed(len(tokens)))
     cache.trim(len(history) - shared)  # what LRUPromptCache.fetch_nearest_cache does
     assert cache.tokens == history[:shared]
     trimmed = cache.kv
@@ -166,6 +166,19 @@ def test_trimmed_prefix_is_exact(families, family):
     shorter = history[: shared - 2]  # a prompt that is a prefix of the cached tokens
     reused = check_exact(pair, shorter, prefix, options)
     assert reused == ((shared - 2) // block * block if block > 1 else shared - 3)
+
+
+def test_export_stops_where_the_canvas_differs_from_the_cached_tokens(families):
+    """The KV left for a prompt cache covers only positions where the canvas holds the
+    cache's tokens (a token revised after it was yielded would otherwise carry stale KV)."""
+    pair = families["sdar"]
+    ids = [int(t) for t in np.random.default_rng(7).integers(0, 250, FIRST_LEN["sdar"])]
+    tokens, _, _, reuse = decode(pair, ids, **OPTIONS["sdar"])
+    history = ids + tokens
+    assert reuse.export(history).length >= 8
+    changed = history[:6] + [(history[6] + 1) % 250] + history[7:]
+    assert reuse.export(changed).length == 4  # the block holding position 6 is not kept
+    assert reuse.export([(history[0] + 1) % 250] + history[1:]) is None
 
 
 def test_the_cached_prefix_is_never_written(families):
@@ -190,7 +203,7 @@ def test_a_prefix_of_another_layout_is_not_reused(families):
     n_history, n_prefix = first_turn(families, "nemotron")
     options = dict(OPTIONS["nemotron"], causal_context=False)
     tokens, forwards, _, reuse = decode(families["nemotron"], n_history + [1], n_prefix, **options)
-    assert reuse.reused == 0 and reuse.export(len(n_history)) is None
+    assert reuse.reused == 0 and reuse.export(n_history) is None
     assert (tokens, forwards) == decode(families["nemotron"], n_history + [1], **options)[:2]
 
 
@@ -204,7 +217,7 @@ def test_bidirectional_families_reuse_nothing(request, name, cache):
     options = dict(max_tokens=8, block_length=8, steps=8, cache=cache)
     fake = PrefixKV((mx.zeros((1, 2, 8, 16)),), (mx.zeros((1, 2, 8, 16)),), CAUSAL)
     tokens, forwards, _, reuse = decode(pair, ids, fake, **options)
-    assert reuse.reused == 0 and reuse.export(len(ids) + len(tokens)) is None
+    assert reuse.reused == 0 and reuse.export(ids + tokens) is None
     assert (tokens, forwards) == decode(pair, ids, **options)[:2]
 
 
@@ -214,7 +227,7 @@ def test_token_cache_keeps_kv_within_its_tokens(families):
     history, prefix = first_turn(families, "sdar")
     calls = []
     cache = TokenCache(history)
-    cache.hold_kv(lambda n: calls.append(n) or prefix.trimmed(n))
+    cache.hold_kv(lambda tokens: calls.append(len(tokens)) or prefix.trimmed(len(tokens)))
     assert cache.nbytes == 4 * len(history) + prefix.trimmed(len(history)).nbytes
     assert calls == [len(history)] and cache.kv is cache.kv and len(calls) == 1
     clone = copy.deepcopy(cache)
@@ -252,14 +265,14 @@ def test_lru_prompt_cache_bounds_the_kv_bytes(families):
     max_bytes; a fetch trims the KV with the tokens (to whole blocks)."""
     history, prefix = first_turn(families, "sdar")
     entry = TokenCache(history)
-    entry.hold_kv(prefix.trimmed)
+    entry.hold_kv(lambda tokens: prefix.trimmed(len(tokens)))
     lru = LRUPromptCache(max_size=10, max_bytes=entry.nbytes + 100)
     lru.insert_cache("m", list(history), [entry])
     assert lru.nbytes == entry.nbytes > prefix.nbytes
     cache, rest = lru.fetch_nearest_cache("m", history[:9] + [1, 2, 3])
     assert rest == [1, 2, 3] and cache[0].kv.length == 8  # a cache trimmed to 9 tokens: 2 blocks of 4
     other = TokenCache(history[::-1])
-    other.hold_kv(prefix.trimmed)
+    other.hold_kv(lambda tokens: prefix.trimmed(len(tokens)))
     lru.insert_cache("m", history[::-1], [other])  # over the bound: the older entry goes
     assert len(lru) == 1 and lru.fetch_nearest_cache("m", history)[0] is None
 
