@@ -277,6 +277,22 @@ def test_lru_prompt_cache_bounds_the_kv_bytes(families):
     assert len(lru) == 1 and lru.fetch_nearest_cache("m", history)[0] is None
 
 
+def test_cache_occupancy_counts_entries_bytes_and_tokens(families):
+    """kv_reuse.cache_occupancy reads mlx-lm's LRUPromptCache (its LRU order and trie: this
+    pins the names it relies on)."""
+    from mlx_lm_diffusion.kv_reuse import cache_occupancy
+
+    history, prefix = first_turn(families, "sdar")
+    lru = LRUPromptCache()
+    assert cache_occupancy(lru) == {"entries": 0, "bytes": 0, "tokens": 0, "kv_tokens": 0}
+    with_kv = TokenCache(history)
+    with_kv.hold_kv(lambda tokens: prefix.trimmed(len(tokens)))
+    lru.insert_cache("m", list(history), [with_kv])
+    lru.insert_cache("m", [1, 2, 3], [TokenCache([1, 2, 3])])
+    assert cache_occupancy(lru) == {"entries": 2, "bytes": with_kv.nbytes + 12, "tokens": len(history) + 3,
+                                    "kv_tokens": prefix.length}
+
+
 # ----------------------------------------------------------------------------- server
 
 MAX_TOKENS = 12
