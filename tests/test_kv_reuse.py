@@ -401,6 +401,8 @@ def test_text_completion_reuses_its_prefix(served, client, pair):
 def test_stats_report_the_prompt_cache(served, client):
     family, port, generator = served
     client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "Stats?"}])
+    with generator.decode_lock:  # the generation thread stores the cache after the response ends
+        pass
     status, body = stats(port)
     assert status == 200 and body["object"] == "stats"
     assert body["running"] == 0 and body["queued"] == 0  # nothing in flight between requests
