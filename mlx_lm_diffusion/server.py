@@ -44,7 +44,11 @@ What a client may do is bounded (mlx_lm.server leaves these open):
   when --model cannot be loaded or a flag cannot apply to a diffusion model.
 
 Diffusion models are served one request at a time (their prompt cache, a
-`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them).
+`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them). For the
+families whose prompt KV is exact that cache also holds the KV of its leading tokens, so a
+request sharing a prefix with an earlier one prefills only the rest; usage's
+`prompt_tokens_details.cached_tokens` counts the positions reused, and GET /v1/stats
+reports running and queued requests and the prompt cache's occupancy (kv_reuse).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ from . import compat
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
+from .kv_reuse import CachedTokensTap, cache_occupancy
 from .protocol import run_request
 
 PROG = "mlx_lm_diffusion.server"
@@ -97,6 +102,7 @@ DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's res
 # The decoding fields are the options schema's named options, looked up per request (a
 # family registered after this import adds its own): compat.DECODE_FIELDS.
 PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
+STATS_PATH = "/v1/stats"  # running decodes, queued requests, prompt cache occupancy
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 _RULE_FIELDS = ("strategy", "threshold")
 
@@ -416,6 +422,10 @@ class DiffusionResponseGenerator(ResponseGenerator):
         options = self._options(req)
         check = self._canceller(req)
         if is_diffusion_model(self.model_provider.model):
+            # usage's cached_tokens: the prompt positions whose KV the decode reused
+            tap = CachedTokensTap(rqueue)
+            request = (tap, *request[1:])
+            options["cached_tokens_callback"] = tap.report
             drafts = self._draft_sender(rqueue) if getattr(req, "drafts", False) else None
 
             def on_step(step: Step) -> None:
@@ -431,6 +441,16 @@ class DiffusionResponseGenerator(ResponseGenerator):
                 rqueue.put(e)
                 return
             super()._serve_single(request, stream)
+
+    def stats(self) -> dict:
+        """GET /v1/stats: decodes running and requests waiting (served one at a time: 0 or 1
+        running) and the prompt cache's occupancy (kv_reuse.cache_occupancy)."""
+        return {
+            "object": "stats",
+            "running": int(self.decode_lock.locked()),
+            "queued": self.requests.qsize(),
+            "prompt_cache": cache_occupancy(self.prompt_cache),
+        }
 
     def _draft_sender(self, rqueue) -> Callable[[Step], None]:
         tokenizer = self.model_provider.tokenizer
@@ -724,6 +744,8 @@ class DiffusionAPIHandler(APIHandler):
         self._request = None
         if not self._gate():
             return
+        if self.path == STATS_PATH:
+            return self._send_json(200, self.response_generator.stats())
         if not (self.path.startswith("/v1/models") or self.path == "/health"):
             return self._send_error(404, f"no such endpoint: GET {self.path[:200]}")
         super().do_GET()
@@ -1278,7 +1300,9 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
         raise StartupError(f"cannot load --model {model!r}: no such directory")
     install()
     provider = ModelProvider(args)
-    prompt_cache = LRUPromptCache(args.prompt_cache_size)
+    # mlx_lm.server bounds the bytes only when it batches; here always (the KV it holds)
+    max_bytes = args.prompt_cache_bytes if getattr(args, "prompt_cache_bytes", None) is not None else 1 << 63
+    prompt_cache = LRUPromptCache(args.prompt_cache_size, max_bytes)
     generator = DiffusionResponseGenerator(provider, prompt_cache, compat.decode_defaults(args))
     try:
         generator.wait_loaded()
