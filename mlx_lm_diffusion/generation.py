@@ -15,6 +15,7 @@ from model_adapters import adapter_for
 
 from . import images
 from .engine import Engine, Step
+from .kv_reuse import PromptReuse
 from .options import DecodeOptions, resolve
 
 
@@ -60,6 +61,7 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
     draft_callback: Optional[Callable[[Step], None]] = None,
+    prompt_kv: Optional[PromptReuse] = None,
     **kwargs,
 ) -> Iterator[DiffusionResponse]:
     """Yield one response per final token, strictly left to right (mlx-lm's contract).
@@ -70,6 +72,8 @@ def stream_generate(
     Images (mlx-vlm's convention, DiffusionGemma): pass the processor `load` returned
     as `tokenizer` and `image=[paths or PIL images]` (`video=[paths]`); `prompt` may
     also be chat messages with image content parts (mlx_lm_diffusion.images).
+    `prompt_kv` (mlx_lm_diffusion.kv_reuse.PromptReuse): the KV of the prompt's leading
+    tokens from an earlier decode, reused where the family's KV is exact.
     """
     tokenizer, prompt, vision = images.request_inputs(model, tokenizer, prompt, kwargs)
     ids = encode_prompt(tokenizer, prompt)
@@ -84,7 +88,9 @@ def stream_generate(
 
     tic = time.perf_counter()
     prompt_tps, emitted = 0.0, 0
-    for step in engine.run(mx.array([ids])):
+    prompt = mx.array([ids])
+    reuse = prompt_kv.plan(adapter, engine, prompt) if prompt_kv is not None else None
+    for step in engine.run(prompt, reuse=reuse):
         if step.forwards == 1:
             prompt_time = time.perf_counter() - tic
             prompt_tps = P / max(prompt_time, 1e-9)

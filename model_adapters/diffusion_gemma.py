@@ -31,6 +31,7 @@ from . import gemma_vision
 from .base import Adapter as _BaseAdapter
 from .base import DiffusionModel, FamilyDefaults, _stop_ids
 from .option import Option
+from .prefix_kv import CAUSAL, PrefixKV, usable
 
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -363,6 +364,7 @@ class _State:
     self_conditioning: Optional[mx.array] = None  # the previous step's scaled logits
     canvas: Optional[int] = None  # start of the canvas being denoised
     pending: Optional[tuple] = None  # a finished canvas not yet encoded
+    vision: bool = False  # the prompt carried images: its KV is not kept for another prompt
 
 
 class Adapter(_BaseAdapter):
@@ -403,10 +405,28 @@ class Adapter(_BaseAdapter):
         family = options.family
         self.top_k = family["self_conditioning_k"] if family.get("fast_self_conditioning") else 0
 
-    def start(self, prompt: mx.array) -> _State:
-        state = _State(self.model.make_kv_cache())
-        self.model.encode(prompt, state.cache, self.vision)
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
+        if self.vision is not None:  # image tokens' KV depend on the pixels, not on the ids
+            reuse = None
+        state = _State(reuse.caches() if reuse is not None else self.model.make_kv_cache(),
+                       vision=self.vision is not None)
+        self.model.encode(prompt[:, state.cache[0].offset :], state.cache, self.vision)
         return state
+
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+        """The encoder is causal (its sliding layers keep every position; the mask windows
+        them): the same leading tokens have the same KV in any prompt. At least the last
+        prompt token is encoded again, so every decode runs the encoder."""
+        if self.vision is not None:
+            return 0
+        return usable(prefix, CAUSAL, prompt.shape[0], prompt.shape[1] - 1)
+
+    def export_prefix(self, state: _State, length: int) -> Optional[PrefixKV]:
+        """The encoder's cache: the prompt and each finished canvas, encoded causally once
+        final (the decoder reads the cache without storing)."""
+        if state is None or state.vision:  # (another prompt with the same ids has other images)
+            return None
+        return PrefixKV.of(state.cache, min(length, state.cache[0].offset), CAUSAL)
 
     def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
         if state.pending is not None:  # encode the previous canvas first (the reference's order)
