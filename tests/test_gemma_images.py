@@ -598,3 +598,19 @@ def test_without_mlx_vlm_the_checkpoint_loads_text_only(vision_path, monkeypatch
     with pytest.warns(UserWarning, match="vision"):
         args = ModelArgs.from_dict(cfg)
     assert args.vision is None
+
+
+def test_a_prompt_with_images_neither_reuses_nor_keeps_encoder_kv(loaded):
+    """Prompt KV reuse matches token ids; image tokens' KV depend on the pixels, so a
+    prompt with images reuses nothing and leaves nothing for another prompt."""
+    model, processor = loaded
+    ids, pixels, types = processed(processor)
+    adapter = adapter_for(model, processor)
+    text_state = adapter.start(mx.array(ids))
+    kept = adapter.export_prefix(text_state, ids.shape[1])
+    assert kept is not None  # text: the causal encoder's KV is kept
+    adapter.vision = VisionInputs(mx.array(pixels), mx.array(types))
+    assert adapter.reuse_length(kept, mx.array(ids)) == 0
+    state = adapter.start(mx.array(ids), reuse=kept)
+    assert state.cache[0].offset == ids.shape[1]  # encoded whole, with the image
+    assert adapter.export_prefix(state, ids.shape[1]) is None
