@@ -410,7 +410,11 @@ class Adapter(_BaseAdapter):
             reuse = None
         state = _State(reuse.caches() if reuse is not None else self.model.make_kv_cache(),
                        vision=self.vision is not None)
-        self.model.encode(prompt[:, state.cache[0].offset :], state.cache, self.vision)
+        rest = prompt[:, state.cache[0].offset :]
+        if self.vision is None:
+            self.model.encode(rest, state.cache)
+        else:
+            self.model.encode(rest, state.cache, self.vision)
         return state
 
     def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
