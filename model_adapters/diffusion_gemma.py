@@ -441,7 +441,9 @@ class Adapter(_BaseAdapter):
             raise RuntimeError(f"cache holds {state.cache[0].offset} positions, canvas starts at {start}")
         if state.canvas != start:  # a new canvas starts without self-conditioning
             state.canvas, state.self_conditioning = start, None
-        return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k)
+        if self.top_k:  # the cheaper step (opt-in); the exact one calls decode as before
+            return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k)
+        return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning)
 
     def condition(self, state: _State, logits: mx.array) -> None:
         """The logits the engine decided from (temperature-scaled): next step's self-conditioning."""
