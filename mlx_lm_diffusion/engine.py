@@ -88,13 +88,15 @@ class Engine:
         self.pipeline = pipeline  # False: read every step back before building the next
         adapter.configure(options)  # the family's own switches (its options)
 
-    def run(self, prompt: mx.array) -> Iterator[Step]:
+    def run(self, prompt: mx.array, seed: Optional[np.ndarray] = None) -> Iterator[Step]:
+        """`seed` (B, W), optional: the canvas after the prompt with pinned tokens (FREE
+        where the decoder fills in; see Canvas), built by mlx_lm_diffusion.infill."""
         if prompt.ndim != 2 or prompt.shape[1] < 1:
             raise ValueError("prompt must be a (B, P) array of token ids with P >= 1")
         B, P = prompt.shape
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
-        canvas = Canvas(prompt, self.decoder.canvas_length(P), self.decoder.fill)
+        canvas = Canvas(prompt, self.decoder.canvas_length(P), self.decoder.fill, seed)
         state = self.adapter.start(prompt)
         queued = self._blocks(state, canvas)
         land = lambda q: self._land(canvas, q)  # noqa: E731
@@ -107,8 +109,7 @@ class Engine:
 
     def _blocks(self, state, canvas: Canvas) -> Iterator[Queued]:
         a, o = self.adapter, self.options
-        N = canvas.host.shape[1] - canvas.prompt_len
-        for start, end in block_ranges(canvas.prompt_len, N, o.block_length, align=a.align_blocks):
+        for start, end in block_ranges(canvas.prompt_len, canvas.generated, o.block_length, align=a.align_blocks):
             if canvas.done.all():
                 break
             yield from self.decoder.decode_block(state, canvas, start, end)
@@ -131,7 +132,7 @@ class Engine:
         max_tokens. Final tokens never change, so each call scans only the tokens after
         the last call's final prefix."""
         P, a = canvas.prompt_len, self.adapter
-        N = min(host.shape[1] - P, self.options.max_tokens)  # (a canvas may run past it)
+        N = min(canvas.generated, self.options.max_tokens)  # (a canvas may run past it)
         limit = min(horizon - P, N)
         final, done = canvas.final.copy(), canvas.done.copy()
         for b in range(len(done)):

@@ -14,6 +14,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from model_adapters import adapter_for
 
 from .engine import Engine, Step
+from .infill import encode_suffix, suffix_seed
 from .options import DecodeOptions, resolve
 
 
@@ -59,19 +60,24 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
     draft_callback: Optional[Callable[[Step], None]] = None,
+    suffix: Optional[Union[str, Sequence[int]]] = None,
     **kwargs,
 ) -> Iterator[DiffusionResponse]:
     """Yield one response per final token, strictly left to right (mlx-lm's contract).
 
-    Options (keyword): sampler, logits_processors, block_length, steps, threshold,
-    strategy, factor, entropy_bound, alg_temp, seed; `None` takes the family default.
-    `draft_callback(step)` receives the whole draft canvas after every forward.
+    Options (keyword): sampler, logits_processors, allowed_tokens, block_length, steps,
+    threshold, strategy, factor, entropy_bound, alg_temp, seed; `None` takes the family
+    default. `draft_callback(step)` receives the whole draft canvas after every forward.
+    `suffix` (text or ids): infill the span between the prompt and it, at most
+    max_tokens long (mlx_lm_diffusion.infill); the responses are the middle only.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
-    adapter, options = _engine(model, tokenizer, len(ids), max_tokens, kwargs)
+    suffix_ids = encode_suffix(tokenizer, suffix) or []
+    adapter, options = _engine(model, tokenizer, len(ids) + len(suffix_ids), max_tokens, kwargs)
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
+    seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
     engine = Engine(adapter, options)
     P = len(ids)
     detokenizer = tokenizer.detokenizer
@@ -79,7 +85,7 @@ def stream_generate(
 
     tic = time.perf_counter()
     prompt_tps, emitted = 0.0, 0
-    for step in engine.run(mx.array([ids])):
+    for step in engine.run(mx.array([ids]), seed):
         if step.forwards == 1:
             prompt_time = time.perf_counter() - tic
             prompt_tps = P / max(prompt_time, 1e-9)

@@ -54,7 +54,10 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("top_p", float, "Nucleus sampling with temperature_schedule", default=1.0, low=0.0, high=1.0,
            low_open=True, named=False),
     Option("sampler", object, "mlx-lm sampler over log-probs; greedy if None", named=False),
-    Option("logits_processors", tuple, "mlx-lm logits processors", default=(), named=False),
+    Option("logits_processors", tuple, "mlx-lm logits processors, fed the committed tokens left to right "
+           "(mlx_lm_diffusion.constraints)", default=(), named=False),
+    Option("allowed_tokens", tuple, "Only these token ids may be generated (EOS always may)", item=int,
+           low=0),
     Option("seed", int, "PRNG seed", low=0, high=2**64 - 1, named=False),  # (mx.random.seed's range)
 )
 
@@ -127,6 +130,7 @@ class ResolvedOptions:
     logits_processors: tuple
     seed: Optional[int]
     family: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    allowed_tokens: Optional[tuple] = None  # None: every id may be generated
 
 
 def check_fields(fields: Mapping[str, Any]) -> dict:
@@ -187,6 +191,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         logits_processors=tuple(get("logits_processors") or ()),
         seed=get("seed"),
         family=MappingProxyType(family),
+        allowed_tokens=get("allowed_tokens"),
     )
 
 

@@ -206,6 +206,9 @@ class Adapter:
     # The family's own decoding options (model_adapters.option.Option), with their
     # defaults; the resolved values reach `configure` and the decoder as `options.family`.
     options: ClassVar[tuple] = ()
+    # Why text after the current block cannot condition it (infill with a suffix is then
+    # refused, mlx_lm_diffusion.infill); None: the attention sees the whole canvas.
+    suffix_refusal: ClassVar[Optional[str]] = None
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model

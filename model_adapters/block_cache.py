@@ -85,6 +85,7 @@ class BlockCausalAdapter(_BaseAdapter):
     `defaults` and `attention_block` (the block size the model was trained with)."""
 
     align_blocks = True
+    suffix_refusal = "its attention is block-causal: a block attends only to the blocks before it"
     attention_block: int
 
     def __init__(self, model: Any, tokenizer: Any = None, use_cache: bool = True):

@@ -14,12 +14,15 @@ from checkpoints import EOS_ID, MASK_ID, VOCAB
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
 
-def boost_eos_at(offset_in_block):
-    """A logits processor that makes one block position certainly EOS."""
+def boost_eos_at(generated, prompt_len=len(PROMPT)):
+    """An mlx-lm logits processor (tokens so far, (1, V) logits of the next position)
+    that makes the generated token at index `generated` certainly EOS."""
 
     def processor(tokens, logits):
+        if len(tokens) != prompt_len + generated:
+            return logits
         bias = mx.zeros(logits.shape)
-        bias[offset_in_block, EOS_ID] = 1e4
+        bias[:, EOS_ID] = 1e4
         return logits + bias
 
     return processor

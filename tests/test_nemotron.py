@@ -270,10 +270,10 @@ def test_stream_contract(nemotron, options):
 def test_eos_stops_early(nemotron):
     model, tok = nemotron
 
-    def eos_at_three(tokens, logits):
+    def eos_at_three(tokens, logits):  # (mlx-lm's call: the tokens so far, the next position's logits)
         bias = mx.zeros(logits.shape)
-        if logits.shape[0] == 8:  # a denoising forward over a block (the seed has one row)
-            bias[3, EOS_ID] = 1e4
+        if len(tokens) == len(PROMPTS[0]) + 3:
+            bias[:, EOS_ID] = 1e4
         return logits + bias
 
     responses = list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=32, block_length=8,

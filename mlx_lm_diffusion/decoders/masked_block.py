@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_arsenal.diffusion import edit_transfer
 from mlx_lm.sample_utils import apply_top_p
 
 from ..commit_rules import StepInputs
+from ..constraints import LeftToRight
 from .base import (
     BlockState,
     Canvas,
@@ -45,6 +47,14 @@ class MaskedBlockDecoder(Decoder):
         if adapter.suppress_ids:
             self.suppress = mx.zeros((adapter.vocab_size,), mx.float32)
             self.suppress[mx.array(sorted(adapter.suppress_ids))] = -mx.inf
+        # mlx-lm logits processors: fed the committed prefix in order (constraints.py)
+        self.ordered = None
+        if options.logits_processors:
+            if self.editing:
+                raise ValueError("logits_processors cannot be combined with editing_threshold: an edit "
+                                 "would revise a token the processors were already fed")
+            greedy = options.sampler is None and options.temperature_schedule is None
+            self.ordered = LeftToRight(options.logits_processors, adapter.eos_ids, greedy)
 
     def canvas_length(self, prompt_len: int) -> int:
         a, o = self.adapter, self.options
@@ -71,6 +81,8 @@ class MaskedBlockDecoder(Decoder):
         # A bound no rule may exceed: the rule's own, plus at most max_post_steps + 1
         # editing passes once the block is full.
         limit = rule.step_bound(o.steps, end - start) + (o.max_post_steps + 1) * self.editing
+        if self.ordered is not None:  # (processors: at least one commit per step and row)
+            limit = max(limit, end - start)
         while True:
             if canvas.done.any():  # rows that finished commit nothing more
                 b.masked = b.masked * ~canvas.done
@@ -105,8 +117,10 @@ class MaskedBlockDecoder(Decoder):
     def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool) -> bool:
         """One forward and its commits; returns whether a committed token was edited."""
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
-        x0, prob, logprobs = self._predict(state, canvas, b)
+        x0, prob, logprobs, logits = self._predict(state, canvas, b)
         committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked) if has_mask else 0
+        if self.ordered is not None and has_mask:
+            committed = None  # the processors decide how far the commits go
         takes_all = has_mask and committed is not None and (committed == b.masked).all()
         edited = False
         if takes_all and b.step == 0 and b.first_open.all() and not self.editing:
@@ -125,9 +139,16 @@ class MaskedBlockDecoder(Decoder):
                 inputs = StepInputs(x0, prob, normalized_entropy(logprobs), logprobs, candidates, b.step,
                                     o.steps, b.masked)
                 commit = rule.select(inputs, b.rule_state)
+            if self.ordered is not None and has_mask:
+                commit, x0, logprobs = self.ordered.verify(canvas, b.start, commit, x0, logits, logprobs,
+                                                           self._correction(b), mask_id)
+                prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
             if self.editing:
                 block = canvas.tokens[:, b.start : b.end]
                 editable = (block != mask_id) & canvas.live_rows()
+                unpinned = canvas.unpinned(b.start, b.end)
+                if unpinned is not None:  # a pinned token is never edited
+                    editable = editable & unpinned
                 edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
                 commit = commit | edit
                 edited = bool(mx.any(edit).item())
@@ -145,10 +166,13 @@ class MaskedBlockDecoder(Decoder):
         logits = self.adapter.block_seed(state, canvas.tokens, b.start)
         if logits is None:
             return
-        logprobs = log_softmax(self._suppressed(self.process(canvas, logits[:, None], b.start)))
-        x0, prob = self._propose(logprobs)
         start = b.start
         open_row = canvas.live_rows()[:, 0] & (canvas.tokens[:, start] == self.adapter.mask_id)
+        logits = self._suppressed(self.process(logits[:, None]))
+        if self.ordered is not None:  # the seed commits `start`: the processors are fed it
+            logits = self.ordered.seed(canvas, logits, start, np.array(open_row))
+        logprobs = log_softmax(logits)
+        x0, prob = self._propose(logprobs)
         seeded = mx.where(open_row, x0[:, 0], canvas.tokens[:, start])[:, None]
         canvas.write(seeded, start)
         b.confidence[:, 0] = mx.where(open_row, prob[:, 0], b.confidence[:, 0])
@@ -160,12 +184,23 @@ class MaskedBlockDecoder(Decoder):
     def _predict(self, state: Any, canvas: Canvas, b: BlockState):
         logits = self.adapter.predict(state, canvas.tokens, b.start, b.end)
         canvas.forwards += 1
-        logprobs = log_softmax(self._suppressed(self.process(canvas, logits, None)))
+        logits = self._suppressed(self.process(logits))
+        logprobs = log_softmax(logits)
+        temperature = self._temperature(b)
+        if temperature is not None:
+            return (*self._propose_tempered(logprobs, temperature), logprobs, logits)
+        return (*self._propose(logprobs), logprobs, logits)
+
+    def _temperature(self, b: BlockState) -> Optional[float]:
         temperatures = self.options.temperature_schedule
-        if temperatures is not None:
-            temperature = temperatures[min(b.step, len(temperatures) - 1)]
-            return (*self._propose_tempered(logprobs, temperature), logprobs)
-        return (*self._propose(logprobs), logprobs)
+        return None if temperatures is None else temperatures[min(b.step, len(temperatures) - 1)]
+
+    def _correction(self, b: BlockState):
+        """A token from processed log-probs (1, 1, V), proposed as this step proposes."""
+        temperature = self._temperature(b)
+        if temperature is not None:
+            return lambda logprobs: self._propose_tempered(logprobs, temperature)[0]
+        return lambda logprobs: self._propose(logprobs)[0]
 
     def _apply(self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob, logprobs) -> None:
         """Write the committed proposals into the canvas (commit None: the whole block)."""
