@@ -33,6 +33,7 @@ from .engine import Step
 from .generation import DiffusionResponse, check_prompt, encode_prompt
 from .generation import stream_generate as diffusion_stream_generate
 from .options import DecodeOptions, add_arguments, check_fields, named_options, resolve
+from . import request_constraints
 from .prompt_cache import TokenCache, make_prompt_cache
 from .request_options import current_request_options, request_options
 
@@ -112,6 +113,7 @@ def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_t
     fields = {k: v for k, v in options.items() if k in named_options()}
     resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
+    request_constraints.check(adapter, tokenizer, len(ids), max_tokens, options, check_decode_fields(fields))
     return max_tokens
 
 
@@ -142,6 +144,7 @@ def stream_generate(
     caches = _token_caches(kwargs.pop("prompt_cache", None))
     progress = kwargs.pop("prompt_progress_callback", None)
     options = {**current_request_options(), **kwargs}
+    options = request_constraints.apply(options, model, tokenizer)  # (a fresh grammar per decode)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     new = encode_prompt(tokenizer, prompt)

@@ -19,6 +19,7 @@ import mlx.core as mx
 from model_adapters import FAMILIES, Adapter, family_options
 from model_adapters.option import Option
 
+from .constraints import allowed_bias
 from .commit_rules import RULES, THRESHOLD_RULES, CommitRule, make_rule
 from .decoders import decoder_class
 from .schedules import GAMMAS, ScheduleQuota
@@ -168,6 +169,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
             values[name] = (own.get(name) or schema()[name]).check(value)
     decoder = decoder_class(adapter)
     decoder.check_options(values, adapter)
+    allowed_bias(values.get("allowed_tokens"), adapter)  # (refuses ids outside the vocabulary, the mask id)
     family = {name: values.get(name, o.default) for name, o in own.items()}
     adapter.check_options(family, values)
     get = lambda name: values.get(name, schema()[name].default)  # noqa: E731

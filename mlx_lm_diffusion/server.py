@@ -86,7 +86,7 @@ from mlx_lm.utils import _parse_size
 
 from model_adapters import adapter_for, is_diffusion_model
 
-from . import compat
+from . import compat, request_constraints
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
@@ -202,6 +202,7 @@ class DiffusionRequest(CompletionRequest):
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
     """The decoding fields and the `drafts` flag of a JSON body, checked (ValueError)."""
     options = compat.check_decode_fields({k: body[k] for k in compat.DECODE_FIELDS if k in body})
+    options.update(request_constraints.parse_fields(body))  # suffix, response_format
     drafts = body.get("drafts", False)
     if drafts is None:
         drafts = False

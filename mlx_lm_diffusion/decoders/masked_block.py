@@ -50,11 +50,15 @@ class MaskedBlockDecoder(Decoder):
         # mlx-lm logits processors: fed the committed prefix in order (constraints.py)
         self.ordered = None
         if options.logits_processors:
-            if self.editing:
-                raise ValueError("logits_processors cannot be combined with editing_threshold: an edit "
-                                 "would revise a token the processors were already fed")
             greedy = options.sampler is None and options.temperature_schedule is None
             self.ordered = LeftToRight(options.logits_processors, adapter.eos_ids, greedy)
+
+    @classmethod
+    def check_options(cls, values: dict, adapter: Any) -> None:
+        editing = values.get("editing_threshold", adapter.defaults.editing_threshold)
+        if values.get("logits_processors") and editing is not None:
+            raise ValueError("logits_processors cannot be combined with editing (editing_threshold): an "
+                             "edit would revise a token the processors were already fed")
 
     def canvas_length(self, prompt_len: int) -> int:
         a, o = self.adapter, self.options
