@@ -102,6 +102,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     verbose_flag(p)
     p.add_argument("--show-canvas", action="store_true",
                    help="Show the canvas being unmasked (on stderr); the answer is printed once final")
+    p.add_argument("--suffix", default=None,
+                   help="Infill: the text after the generated span (prompt, at most --max-tokens "
+                        "generated tokens, then this); the families that cannot attend to it refuse it")
     return add_decode_arguments(p)  # --block-length, --steps, --strategy, --threshold, ...
 
 
@@ -182,6 +185,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for eos_token in args.extra_eos_token:
             tokenizer.add_eos_token(eos_token)
         ids = _build_prompt(tokenizer, args)
+        if args.suffix is not None:
+            options["suffix"] = args.suffix.replace("\\n", "\n").replace("\\t", "\t")
         sampler = make_cli_sampler(args, tokenizer)
         if not args.show_canvas:
             text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
