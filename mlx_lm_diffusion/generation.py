@@ -152,12 +152,14 @@ def generate_batch(
     tokenizer: Any,
     prompts: Sequence[Union[str, Sequence[int], mx.array]],
     max_tokens: int = 256,
+    suffix: Optional[Union[str, Sequence[int]]] = None,
     **kwargs,
 ) -> tuple[List[List[int]], int]:
     """Decode prompts of equal token length together; returns (tokens per row, forwards).
 
     Each prompt is a string (encoded as `stream_generate` encodes it) or a list of
-    token ids. Each row stops at its own EOS (excluded from its tokens)."""
+    token ids. Each row stops at its own EOS (excluded from its tokens). `suffix`: every
+    row infills before it (as `stream_generate`)."""
     if isinstance(prompts, mx.array) and prompts.ndim == 2:  # (rows, length) token ids
         prompts = prompts.tolist()
     if isinstance(prompts, (str, mx.array)) or (
@@ -175,11 +177,13 @@ def generate_batch(
             f"generate_batch needs prompts of equal token length, got lengths {lengths}: "
             "group the prompts by length, or call stream_generate for each"
         )
-    adapter, options = _engine(model, tokenizer, len(prompts[0]), max_tokens, kwargs)
+    suffix_ids = encode_suffix(tokenizer, suffix) or []
+    adapter, options = _engine(model, tokenizer, len(prompts[0]) + len(suffix_ids), max_tokens, kwargs)
     for p in prompts:
         check_prompt(list(p), adapter.mask_id, adapter.vocab_size)
+    seed = suffix_seed(adapter, options, suffix_ids, len(prompts)) if suffix_ids else None
     last = None
-    for last in Engine(adapter, options, keep_logprobs=False).run(mx.array(prompts)):
+    for last in Engine(adapter, options, keep_logprobs=False).run(mx.array(prompts), seed):
         pass
     P = len(prompts[0])
     rows = []

@@ -38,6 +38,15 @@ def parse_fields(body: dict) -> dict:
     return out
 
 
+def refuse_unserved(options: dict) -> None:
+    """A model served by mlx-lm's own decode (not a diffusion model) would ignore these
+    fields: refuse them rather than answer without the suffix or the format."""
+    for name in REQUEST_FIELDS:
+        if options.get(name) is not None:
+            raise ValueError(f"{name} is served for diffusion models only; this server's model decodes "
+                             "with mlx-lm's own loop, which would ignore it")
+
+
 def check(adapter: Any, tokenizer: Any, prompt_len: int, max_tokens: int, options: dict, fields: dict) -> None:
     """Refuse what `apply` and the infill would refuse (ValueError): a suffix the family
     cannot attend to or fit, a response_format that does not compile or cannot be served."""
@@ -64,4 +73,4 @@ def apply(options: dict, model: Any, tokenizer: Any) -> dict:
     return options
 
 
-__all__ = ["REQUEST_FIELDS", "parse_fields", "check", "apply"]
+__all__ = ["REQUEST_FIELDS", "parse_fields", "refuse_unserved", "check", "apply"]

@@ -382,6 +382,11 @@ class DiffusionResponseGenerator(ResponseGenerator):
                 compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request))
             except (ValueError, TypeError) as e:
                 raise RequestError(str(e)) from e
+        else:  # mlx-lm's own decode would ignore them
+            try:
+                request_constraints.refuse_unserved(self._options(request))
+            except ValueError as e:
+                raise RequestError(str(e)) from e
         return result
 
     @staticmethod

@@ -191,3 +191,16 @@ def test_diffusion_gemma_suffix_must_share_the_canvas(gemma):
     model, tok = gemma  # canvases of 16
     with pytest.raises(ValueError, match="must fit one canvas"):
         list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=14, suffix=[40, 41, 42]))
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_generate_batch_infills_each_row_as_alone(family, request):
+    from mlx_lm_diffusion.generation import generate_batch
+
+    model, tok = request.getfixturevalue(family)
+    prompts, suffix = [[72, 101, 108, 108], [5, 17, 99, 200]], SUFFIXES[0]
+    rows, _ = generate_batch(model, tok, prompts, max_tokens=12, block_length=4, threshold=0.5, suffix=suffix)
+    for prompt, row in zip(prompts, rows):
+        alone = [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=12, block_length=4,
+                                                      threshold=0.5, suffix=suffix)]
+        assert row == [t for t in alone if t not in adapter_for(model, tok).eos_ids]

@@ -102,3 +102,23 @@ def test_missing_grammar_library_is_a_400(client, monkeypatch):
         client.chat.completions.create(model="default_model", messages=USER, max_tokens=8,
                                        response_format={"type": "json_object"})
     assert "mlx-lm-diffusion[constraints]" in e.value.body["message"]
+
+
+def test_an_autoregressive_model_refuses_the_fields(tmp_path):
+    """A plain mlx-lm model is decoded by mlx-lm's own loop, which would ignore them."""
+    import huggingface_hub.constants as hf_constants
+
+    from checkpoints_ar import write_causal
+
+    path = write_causal(tmp_path / "qwen3", "qwen3")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        with running_server(["--model", str(path), "--port", "0", "--max-tokens", "4"]) as (httpd, _):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
+                                   max_retries=0, timeout=TIMEOUT)
+            for fields in ({"suffix": " end"}, {"response_format": {"type": "json_object"}}):
+                with pytest.raises(openai.BadRequestError) as e:
+                    client.completions.create(model="default_model", prompt="Hello", max_tokens=4, extra_body=fields)
+                assert "diffusion models only" in e.value.body["message"]
+            assert client.completions.create(model="default_model", prompt="Hello", max_tokens=4).choices
