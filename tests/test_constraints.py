@@ -191,3 +191,44 @@ def test_response_formats():
             "schema": "{not json"}}):
         with pytest.raises(ValueError):
             response_format_processor(None, VOCAB, bad)
+
+
+def _outlines_json_processor(model, tok, schema, monkeypatch):
+    """outlines' own JSON-schema processor for an mlx-lm model, as its users build it. Only
+    its Metal kernel (MLX on Apple GPUs) is swapped for the same bitmask applied with MLX
+    ops, so it runs on any MLX backend; its token state (one advance per call) is outlines'."""
+    import numpy as np
+    import outlines
+    import outlines_core.kernels.mlx as kernels
+    from outlines.backends.outlines_core import OutlinesCoreBackend
+
+    def apply_token_bitmask(logits, mask):
+        bits = np.unpackbits(np.ascontiguousarray(mask).view(np.uint8), bitorder="little")
+        allowed = bits.reshape(mask.shape[0], -1)[:, : logits.shape[-1]].astype(bool)
+        return mx.where(mx.array(allowed), logits, -mx.inf)
+
+    monkeypatch.setattr(kernels, "apply_token_bitmask", apply_token_bitmask)
+    return OutlinesCoreBackend(outlines.from_mlxlm(model, tok)).get_json_schema_logits_processor(
+        json.dumps(schema), whitespace_pattern="")  # (compact JSON, as grammar.py asks of llguidance)
+
+
+# (outlines' regexes do not bound integers by minimum / maximum: the schema keeps to what they enforce)
+OUTLINES_SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yy", 7]}, "b": {"type": "boolean"},
+                                                    "c": {"type": "string", "maxLength": 3}},
+                   "required": ["a", "b", "c"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_the_outlines_processor_that_crashed_works(family, request, monkeypatch):
+    pytest.importorskip("outlines")  # (in the `test` extra)
+    model, tok = request.getfixturevalue(family)
+    block_at_once = _outlines_json_processor(model, tok, OUTLINES_SCHEMA, monkeypatch)
+    with pytest.raises(AssertionError):  # what the engine used to call: a whole block of logits
+        block_at_once(mx.array(PROMPT), mx.zeros((8, model.vocab_size)))
+    for seed, options in enumerate([{}, {"threshold": 0.3}, {"threshold": 0.3, "sampler": make_sampler(1.0)},
+                                    {"threshold": 0.3, "sampler": make_sampler(1.0)}]):
+        proc = _outlines_json_processor(model, tok, OUTLINES_SCHEMA, monkeypatch)
+        out = list(mld.stream_generate(model, tok, "JSON: ", max_tokens=48, block_length=16, seed=seed,
+                                       logits_processors=[proc], **options))
+        assert out[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads("".join(r.text for r in out)), OUTLINES_SCHEMA)
