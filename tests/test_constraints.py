@@ -103,8 +103,11 @@ def test_greedy_commits_are_the_processed_argmax(llada):
         assert float(r.logprobs[r.token]) == pytest.approx(float(mx.max(r.logprobs)), abs=1e-5)
 
 
-def test_block_causal_and_causal_prefix_families(sdar, nemotron):
-    for (model, tok), mask in ((sdar, SDAR_MASK), (nemotron, 100)):
+def test_block_causal_causal_prefix_and_autoregressive(sdar, nemotron, tmp_path):
+    from checkpoints_ar import write_causal
+
+    ar = mld.load(str(write_causal(tmp_path / "ar", "qwen3")), autoregressive=True)
+    for (model, tok), mask in ((sdar, SDAR_MASK), (nemotron, 100), (ar, -1)):
         proc = InOrder(len(PROMPT))
         tokens = [r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=10, logits_processors=[proc])]
         assert tokens == LETTERS[: len(tokens)] and len(tokens) == 10 and mask not in tokens
