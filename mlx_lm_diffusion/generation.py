@@ -15,6 +15,7 @@ from model_adapters import adapter_for
 
 from .engine import Engine, Step
 from .infill import encode_suffix, suffix_seed
+from .kv_reuse import PromptReuse
 from .options import DecodeOptions, resolve
 
 
@@ -61,6 +62,7 @@ def stream_generate(
     max_tokens: int = 256,
     draft_callback: Optional[Callable[[Step], None]] = None,
     suffix: Optional[Union[str, Sequence[int]]] = None,
+    prompt_kv: Optional[PromptReuse] = None,
     **kwargs,
 ) -> Iterator[DiffusionResponse]:
     """Yield one response per final token, strictly left to right (mlx-lm's contract).
@@ -70,6 +72,8 @@ def stream_generate(
     default. `draft_callback(step)` receives the whole draft canvas after every forward.
     `suffix` (text or ids): infill the span between the prompt and it, at most
     max_tokens long (mlx_lm_diffusion.infill); the responses are the middle only.
+    `prompt_kv` (mlx_lm_diffusion.kv_reuse.PromptReuse): the KV of the prompt's leading
+    tokens from an earlier decode, reused where the family's KV is exact.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -85,7 +89,9 @@ def stream_generate(
 
     tic = time.perf_counter()
     prompt_tps, emitted = 0.0, 0
-    for step in engine.run(mx.array([ids]), seed):
+    prompt = mx.array([ids])
+    reuse = prompt_kv.plan(adapter, engine, prompt) if prompt_kv is not None else None
+    for step in engine.run(prompt, seed, reuse=reuse):
         if step.forwards == 1:
             prompt_time = time.perf_counter() - tic
             prompt_tps = P / max(prompt_time, 1e-9)
