@@ -113,11 +113,15 @@ def test_block_causal_causal_prefix_and_autoregressive(sdar, nemotron, tmp_path)
         assert tokens == LETTERS[: len(tokens)] and len(tokens) == 10 and mask not in tokens
 
 
-def test_processors_refused_where_they_cannot_be_fed_in_order(llada, gemma):
+def test_processors_with_editing_and_where_they_cannot_be_fed_in_order(llada, gemma):
+    """Under processors no committed token is left for an edit to revise (commits only
+    extend the fed prefix): editing does not run, the processor's order holds; a
+    uniform-noise canvas refuses processors."""
     model, tok = llada
-    with pytest.raises(ValueError, match="editing_threshold"):
-        list(mld.stream_generate(model, tok, PROMPT, max_tokens=4, editing_threshold=0.5,
-                                 logits_processors=[InOrder(len(PROMPT))]))
+    proc = InOrder(len(PROMPT))
+    tokens = [r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=8, block_length=4, threshold=0.5,
+                                                   editing_threshold=0.0, logits_processors=[proc])]
+    assert tokens == LETTERS[:8] and proc.fed == PROMPT + tokens[:-1]
     model, tok = gemma
     with pytest.raises(ValueError, match="allowed_tokens"):
         list(mld.stream_generate(model, tok, PROMPT, max_tokens=4, logits_processors=[InOrder(len(PROMPT))]))
@@ -235,3 +239,14 @@ def test_the_outlines_processor_that_crashed_works(family, request, monkeypatch)
                                        logits_processors=[proc], **options))
         assert out[-1].finish_reason == "stop"
         jsonschema.validate(json.loads("".join(r.text for r in out)), OUTLINES_SCHEMA)
+
+
+@pytest.mark.parametrize("strategy", ["low_confidence", "entropy"])
+def test_a_block_may_outlast_the_rules_schedule(llada, strategy):
+    """2 steps for a block of 8 under a stateful processor (found by the server's fuzz test
+    with presence_penalty): past the schedule the walk commits one token per step."""
+    model, tok = llada
+    proc = InOrder(len(PROMPT))
+    out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=8, block_length=8, steps=2, strategy=strategy,
+                                   logits_processors=[proc]))
+    assert [r.token for r in out] == LETTERS[:8] and out[-1].forwards <= 8

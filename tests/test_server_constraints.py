@@ -83,7 +83,6 @@ def test_allowed_tokens_field(client, llada):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
     ({"allowed_tokens": [MASK_ID]}, "mask token"),
     ({"allowed_tokens": "abc"}, "allowed_tokens"),
-    ({"suffix": "x", "editing_threshold": 0.5, "response_format": {"type": "json_object"}}, "editing"),
 ])
 def test_bad_fields_get_400(client, fields, match):
     with pytest.raises(openai.BadRequestError) as e:

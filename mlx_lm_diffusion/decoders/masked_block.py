@@ -42,7 +42,10 @@ class MaskedBlockDecoder(Decoder):
         if adapter.mask_id is None:
             raise ValueError(f"{adapter.family} has no mask token; it cannot use a masked canvas")
         super().__init__(adapter, options, keep_logprobs)
-        self.editing = options.editing_threshold is not None
+        # Logits processors are fed each committed token once and for good, and their commits
+        # only extend the left-to-right prefix: no committed token is left that an edit could
+        # revise, so editing (editing_threshold) does not run under them.
+        self.editing = options.editing_threshold is not None and not options.logits_processors
         self.suppress = None  # added to the logits: the suppressed ids are never proposed
         if adapter.suppress_ids:
             self.suppress = mx.zeros((adapter.vocab_size,), mx.float32)
@@ -52,13 +55,6 @@ class MaskedBlockDecoder(Decoder):
         if options.logits_processors:
             greedy = options.sampler is None and options.temperature_schedule is None
             self.ordered = LeftToRight(options.logits_processors, adapter.eos_ids, greedy)
-
-    @classmethod
-    def check_options(cls, values: dict, adapter: Any) -> None:
-        editing = values.get("editing_threshold", adapter.defaults.editing_threshold)
-        if values.get("logits_processors") and editing is not None:
-            raise ValueError("logits_processors cannot be combined with editing (editing_threshold): an "
-                             "edit would revise a token the processors were already fed")
 
     def canvas_length(self, prompt_len: int) -> int:
         a, o = self.adapter, self.options
@@ -126,7 +122,10 @@ class MaskedBlockDecoder(Decoder):
         """One forward and its commits; returns whether a committed token was edited."""
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
         x0, prob, logprobs, logits = self._predict(state, canvas, b)
-        committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked) if has_mask else 0
+        # Under processors a block may outlast the rule's schedule (one commit per step at
+        # least): past it the rule selects nothing and the walk commits the next token.
+        past_rule = self.ordered is not None and b.step >= rule.step_bound(o.steps, b.end - b.start)
+        committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked) if has_mask and not past_rule else 0
         if self.ordered is not None and has_mask:
             committed = None  # the processors decide how far the commits go
         takes_all = has_mask and committed is not None and (committed == b.masked).all()
@@ -139,7 +138,7 @@ class MaskedBlockDecoder(Decoder):
                 candidates = mx.array(b.first_open)
             else:
                 candidates = (canvas.tokens[:, b.start : b.end] == mask_id) & canvas.live_rows()
-            if not has_mask:
+            if not has_mask or past_rule:
                 commit = mx.zeros(candidates.shape, dtype=mx.bool_)
             elif takes_all:
                 commit = candidates  # every candidate commits: no ranking can change that
