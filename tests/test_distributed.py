@@ -1,0 +1,149 @@
+"""Tensor-parallel decoding over two local processes (`mlx.launch --backend ring -n 2`).
+
+One launch decodes a tiny checkpoint of every family (tests/distributed_child.py):
+greedy tokens and forward counts equal a single process's, each rank holds about half
+the parameter bytes, and sampled decodes agree across the ranks. The CLI and the
+server run under mlx.launch too, and a rank killed mid-decode ends the other with an
+error. Every launch is bounded by a subprocess timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlx_lm_diffusion as mld
+from decoding import engine_decode
+from mlx_lm_diffusion.distributed import parameter_bytes
+from model_adapters.sharding import check_divisible
+
+from checkpoints import write_dream, write_llada
+from checkpoints_ar import write_causal
+from checkpoints_block import write_llada2, write_sdar
+from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+LAUNCH_TIMEOUT = 150  # seconds: a launch that takes longer has hung
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
+
+
+def _ring_available() -> str:
+    """'' if two ring processes can run here, else why not."""
+    if not LAUNCH.exists():
+        return f"mlx.launch not found next to {sys.executable}"
+    if not mx.distributed.is_available():
+        return "this MLX build has no distributed backend"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_ring_available()), reason=_ring_available() or "ring available")
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS), env.get("PYTHONPATH", "")])
+    env.setdefault("MLX_LM_DIFFUSION_PEER_TIMEOUT", "60")
+    return env
+
+
+def launch(args: list, timeout: float = LAUNCH_TIMEOUT, **kwargs) -> subprocess.CompletedProcess:
+    """Two ring processes on 127.0.0.1 running `args` (a script and its arguments)."""
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, *args]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+
+
+# Decoding options per family: short canvases; DiffusionGemma's noise is seeded.
+CASES = {
+    "llada": dict(max_tokens=16, block_length=8),
+    "llada_dual_cache": dict(max_tokens=16, block_length=8, cache="dual", threshold=0.5),
+    "dream": dict(max_tokens=16),
+    "sdar": dict(max_tokens=8),
+    "llada2": dict(max_tokens=16, threshold=0.5),
+    "nemotron": dict(max_tokens=16, block_length=8, threshold=0.5),
+    "diffusion_gemma": dict(max_tokens=16, seed=3),
+    "ar_llama": dict(max_tokens=8),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("dist")
+    llada = write_llada(root / "llada")
+    return {
+        "llada": llada,
+        "llada_dual_cache": llada,
+        "dream": write_dream(root / "dream"),
+        "sdar": write_sdar(root / "sdar"),
+        "llada2": write_llada2(root / "llada2"),
+        "nemotron": write_nemotron(root / "nemotron"),
+        # two global KV heads: the full-attention layers split over two ranks
+        "diffusion_gemma": write_diffusion_gemma(root / "gemma", num_global_key_value_heads=2),
+        "ar_llama": write_causal(root / "ar_llama", "llama"),
+    }
+
+
+def _cases(checkpoints: dict) -> list:
+    return [{"name": name, "path": str(checkpoints[name]), "prompt": PROMPT, "options": options,
+             "autoregressive": name.startswith("ar_")} for name, options in CASES.items()]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints, tmp_path_factory) -> list:
+    """Both ranks' reports of every case (one launch)."""
+    out = tmp_path_factory.mktemp("ranks")
+    cases = out / "cases.json"
+    cases.write_text(json.dumps(_cases(checkpoints)))
+    run = launch([str(TESTS / "distributed_child.py"), "decode", str(cases), str(out)])
+    assert run.returncode == 0 and (out / "rank1.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _single_process(checkpoints: dict, name: str):
+    model, tokenizer = mld.load(str(checkpoints[name]), autoregressive=name.startswith("ar_"))
+    tokens, forwards = engine_decode(model, tokenizer, PROMPT, **CASES[name])
+    return tokens, forwards, parameter_bytes(model)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_decode_as_one_process(checkpoints, two_ranks, name):
+    tokens, forwards, full_bytes = _single_process(checkpoints, name)
+    for rank in two_ranks:
+        assert rank[name]["tokens"] == tokens
+        assert rank[name]["forwards"] == forwards
+    assert two_ranks[0][name]["sampled"] == two_ranks[1][name]["sampled"]
+    per_rank = [rank[name]["bytes"] for rank in two_ranks]
+    assert per_rank[0] == per_rank[1]
+    # half, plus what stays replicated (norms, routers; mlx-lm keeps an AR model's
+    # embeddings and head whole)
+    limit = 0.75 if name.startswith("ar_") else 0.56
+    assert 0.45 * full_bytes <= per_rank[0] <= limit * full_bytes, (per_rank, full_bytes)
+
+
+def test_sizes_that_do_not_divide_are_refused_before_anything_moves(checkpoints):
+    model, _ = mld.load(str(checkpoints["llada"]))
+
+    class ThreeRanks:  # the checks need only the size
+        def size(self):
+            return 3
+
+        def rank(self):
+            return 0
+
+    before = parameter_bytes(model)
+    with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not divisible by 3"):
+        model.shard(ThreeRanks())
+    assert parameter_bytes(model) == before and getattr(model, "shard_group", None) is None
+    with pytest.raises(ValueError, match="the vocabulary size \\(289\\) is not divisible by 2"):
+        check_divisible([("the vocabulary size", 289)], 2)
