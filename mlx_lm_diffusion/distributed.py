@@ -23,7 +23,8 @@ import pickle
 import sys
 import threading
 import time
-from typing import Any, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -151,3 +152,64 @@ def is_group_failure(error: BaseException) -> bool:
     """A collective's error: the ring backend lost a peer (or another backend failed)."""
     text = str(error)
     return isinstance(error, RuntimeError) and any(s in text for s in ("[ring]", "[jaccl]", "[mpi]", "peer"))
+
+
+@contextmanager
+def group_failures_end_the_process(group: Optional[mx.distributed.Group]) -> Iterator[None]:
+    """A collective that fails (a peer died) ends this rank with one line, exit 1."""
+    try:
+        yield
+    except RuntimeError as e:
+        if group is not None and is_group_failure(e):
+            fail(group, f"the distributed group failed: {e} (a peer rank died or lost its connection)")
+        raise
+
+
+class DistributedRun:
+    """A front door's part under mlx.launch: rank 0 prints, the others follow silently;
+    every rank reports its decode's progress to a watchdog."""
+
+    def __init__(self, group: Optional[mx.distributed.Group]):
+        self.group = group
+        self.watchdog = PeerWatchdog(group) if group is not None else None
+
+    def progress(self, callback: Optional[Callable] = None) -> Optional[Callable]:
+        """`callback` (a draft callback, or None) that also tells the watchdog each step."""
+        if self.watchdog is None:
+            return callback
+        self.watchdog.arm()
+
+        def on_step(step: Any) -> None:
+            self.watchdog.pet()
+            if callback is not None:
+                callback(step)
+
+        return on_step
+
+    def silence(self) -> None:
+        """Rank 0 prints; the others' stdout goes nowhere (errors still reach stderr)."""
+        if not is_leader(self.group):
+            sys.stdout = open(os.devnull, "w")
+
+
+class StoppedByLeader(Exception):
+    """Raised on the other ranks when rank 0 stops a decode (its client left, a cancel)."""
+
+
+def agreed_check(group: Optional[mx.distributed.Group], check: Callable[[], None]) -> Callable[[], None]:
+    """`check` (it raises to stop a decode) run on rank 0, its verdict shared: every rank
+    stops at the same forward (one all_sum a call), rank 0 with its own error."""
+    if group is None:
+        return check
+
+    def agreed() -> None:
+        error = None
+        if group.rank() == 0:
+            try:
+                check()
+            except Exception as e:  # (re-raised below, once every rank knows)
+                error = e
+        if agree(group, error is not None):
+            raise error if error is not None else StoppedByLeader("rank 0 stopped this decode")
+
+    return agreed
