@@ -1,17 +1,25 @@
 """What each rank runs under `mlx.launch` for tests/test_distributed.py.
 
-    distributed_child.py decode CASES.json OUT_DIR    every case: sharded load, decode, report
-    distributed_child.py die CASES.json OUT_DIR       decode the first case forever; rank 1 dies
+    distributed_child.py JOB.json OUT_DIR
 
-`decode` writes OUT_DIR/rank<r>.json: per case the generated tokens, forwards, the
-parameter bytes this rank holds, and whether the ranks agreed on a sampled decode.
+1. Every case of the job: a sharded load and a decode; OUT_DIR/rank<r>.json gets, per
+   case, the generated tokens, forwards, the parameter bytes this rank holds and a
+   sampled decode.
+2. The generate CLI with the job's `cli` arguments, in this process, as `python -m
+   mlx_lm_diffusion.generate ARGS` runs on each rank (one launch, one import of the
+   stack: the CLI is the same code either way).
+3. The CLI again with `die_cli`: rank 1 kills itself (SIGKILL) at the decode's
+   `die_at_step`-th forward, after writing the time to OUT_DIR/killed_at; rank 0 ignores SIGTERM, so that mlx.launch (which
+   terminates the others once a rank dies) cannot end it: it must end by itself.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -37,34 +45,44 @@ def decode_cases(group, cases: list) -> dict:
     return out
 
 
-def die(group, cases: list, out_dir: Path) -> None:
-    """Decode until killed: rank 1 ends itself (SIGKILL, no goodbye) mid-decode; rank 0
-    must then fail with the ring's error, which the front doors turn into one line."""
-    case = cases[0]
-    model, tokenizer = mld.load(case["path"], group=group)
-    from mlx_lm_diffusion.distributed import fail, is_group_failure
-
-    (out_dir / f"pid{group.rank()}").write_text(str(os.getpid()))
-    try:
-        for i in range(10_000):
-            engine_decode(model, tokenizer, case["prompt"], **case["options"])
-            if i == 1 and group.rank() == 1:
-                os.kill(os.getpid(), 9)
-    except RuntimeError as e:
-        if is_group_failure(e):
-            fail(group, f"the distributed group failed: {e}", code=3)
-        raise
-    fail(group, "the peer never died", code=4)
-
-
 def main() -> None:
-    mode, cases_file, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    job, out_dir = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     group = mx.distributed.init(strict=True, backend="ring")
-    cases = json.loads(cases_file.read_text())
-    if mode == "die":
-        die(group, cases, out_dir)
-    out = decode_cases(group, cases)
+    out = decode_cases(group, job["cases"])
     (out_dir / f"rank{group.rank()}.json").write_text(json.dumps(out))
+    from mlx_lm_diffusion.generate import main as cli
+
+    if cli(job["cli"]) != 0:
+        sys.exit(1)
+    if group.rank() == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        _die_at_step(job["die_at_step"], out_dir)
+    cli(job["die_cli"])
+    sys.exit(5)  # (not reached: rank 1 is dead, rank 0 exits with the group's error)
+
+
+def _die_at_step(step: int, out_dir: Path) -> None:
+    """Kill this process at the decode's `step`-th forward (the CLI's progress callback)."""
+    from mlx_lm_diffusion import distributed
+
+    progress = distributed.DistributedRun.progress
+    seen = []
+
+    def dying(run, callback=None):
+        inner = progress(run, callback)
+
+        def on_step(s):
+            seen.append(s)
+            if len(seen) == step:
+                (out_dir / "killed_at").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            if inner is not None:
+                inner(s)
+
+        return on_step
+
+    distributed.DistributedRun.progress = dying
 
 
 if __name__ == "__main__":

@@ -99,15 +99,27 @@ def _cases(checkpoints: dict) -> list:
              "autoregressive": name.startswith("ar_")} for name, options in CASES.items()]
 
 
+def _cli_args(checkpoints: dict, max_tokens: int) -> list:
+    return ["--model", str(checkpoints["llada"]), "--prompt", "hello", "--max-tokens", str(max_tokens),
+            "--block-length", "8", "--verbose", "False"]
+
+
 @pytest.fixture(scope="module")
-def two_ranks(checkpoints, tmp_path_factory) -> list:
-    """Both ranks' reports of every case (one launch)."""
+def two_ranks(checkpoints, tmp_path_factory) -> dict:
+    """One launch: both ranks' reports of every case, the CLI's output, and how rank 0
+    ended once rank 1 was killed mid-decode (tests/distributed_child.py)."""
     out = tmp_path_factory.mktemp("ranks")
-    cases = out / "cases.json"
-    cases.write_text(json.dumps(_cases(checkpoints)))
-    run = launch([str(TESTS / "distributed_child.py"), "decode", str(cases), str(out)])
-    assert run.returncode == 0 and (out / "rank1.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    job = out / "job.json"
+    job.write_text(json.dumps({
+        "cases": _cases(checkpoints), "cli": _cli_args(checkpoints, 16),
+        "die_cli": _cli_args(checkpoints, 400), "die_at_step": 5,
+    }))
+    run = launch([str(TESTS / "distributed_child.py"), str(job), str(out)])
+    ended = time.time()
+    assert (out / "rank1.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    return {"ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)], "run": run,
+            "killed_at": float((out / "killed_at").read_text()) if (out / "killed_at").exists() else None,
+            "ended": ended}
 
 
 def _single_process(checkpoints: dict, name: str):
@@ -119,6 +131,7 @@ def _single_process(checkpoints: dict, name: str):
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_ranks_decode_as_one_process(checkpoints, two_ranks, name):
     tokens, forwards, full_bytes = _single_process(checkpoints, name)
+    two_ranks = two_ranks["ranks"]
     for rank in two_ranks:
         assert rank[name]["tokens"] == tokens
         assert rank[name]["forwards"] == forwards
@@ -129,6 +142,24 @@ def test_two_ranks_decode_as_one_process(checkpoints, two_ranks, name):
     # embeddings and head whole)
     limit = 0.75 if name.startswith("ar_") else 0.56
     assert 0.45 * full_bytes <= per_rank[0] <= limit * full_bytes, (per_rank, full_bytes)
+
+
+def test_the_cli_under_mlx_launch_prints_what_one_process_prints(checkpoints, two_ranks, capsys):
+    from mlx_lm_diffusion.generate import main
+
+    assert main(_cli_args(checkpoints, 16)) == 0
+    single = capsys.readouterr().out
+    assert single.strip()
+    # rank 0 printed it, once; the other rank printed nothing
+    assert two_ranks["run"].stdout == single
+
+
+def test_a_rank_killed_mid_decode_ends_the_other_with_an_error(two_ranks):
+    run = two_ranks["run"]
+    assert two_ranks["killed_at"] is not None, run.stderr[-3000:]
+    assert "error: rank 0/2: the distributed group failed" in run.stderr, run.stderr[-3000:]
+    assert "rank 0 exited with code 1" in run.stderr  # (mlx.launch's report; SIGTERM was ignored)
+    assert two_ranks["ended"] - two_ranks["killed_at"] < 60
 
 
 def test_sizes_that_do_not_divide_are_refused_before_anything_moves(checkpoints):
