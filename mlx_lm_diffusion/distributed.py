@@ -18,6 +18,7 @@ without closing its connections.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 import sys
@@ -210,6 +211,9 @@ def agreed_check(group: Optional[mx.distributed.Group], check: Callable[[], None
             except Exception as e:  # (re-raised below, once every rank knows)
                 error = e
         if agree(group, error is not None):
-            raise error if error is not None else StoppedByLeader("rank 0 stopped this decode")
+            if error is not None:
+                raise error
+            logging.info(f"rank {group.rank()}/{group.size()}: rank 0 stopped this decode")
+            raise StoppedByLeader("rank 0 stopped this decode")
 
     return agreed

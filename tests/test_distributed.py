@@ -178,3 +178,78 @@ def test_sizes_that_do_not_divide_are_refused_before_anything_moves(checkpoints)
     assert parameter_bytes(model) == before and getattr(model, "shard_group", None) is None
     with pytest.raises(ValueError, match="the vocabulary size \\(289\\) is not divisible by 2"):
         check_divisible([("the vocabulary size", 289)], 2)
+
+
+def _ranks_of(launcher: subprocess.Popen) -> dict:
+    """{rank: pid} of the processes mlx.launch started (its children, by MLX_RANK)."""
+    ranks = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher.pid:
+                continue
+            env = dict(e.split("=", 1) for e in (proc / "environ").read_bytes().decode().split("\0") if "=" in e)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "MLX_RANK" in env:
+            ranks[int(env["MLX_RANK"])] = int(proc.name)
+    return ranks
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes through /proc")
+def test_the_server_under_mlx_launch_answers_cancels_and_stops(checkpoints, tmp_path):
+    from openai import OpenAI
+
+    from serving import free_port
+
+    port = free_port()
+    env = dict(_env(), HF_HUB_CACHE=str(tmp_path / "hub"))
+    (tmp_path / "hub").mkdir()
+    log = open(tmp_path / "server.log", "w")
+    launcher = subprocess.Popen(
+        [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", "-m",
+         "mlx_lm_diffusion.server", "--model", str(checkpoints["llada"]), "--port", str(port),
+         "--block-length", "8"],
+        env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while True:
+            assert launcher.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                client.models.list()
+                break
+            except Exception:
+                time.sleep(1)
+        model, tokenizer = mld.load(str(checkpoints["llada"]))
+        expected = mld.generate(model, tokenizer, "hello", max_tokens=16, block_length=8)
+        answer = client.completions.create(model="default_model", prompt="hello", max_tokens=16)
+        assert answer.choices[0].text == expected
+
+        # a long stream abandoned after two chunks: every rank stops it at the same forward
+        stream = client.chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": "hi"}], max_tokens=400, stream=True)
+        for i, _ in enumerate(stream):
+            if i == 1:
+                break
+        stream.close()
+        again = client.completions.create(model="default_model", prompt="hello", max_tokens=16)
+        assert again.choices[0].text == expected  # the ranks still decode in step
+        assert "rank 1/2: rank 0 stopped this decode" in (tmp_path / "server.log").read_text()
+
+        ranks = _ranks_of(launcher)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[0], signal.SIGTERM)  # rank 0's stop reaches rank 1: both end, cleanly
+        launcher.wait(timeout=60)
+        text = (tmp_path / "server.log").read_text()
+        assert "exited with code" not in text and "Traceback" not in text, text[-3000:]
+    finally:
+        if launcher.poll() is None:
+            for pid in _ranks_of(launcher).values():
+                os.kill(pid, signal.SIGKILL)
+            launcher.kill()
+            launcher.wait(timeout=30)
+        log.close()
