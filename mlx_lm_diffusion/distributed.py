@@ -187,6 +187,12 @@ class DistributedRun:
 
         return on_step
 
+    def finished(self, text: str) -> None:
+        """The decode is over: every rank must have decoded `text` (RuntimeError if not)."""
+        if self.watchdog is not None:
+            self.watchdog.arm(False)
+        check_agreement(self.group, text.encode())
+
     def silence(self) -> None:
         """Rank 0 prints; the others' stdout goes nowhere (errors still reach stderr)."""
         if not is_leader(self.group):

@@ -196,20 +196,21 @@ def _main(argv: Optional[Sequence[str]], group=None) -> int:
         if not args.show_canvas:
             text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
                             sampler=sampler, seed=args.seed, draft_callback=run.progress(), **options)
-            distributed.check_agreement(group, text.encode())
+            run.finished(text)
             if not args.verbose:
                 print(text)
             return 0
         # The canvas on stderr, the answer on stdout once final: they never share a line.
         view = CanvasView(tokenizer, adapter_for(model, tokenizer).mask_id)
+        shown = view if distributed.is_leader(group) else None  # (rank 0 draws the canvas)
         text, last = "", None
         try:
             for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
-                                        seed=args.seed, draft_callback=run.progress(view if distributed.is_leader(group) else None), **options):
+                                        seed=args.seed, draft_callback=run.progress(shown), **options):
                 text += last.text
         finally:
             view.close()
-        distributed.check_agreement(group, text.encode())
+        run.finished(text)
         if args.verbose:
             print("=" * 10)
             print(text)
