@@ -24,6 +24,7 @@ import pytest
 
 import mlx_lm_diffusion as mld
 from decoding import engine_decode
+from mlx_lm_diffusion.convert import convert
 from mlx_lm_diffusion.distributed import parameter_bytes
 from model_adapters.sharding import check_divisible
 
@@ -68,6 +69,7 @@ def launch(args: list, timeout: float = LAUNCH_TIMEOUT, **kwargs) -> subprocess.
 CASES = {
     "llada": dict(max_tokens=16, block_length=8),
     "llada_dual_cache": dict(max_tokens=16, block_length=8, cache="dual", threshold=0.5),
+    "llada_8bit": dict(max_tokens=16, block_length=8),
     "dream": dict(max_tokens=16),
     "sdar": dict(max_tokens=8),
     "llada2": dict(max_tokens=16, threshold=0.5),
@@ -81,9 +83,11 @@ CASES = {
 def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("dist")
     llada = write_llada(root / "llada")
+    convert(str(llada), str(root / "llada_8bit"), quantize=True, q_bits=8, q_group_size=32)
     return {
         "llada": llada,
         "llada_dual_cache": llada,
+        "llada_8bit": root / "llada_8bit",
         "dream": write_dream(root / "dream"),
         "sdar": write_sdar(root / "sdar"),
         "llada2": write_llada2(root / "llada2"),
@@ -164,20 +168,37 @@ def test_a_rank_killed_mid_decode_ends_the_other_with_an_error(two_ranks):
 
 def test_sizes_that_do_not_divide_are_refused_before_anything_moves(checkpoints):
     model, _ = mld.load(str(checkpoints["llada"]))
-
-    class ThreeRanks:  # the checks need only the size
-        def size(self):
-            return 3
-
-        def rank(self):
-            return 0
-
     before = parameter_bytes(model)
     with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not divisible by 3"):
-        model.shard(ThreeRanks())
+        model.shard(_Ranks(3))
     assert parameter_bytes(model) == before and getattr(model, "shard_group", None) is None
     with pytest.raises(ValueError, match="the vocabulary size \\(289\\) is not divisible by 2"):
         check_divisible([("the vocabulary size", 289)], 2)
+
+
+class _Ranks:
+    """A stand-in group: the size checks read only its size."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+    def rank(self) -> int:
+        return 0
+
+
+def test_moe_and_gemma_sizes_are_checked_too(checkpoints, tmp_path):
+    llada2, _ = mld.load(str(checkpoints["llada2"]))
+    with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not divisible by 3"):
+        llada2.shard(_Ranks(3))
+    with pytest.raises(ValueError, match="moe_intermediate_size \\(32\\) is not divisible by 64"):
+        check_divisible(llada2.shard_sizes()[3:], 64)
+    # the released layout's one global KV head cannot split over two ranks
+    gemma, _ = mld.load(str(write_diffusion_gemma(tmp_path / "gemma")))
+    with pytest.raises(ValueError, match="num_global_key_value_heads \\(1\\) is not divisible by 2"):
+        gemma.shard(_Ranks(2))
 
 
 def _ranks_of(launcher: subprocess.Popen) -> dict:
