@@ -31,6 +31,7 @@ from typing import Any, Iterable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
+from mlx.utils import tree_flatten
 
 
 def check_divisible(sizes: Iterable[tuple], group_size: int) -> None:
@@ -147,6 +148,14 @@ def shard_vocabulary(model: Any, group: mx.distributed.Group) -> None:
         setattr(model, model.head_name, VocabShardedHead(getattr(model, model.head_name), group))
 
 
+def quantization_groups(model: nn.Module) -> list:
+    """(what, groups per row) of every quantized weight: a layer split by its inputs
+    splits its quantization groups too (checked for every layer, which is stricter than
+    needed for the ones split by their outputs)."""
+    return [(f"the quantization groups per row of {path[: -len('.scales')]}", value.shape[-1])
+            for path, value in tree_flatten(model.parameters()) if path.endswith(".scales")]
+
+
 def shard_model(model: Any, group: Optional[mx.distributed.Group] = None) -> None:
     """Shard a diffusion family's model in place over `group` (default: the global one).
     Every size that must divide by the group size is checked before any weight moves."""
@@ -157,6 +166,7 @@ def shard_model(model: Any, group: Optional[mx.distributed.Group] = None) -> Non
     if N == 1:
         return
     check_divisible([*model.shard_sizes(), ("the vocabulary size", model.vocab_size)], N)
+    check_divisible(quantization_groups(model), N)
     model.shard_layers(group)
     model.shard_vocabulary(group)
     model.shard_group = group

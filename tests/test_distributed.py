@@ -26,7 +26,7 @@ import mlx_lm_diffusion as mld
 from decoding import engine_decode
 from mlx_lm_diffusion.convert import convert
 from mlx_lm_diffusion.distributed import parameter_bytes
-from model_adapters.sharding import check_divisible
+from model_adapters.sharding import check_divisible, quantization_groups
 
 from checkpoints import write_dream, write_llada
 from checkpoints_ar import write_causal
@@ -36,7 +36,7 @@ from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
-LAUNCH_TIMEOUT = 150  # seconds: a launch that takes longer has hung
+LAUNCH_TIMEOUT = 420  # seconds: a launch that takes longer has hung (a loaded 2-core machine needs ~150)
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 
 
@@ -187,6 +187,14 @@ class _Ranks:
 
     def rank(self) -> int:
         return 0
+
+
+def test_quantization_groups_must_divide_too(checkpoints):
+    model, _ = mld.load(str(checkpoints["llada_8bit"]))  # hidden 64 in groups of 32: 2 a row
+    groups = quantization_groups(model)
+    assert groups and all(n == 2 or n == 4 for _, n in groups)  # (the MLP's down_proj: 128 inputs)
+    with pytest.raises(ValueError, match="quantization groups per row of model.embed_tokens \\(2\\)"):
+        check_divisible(groups, 4)
 
 
 def test_moe_and_gemma_sizes_are_checked_too(checkpoints, tmp_path):
