@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -282,3 +280,27 @@ def test_the_server_under_mlx_launch_answers_cancels_and_stops(checkpoints, tmp_
             launcher.kill()
             launcher.wait(timeout=30)
         log.close()
+
+
+def test_the_peer_watchdog_ends_a_rank_that_waits_too_long():
+    """A peer that hangs without closing its connections: the watchdog ends this rank
+    (exit 1, one line) once no progress came for its timeout; petting it keeps it quiet."""
+    script = f"""
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("dist", {str(ROOT / "mlx_lm_diffusion" / "distributed.py")!r})
+dist = importlib.util.module_from_spec(spec); spec.loader.exec_module(dist)
+class Group:
+    def rank(self): return 1
+    def size(self): return 2
+watchdog = dist.PeerWatchdog(Group(), timeout=1.0)
+watchdog.arm()
+for _ in range(30):  # progress every 0.1 s for 3 s: no exit
+    time.sleep(0.1); watchdog.pet()
+print("petted", flush=True)
+time.sleep(30)  # no progress: the watchdog ends the process after ~1 s
+print("not reached", flush=True)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stdout == "petted\n"
+    assert "error: rank 1/2: no progress from the other ranks for 1 s" in run.stderr
