@@ -94,7 +94,8 @@ def main() -> None:
         paths = {name: str(write(tmp / name.split()[0])) for name, write in MODELS.items()}
         (tmp / "paths.json").write_text(json.dumps(paths))
         single = {name: measure(path, None) for name, path in paths.items()}
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+        path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=path)
         launch = Path(sys.executable).with_name("mlx.launch")
         subprocess.run([str(launch), "--backend", "ring", "-n", "2", "--python", sys.executable, __file__,
                         str(tmp / "paths.json"), str(tmp)], env=env, check=True, timeout=1200)

@@ -9,8 +9,9 @@
    mlx_lm_diffusion.generate ARGS` runs on each rank (one launch, one import of the
    stack: the CLI is the same code either way).
 3. The CLI again with `die_cli`: rank 1 kills itself (SIGKILL) at the decode's
-   `die_at_step`-th forward, after writing the time to OUT_DIR/killed_at; rank 0 ignores SIGTERM, so that mlx.launch (which
-   terminates the others once a rank dies) cannot end it: it must end by itself.
+   `die_at_step`-th forward, after writing the time to OUT_DIR/killed_at; rank 0 ignores
+   SIGTERM, so that mlx.launch (which terminates the others once a rank dies) cannot
+   end it: it must end by itself.
 """
 
 from __future__ import annotations
