@@ -44,7 +44,11 @@ What a client may do is bounded (mlx_lm.server leaves these open):
   when --model cannot be loaded or a flag cannot apply to a diffusion model.
 
 Diffusion models are served one request at a time (their prompt cache, a
-`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them).
+`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them). For the
+families whose prompt KV is exact that cache also holds the KV of its leading tokens, so a
+request sharing a prefix with an earlier one prefills only the rest; usage's
+`prompt_tokens_details.cached_tokens` counts the positions reused, and GET /v1/stats
+reports running and queued requests and the prompt cache's occupancy (kv_reuse).
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ from . import compat, distributed, distributed_server
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
+from .kv_reuse import CachedTokensTap, cache_occupancy
 from .protocol import run_request
 
 PROG = "mlx_lm_diffusion.server"
@@ -97,6 +102,7 @@ DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's res
 # The decoding fields are the options schema's named options, looked up per request (a
 # family registered after this import adds its own): compat.DECODE_FIELDS.
 PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
+STATS_PATH = "/v1/stats"  # running decodes, queued requests, prompt cache occupancy
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 _RULE_FIELDS = ("strategy", "threshold")
 
@@ -104,6 +110,9 @@ DEFAULT_MAX_BODY_BYTES = 10 * 1000 * 1000
 DEFAULT_READ_TIMEOUT = 30.0
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_SHUTDOWN_GRACE = 30.0
+# Forwards a request may cost at most (--max-forwards): above any reference decode of a
+# few thousand tokens, below what would hold the model for hours ("steps": 10**5).
+DEFAULT_MAX_FORWARDS = 16384
 LISTEN_BACKLOG = 128
 MAX_JSON_DEPTH = 64
 LOG_EXCERPT = 200  # characters of a request body a log line may quote
@@ -319,7 +328,17 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
             if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
                 raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
-            return run_request(model, tokenizer, body)
+            return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
+                               on_step=lambda step: self._check_cancel(cancel))
+
+    @property
+    def max_forwards(self) -> Optional[int]:
+        return getattr(self.cli_args, "max_forwards", DEFAULT_MAX_FORWARDS)
+
+    @staticmethod
+    def _check_cancel(cancel: Optional[threading.Event]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled()
 
     # -- handler thread
 
@@ -387,7 +406,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         model = self.model_provider.model
         if is_diffusion_model(model):
             try:
-                compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request))
+                compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request),
+                                     max_forwards=self.max_forwards)
             except (ValueError, TypeError) as e:
                 raise RequestError(str(e)) from e
         return result
@@ -411,6 +431,10 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         options = self._options(req)
         check = self.agreed(self._canceller(req))  # (mlx.launch: rank 0 decides for every rank)
         if is_diffusion_model(self.model_provider.model):
+            # usage's cached_tokens: the prompt positions whose KV the decode reused
+            tap = CachedTokensTap(rqueue)
+            request = (tap, *request[1:])
+            options["cached_tokens_callback"] = tap.report
             drafts = self._draft_sender(rqueue) if getattr(req, "drafts", False) else None
 
             def on_step(step: Step) -> None:
@@ -426,6 +450,16 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 rqueue.put(e)
                 return
             super()._serve_single(request, stream)
+
+    def stats(self) -> dict:
+        """GET /v1/stats: decodes running and requests waiting (served one at a time: 0 or 1
+        running) and the prompt cache's occupancy (kv_reuse.cache_occupancy)."""
+        return {
+            "object": "stats",
+            "running": int(self.decode_lock.locked()),
+            "queued": self.requests.qsize(),
+            "prompt_cache": cache_occupancy(self.prompt_cache),
+        }
 
     def _draft_sender(self, rqueue) -> Callable[[Step], None]:
         tokenizer = self.model_provider.tokenizer
@@ -443,6 +477,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
 
 
 # ----------------------------------------------------------------------------- handler
+
+
+NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
 
 
 class _Answered(BaseException):
@@ -716,6 +753,8 @@ class DiffusionAPIHandler(APIHandler):
         self._request = None
         if not self._gate():
             return
+        if self.path == STATS_PATH:
+            return self._send_json(200, self.response_generator.stats())
         if not (self.path.startswith("/v1/models") or self.path == "/health"):
             return self._send_error(404, f"no such endpoint: GET {self.path[:200]}")
         super().do_GET()
@@ -723,37 +762,38 @@ class DiffusionAPIHandler(APIHandler):
     # -- bodies
 
     def _read_body(self) -> Any:
-        """The request's JSON body, or None once an error has been answered."""
+        """The request's JSON body (any JSON value, null included), or NO_BODY once an
+        error has been answered."""
         self.close_connection = True
         limit = getattr(self.response_generator.cli_args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
         if self.headers.get("Transfer-Encoding") is not None:
             self._send_error(411, "a Content-Length is required (chunked bodies are not accepted)")
-            return None
+            return NO_BODY
         lengths = self.headers.get_all("Content-Length") or []
         if not lengths:
             self._send_error(411, "a Content-Length header is required")
-            return None
+            return NO_BODY
         text = lengths[0].strip()
         if len(set(v.strip() for v in lengths)) > 1 or not (text.isascii() and text.isdigit()):
             self._send_error(400, f"invalid Content-Length header {excerpt(text.encode(), 40)}")
-            return None
+            return NO_BODY
         length = int(text)
         if length > limit:
             self._send_error(413, f"the body ({length} bytes) is over this server's limit of "
                              f"{limit} bytes (--max-body-bytes)")
             self._drain_after_error()
-            return None
+            return NO_BODY
         raw = self.rfile.read(length)
         self._disarm()
         if len(raw) < length:  # the client left, or --read-timeout closed it, within its body
             logging.info(f"{self.address_string()}: closed within its body ({len(raw)} of {length} bytes)")
-            return None
+            return NO_BODY
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             logging.warning(f"body is not UTF-8: {excerpt(raw)}")
             self._send_error(400, f"the body is not UTF-8: {e}")
-            return None
+            return NO_BODY
         try:
             body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
         except RecursionError:
@@ -767,7 +807,7 @@ class DiffusionAPIHandler(APIHandler):
         if problem is not None:
             logging.warning(f"{problem}; body: {excerpt(raw)}")
             self._send_error(400, problem)
-            return None
+            return NO_BODY
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             logging.debug(f"Incoming Request Body: {excerpt(json.dumps(body).encode(), 2000)}")
         return body
@@ -795,7 +835,7 @@ class DiffusionAPIHandler(APIHandler):
             self.close_connection = True
             return self._send_error(404, f"no such endpoint: POST {self.path[:200]}")
         body = self._read_body()
-        if body is None:
+        if body is NO_BODY:
             return
         if self.path == PROTOCOL_PATH:
             return self.handle_protocol(body)
@@ -1269,7 +1309,9 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
         raise StartupError(f"cannot load --model {model!r}: no such directory")
     install()
     provider = ModelProvider(args)
-    prompt_cache = LRUPromptCache(args.prompt_cache_size)
+    # mlx_lm.server bounds the bytes only when it batches; here always (the KV it holds)
+    max_bytes = args.prompt_cache_bytes if getattr(args, "prompt_cache_bytes", None) is not None else 1 << 63
+    prompt_cache = LRUPromptCache(args.prompt_cache_size, max_bytes)
     generator = DiffusionResponseGenerator(provider, prompt_cache, compat.decode_defaults(args))
     try:
         generator.wait_loaded()
@@ -1378,6 +1420,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
     group.add_argument("--allow-client-chat-templates", action="store_true",
                        help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
+    group.add_argument("--max-forwards", type=int, default=DEFAULT_MAX_FORWARDS,
+                       help="Model forwards a request may take at most, from its settings (steps x blocks, "
+                            f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})")
     group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
                             "(default 30)")
@@ -1430,6 +1475,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _fail("--read-timeout must be positive")
     if args.max_connections < 1:
         _fail("--max-connections must be at least 1")
+    if args.max_forwards < 1:
+        _fail("--max-forwards must be at least 1")
     if not args.shutdown_grace >= 0:
         _fail("--shutdown-grace must be >= 0")
     return args

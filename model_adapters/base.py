@@ -257,8 +257,24 @@ class Adapter:
     def configure(self, options: Any) -> None:
         """Read the family's own switches from the resolved options (`options.family`)."""
 
-    def start(self, prompt: mx.array) -> Any:
-        """Prepare a decode of `prompt` (B, P); returns the adapter's state."""
+    def start(self, prompt: mx.array, reuse: Any = None) -> Any:
+        """Prepare a decode of `prompt` (B, P); returns the adapter's state. `reuse` (a
+        model_adapters.prefix_kv.PrefixKV, given only when `reuse_length` allowed it) holds
+        the keys and values of the prompt's first `reuse.length` positions: prefill the rest."""
+        return None
+
+    # Prompt KV reused across decodes (model_adapters.prefix_kv). The families whose prompt
+    # keys and values a cold prefill would compute identically override both; the others
+    # (bidirectional attention: the KV depends on the whole canvas) reuse nothing.
+    def reuse_length(self, prefix: Any, prompt: mx.array) -> int:
+        """How many leading positions of `prompt` (B, P) this decode, as configured, can take
+        from `prefix` (the KV of the same leading tokens from an earlier decode); 0: none."""
+        return 0
+
+    def export_prefix(self, state: Any, length: int) -> Any:
+        """After (or while) a decode: a PrefixKV of at most the first `length` canvas
+        positions, holding only keys and values a cold prefill of those tokens would compute
+        identically (final tokens, the family's exact layout), or None."""
         return None
 
     def block_seed(self, state: Any, canvas: mx.array, start: int) -> Optional[mx.array]:

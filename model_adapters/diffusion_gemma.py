@@ -28,6 +28,7 @@ from mlx_lm.models.cache import KVCache
 from .base import Adapter as _BaseAdapter
 from .base import DiffusionModel, FamilyDefaults, _stop_ids
 from .option import Option
+from .prefix_kv import CAUSAL, PrefixKV, usable
 from .sharding import SummedOverRanks, VocabShardedEmbedding, shard_in_place, shard_mlp
 
 _DEFAULT_ROPE = {
@@ -375,10 +376,23 @@ class Adapter(_BaseAdapter):
         self.eos_ids = frozenset(_eos_ids(model.args, tokenizer))
         self.defaults = replace(type(self).defaults, block_length=model.args.canvas_length)
 
-    def start(self, prompt: mx.array) -> _State:
-        state = _State(self.model.make_kv_cache())
-        self.model.encode(prompt, state.cache)
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
+        state = _State(reuse.caches() if reuse is not None else self.model.make_kv_cache())
+        self.model.encode(prompt[:, state.cache[0].offset :], state.cache)
         return state
+
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+        """The encoder is causal (its sliding layers keep every position; the mask windows
+        them): the same leading tokens have the same KV in any prompt. At least the last
+        prompt token is encoded again, so every decode runs the encoder."""
+        return usable(prefix, CAUSAL, prompt.shape[0], prompt.shape[1] - 1)
+
+    def export_prefix(self, state: _State, length: int) -> Optional[PrefixKV]:
+        """The encoder's cache: the prompt and each finished canvas, encoded causally once
+        final (the decoder reads the cache without storing)."""
+        if state is None:
+            return None
+        return PrefixKV.of(state.cache, min(length, state.cache[0].offset), CAUSAL)
 
     def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
         if state.pending is not None:  # encode the previous canvas first (the reference's order)
