@@ -128,7 +128,8 @@ INAPPLICABLE_FLAGS = {
     "kv_group_size": ("--kv-group-size", "a diffusion model keeps no key/value cache to quantize"),
     "quantized_kv_start": ("--quantized-kv-start", "a diffusion model keeps no key/value cache to quantize"),
     "prefill_step_size": ("--prefill-step-size", "a diffusion model has no prefill"),
-    "pipeline": ("--pipeline", "distributed serving is not supported for diffusion models"),
+    "pipeline": ("--pipeline", "pipeline parallelism is not supported for diffusion models; tensor "
+                 "parallelism is (mlx.launch without --pipeline)"),
 }
 
 # the NOFILE limits this process started with, before mlx_lm.utils set (2048, 4096);
