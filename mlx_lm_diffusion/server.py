@@ -90,7 +90,7 @@ from mlx_lm.utils import _parse_size
 
 from model_adapters import adapter_for, is_diffusion_model
 
-from . import compat, request_constraints
+from . import compat, distributed, distributed_server, request_constraints
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
@@ -128,7 +128,8 @@ INAPPLICABLE_FLAGS = {
     "kv_group_size": ("--kv-group-size", "a diffusion model keeps no key/value cache to quantize"),
     "quantized_kv_start": ("--quantized-kv-start", "a diffusion model keeps no key/value cache to quantize"),
     "prefill_step_size": ("--prefill-step-size", "a diffusion model has no prefill"),
-    "pipeline": ("--pipeline", "distributed serving is not supported for diffusion models"),
+    "pipeline": ("--pipeline", "pipeline parallelism is not supported for diffusion models; tensor "
+                 "parallelism is (mlx.launch without --pipeline)"),
 }
 
 # the NOFILE limits this process started with, before mlx_lm.utils set (2048, 4096);
@@ -207,6 +208,13 @@ class DiffusionRequest(CompletionRequest):
     cancel_error: Optional[BaseException] = None  # what a cancelled decode raises
     connection: Any = None  # the client's socket: a closed one cancels the decode
 
+    # mlx.launch: the other ranks receive the request without this process's channels
+    def __getstate__(self):
+        return distributed_server.request_state(self)
+
+    def __setstate__(self, state):
+        distributed_server.restore_request(self, state)
+
 
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
     """The decoding fields and the `drafts` flag of a JSON body, checked (ValueError)."""
@@ -277,7 +285,7 @@ def _model_id(name: str) -> str:
     return str(path.resolve()) if path.exists() else name
 
 
-class DiffusionResponseGenerator(ResponseGenerator):
+class DiffusionResponseGenerator(distributed_server.DistributedGeneration, ResponseGenerator):
     """mlx_lm.server's generation loop, with decoding options, drafts, up-front checks,
     the served-model allow-list and per-step cancellation."""
 
@@ -320,6 +328,8 @@ class DiffusionResponseGenerator(ResponseGenerator):
             model, tokenizer = self.model_provider.model, self.model_provider.tokenizer
             if model is None:
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
+            if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
+                raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
             return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
                                on_step=lambda step: self._check_cancel(cancel))
 
@@ -426,7 +436,7 @@ class DiffusionResponseGenerator(ResponseGenerator):
     def _serve_single(self, request, stream):
         rqueue, req, _ = request
         options = self._options(req)
-        check = self._canceller(req)
+        check = self.agreed(self._canceller(req))  # (mlx.launch: rank 0 decides for every rank)
         if is_diffusion_model(self.model_provider.model):
             # usage's cached_tokens: the prompt positions whose KV the decode reused
             tap = CachedTokensTap(rqueue)
@@ -443,7 +453,7 @@ class DiffusionResponseGenerator(ResponseGenerator):
         with self.decode_lock, compat.request_options(**options):
             try:
                 check()
-            except (RequestError, ClientGone) as e:
+            except (RequestError, ClientGone, distributed.StoppedByLeader) as e:
                 rqueue.put(e)
                 return
             super()._serve_single(request, stream)
@@ -1312,6 +1322,8 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
     generator = DiffusionResponseGenerator(provider, prompt_cache, compat.decode_defaults(args))
     try:
         generator.wait_loaded()
+        if not distributed.is_leader(generator.group):
+            return None, generator  # mlx.launch: rank 0 serves, this rank follows it
         try:
             httpd = make_http_server(args.host, args.port, generator)
         except OSError as e:
@@ -1498,6 +1510,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StartupError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    if httpd is None:
+        code = distributed_server.follow(generator)
+        return _exit_now(code) if argv is None else code
     host, port = httpd.server_address[:2]
     logging.info(f"Starting httpd at {host} on port {port}...")
     serving = threading.Thread(target=httpd.serve_forever, name="http-accept", daemon=True)
@@ -1505,6 +1520,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     while not stop.wait(0.5):
         if not serving.is_alive():
             break
+        if generator.group is not None and not generator.generation_available():
+            distributed.fail(generator.group, "the generation loop ended: the distributed group failed "
+                                              "(a peer rank died or lost its connection)")
     name = signal.Signals(signals[0]).name if signals else "stop"
     logging.info(f"{name}: no new connections; waiting up to {args.shutdown_grace:g} s for requests in flight")
     hurry = threading.Event()  # a second signal cancels what is left at once
