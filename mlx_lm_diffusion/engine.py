@@ -28,7 +28,7 @@ from mlx_arsenal.diffusion import block_ranges
 
 from model_adapters import Adapter
 
-from .decoders import Canvas, Queued, decoder_class
+from .decoders import Canvas, Forward, Queued, decoder_class
 from .options import ResolvedOptions
 
 
@@ -76,6 +76,22 @@ def pipelined(queued: Iterator[Queued], land: Callable[[Queued], Step], finished
         yield land(pending)
 
 
+def answered(requests: Iterator, predict: Callable[[Forward], mx.array]) -> Iterator[Queued]:
+    """The queued steps of a decoder's generator, its forward requests answered at once
+    by `predict` (one decode: nothing to batch them with)."""
+    reply = None
+    while True:
+        try:
+            item = requests.send(reply)
+        except StopIteration:
+            return
+        if isinstance(item, Forward):
+            reply = predict(item)
+        else:
+            reply = None
+            yield item
+
+
 class Engine:
     """Runs one resolved decode through an adapter; iterate `run()` for the steps."""
 
@@ -96,7 +112,8 @@ class Engine:
             mx.random.seed(self.options.seed)
         canvas = Canvas(prompt, self.decoder.canvas_length(P), self.decoder.fill)
         state = self.adapter.start(prompt)
-        queued = self._blocks(state, canvas)
+        predict = lambda f: self.adapter.predict(f.state, f.canvas, f.start, f.end)  # noqa: E731
+        queued = answered(self._blocks(state, canvas), predict)
         land = lambda q: self._land(canvas, q)  # noqa: E731
         # A queued step runs ahead of the host only where a stale `done` cannot change it:
         # one row (its decode ends when it is done) and a decoder that reads nothing back.
@@ -104,6 +121,27 @@ class Engine:
             yield from pipelined(queued, land, lambda: canvas.done.all())
         else:
             yield from map(land, queued)
+
+    def row_steps(self, prompt: mx.array):
+        """One row's decode for a driver that batches forwards (mlx_lm_diffusion.batch):
+        a generator yielding `Forward` requests, each to be answered with `send(logits)`,
+        and `Step`s (resumed with `send(None)`). No pipelining, no seeding: the driver
+        owns the PRNG (a key per row)."""
+        if prompt.ndim != 2 or prompt.shape != (1, prompt.shape[1]) or prompt.shape[1] < 1:
+            raise ValueError("a batch row's prompt must be a (1, P) array of token ids with P >= 1")
+        canvas = Canvas(prompt, self.decoder.canvas_length(prompt.shape[1]), self.decoder.fill)
+        requests = self._blocks(self.adapter.start(prompt), canvas)
+        reply = None
+        while True:
+            try:
+                item = requests.send(reply)
+            except StopIteration:
+                return
+            if isinstance(item, Forward):
+                reply = yield item
+            else:
+                reply = None
+                yield self._land(canvas, item)
 
     def _blocks(self, state, canvas: Canvas) -> Iterator[Queued]:
         a, o = self.adapter, self.options

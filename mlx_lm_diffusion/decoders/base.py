@@ -86,6 +86,19 @@ class Queued:
     ran_forward: bool
 
 
+@dataclass
+class Forward:
+    """A decoder's request for the logits (B, end - start, V) of positions [start, end) of
+    `canvas` (`Adapter.predict`'s arguments). Decoders yield it and receive the logits
+    back (generator `send`), so that a driver can answer the requests of many decodes
+    with one batched forward (mlx_lm_diffusion.batch) or one decode's at once (Engine)."""
+
+    state: Any
+    canvas: mx.array
+    start: int
+    end: int
+
+
 def queue(canvas: Canvas, block: BlockState, kept: Optional[mx.array], block_over: bool,
           ran_forward: bool = True) -> Queued:
     return Queued(canvas.tokens, kept, block.confidence, canvas.forwards, (block.start, block.end),

@@ -21,6 +21,7 @@ from .base import (
     BlockState,
     Canvas,
     Decoder,
+    Forward,
     Queued,
     greedy_proposal,
     log_softmax,
@@ -81,7 +82,7 @@ class MaskedBlockDecoder(Decoder):
                     break
             if b.step >= limit:
                 raise RuntimeError(f"{rule.name} did not finish a block within {limit} steps")
-            edited = self._step(state, canvas, b, has_mask)
+            edited = yield from self._step(state, canvas, b, has_mask)
             block_over = self.editing and not has_mask and not edited
             yield queue(canvas, b, b.kept, block_over)
             b.step += 1
@@ -102,10 +103,11 @@ class MaskedBlockDecoder(Decoder):
         b.rule_state = self.options.rule.start_block(b.masked, self.options.steps)
         return b
 
-    def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool) -> bool:
-        """One forward and its commits; returns whether a committed token was edited."""
+    def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool):
+        """One forward and its commits (a generator: it yields the forward it needs);
+        returns whether a committed token was edited."""
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
-        x0, prob, logprobs = self._predict(state, canvas, b)
+        x0, prob, logprobs = yield from self._predict(state, canvas, b)
         committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked) if has_mask else 0
         takes_all = has_mask and committed is not None and (committed == b.masked).all()
         edited = False
@@ -158,7 +160,7 @@ class MaskedBlockDecoder(Decoder):
         canvas.sync()
 
     def _predict(self, state: Any, canvas: Canvas, b: BlockState):
-        logits = self.adapter.predict(state, canvas.tokens, b.start, b.end)
+        logits = yield Forward(state, canvas.tokens, b.start, b.end)  # the driver answers it
         canvas.forwards += 1
         logprobs = log_softmax(self._suppressed(self.process(canvas, logits, None)))
         temperatures = self.options.temperature_schedule

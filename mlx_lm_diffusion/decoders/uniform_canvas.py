@@ -22,7 +22,7 @@ import numpy as np
 from mlx_arsenal.diffusion import StableConfidentStopping, linear_temperature, renoise, uniform_canvas
 
 from ..commit_rules import StepInputs
-from .base import BlockState, Canvas, Decoder, Queued, log_softmax, normalized_stats, queue
+from .base import BlockState, Canvas, Decoder, Forward, Queued, log_softmax, normalized_stats, queue
 
 # Generic options that mean nothing when every step re-decides every position.
 NOT_APPLICABLE = ("editing_threshold", "temperature_schedule", "schedule")
@@ -75,7 +75,7 @@ class UniformCanvasDecoder(Decoder):
         b.rule_state = o.rule.start_block(np.full(B, L), o.steps)
         for b.step in range(o.steps):
             noisy_canvas = mx.concatenate([canvas.tokens[:, :start], noisy, canvas.tokens[:, end:]], axis=1)
-            logits = self.process(canvas, a.predict(state, noisy_canvas, start, end), start)
+            logits = self.process(canvas, (yield Forward(state, noisy_canvas, start, end)), start)
             canvas.forwards += 1
             temperature = linear_temperature(o.steps - b.step, o.steps, t_min=settings["t_min"],
                                              t_max=settings["t_max"])
