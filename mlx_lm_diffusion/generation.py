@@ -13,6 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from model_adapters import adapter_for
 
+from .batch_generate import DiffusionBatchResponse, generate_batch  # noqa: F401 (mlx_lm.batch_generate's)
 from .engine import Engine, Step
 from .options import DecodeOptions, resolve
 
@@ -139,47 +140,3 @@ def generate(
         )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
-
-
-def generate_batch(
-    model: nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[Union[str, Sequence[int], mx.array]],
-    max_tokens: int = 256,
-    **kwargs,
-) -> tuple[List[List[int]], int]:
-    """Decode prompts of equal token length together; returns (tokens per row, forwards).
-
-    Each prompt is a string (encoded as `stream_generate` encodes it) or a list of
-    token ids. Each row stops at its own EOS (excluded from its tokens)."""
-    if isinstance(prompts, mx.array) and prompts.ndim == 2:  # (rows, length) token ids
-        prompts = prompts.tolist()
-    if isinstance(prompts, (str, mx.array)) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-    ):
-        raise ValueError("generate_batch takes a list of prompts (strings or token lists); wrap one prompt in a list")
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    prompts = [encode_prompt(tokenizer, p) for p in prompts or ()]
-    if not prompts:
-        raise ValueError("generate_batch needs one or more prompts")
-    lengths = sorted({len(p) for p in prompts})
-    if len(lengths) != 1:
-        raise ValueError(
-            f"generate_batch needs prompts of equal token length, got lengths {lengths}: "
-            "group the prompts by length, or call stream_generate for each"
-        )
-    adapter, options = _engine(model, tokenizer, len(prompts[0]), max_tokens, kwargs)
-    for p in prompts:
-        check_prompt(list(p), adapter.mask_id, adapter.vocab_size)
-    last = None
-    for last in Engine(adapter, options, keep_logprobs=False).run(mx.array(prompts)):
-        pass
-    P = len(prompts[0])
-    rows = []
-    for b in range(len(prompts)):
-        tokens = [int(t) for t in last.canvas[b, P : P + last.final[b]]]
-        if tokens and tokens[-1] in adapter.eos_ids:
-            tokens = tokens[:-1]
-        rows.append(tokens)
-    return rows, last.forwards
