@@ -43,8 +43,13 @@ What a client may do is bounded (mlx_lm.server leaves these open):
 * the server fails at start (one line on stderr, exit 2, before binding the port)
   when --model cannot be loaded or a flag cannot apply to a diffusion model.
 
-Diffusion models are served one request at a time (their prompt cache, a
-`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them).
+Diffusion requests are batched continuously (mlx_lm_diffusion.scheduler): one running
+batch per group of requests with the same family options, rows joining at the next step
+and leaving once done, at most --decode-concurrency rows a batch; each row gives the
+tokens the request gives alone. --no-batch serves one request at a time, as mlx_lm.server
+does for these models (their `compat.TokenCache` has no `merge`). The step-schedule
+endpoint decodes each request whole, between two batch steps (serial: it takes the
+same decode lock).
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
 from .protocol import run_request
+from .scheduler import Scheduler, prepare_job
 
 PROG = "mlx_lm_diffusion.server"
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
@@ -292,6 +298,9 @@ class DiffusionResponseGenerator(ResponseGenerator):
         for key, listed in self.listed.items():
             self.served.setdefault(listed, key)
         self.model_ids: List[str] = list(dict.fromkeys(self.listed.values()))
+        # Continuous batching (mlx_lm_diffusion.scheduler), started once the model loads;
+        # None with --no-batch: one request at a time, as before.
+        self.scheduler: Optional[Scheduler] = None
         super().__init__(model_provider, prompt_cache)
 
     def wait_loaded(self, timeout: Optional[float] = None) -> None:
@@ -364,8 +373,25 @@ class DiffusionResponseGenerator(ResponseGenerator):
             self.model_provider.reset()
             self.loaded.set()
             return
+        self._start_scheduler()
         self.loaded.set()
         super()._generate()  # load_default again: the same model key, no reload
+
+    def _start_scheduler(self) -> None:
+        model, cli = self.model_provider.model, self.cli_args
+        if is_diffusion_model(model) and not getattr(cli, "no_batch", False):
+            self.scheduler = Scheduler(model, self.model_provider.tokenizer, self.decode_lock,
+                                       getattr(cli, "decode_concurrency", 32))
+
+    def stop_and_join(self):
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        super().stop_and_join()
+
+    def _batched(self, request) -> bool:
+        """Whether the scheduler decodes this request (the served diffusion model, batching on)."""
+        return (self.scheduler is not None and self.model_provider.model is self.scheduler.model
+                and not any(mlx_server._image_parts(getattr(request[1], "messages", None) or [])))
 
     def _options(self, request) -> dict:
         return merge_options(self.defaults, getattr(request, "options", {}))
@@ -398,6 +424,11 @@ class DiffusionResponseGenerator(ResponseGenerator):
         return check
 
     def _serve_single(self, request, stream):
+        if self._batched(request):  # joins a running batch at its next step; returns at once
+            job = prepare_job(self, request)
+            if job is not None:
+                self.scheduler.submit(job)
+            return
         rqueue, req, _ = request
         options = self._options(req)
         check = self._canceller(req)
@@ -1367,6 +1398,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
     group.add_argument("--allow-client-chat-templates", action="store_true",
                        help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
+    group.add_argument("--no-batch", action="store_true",
+                       help="Serve one request at a time instead of continuous batching (the batch size "
+                            "is mlx_lm.server's --decode-concurrency)")
     group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
                             "(default 30)")

@@ -7,7 +7,8 @@ the logits its own `Adapter.predict` would return:
 
 - `bidirectional_batch` (LLaDA, Dream without a cache): the canvases right-padded to
   one width, padding keys masked out; positions start at 0 in every row, so RoPE needs
-  no offsets.
+  no offsets. Canvases of very different widths go to separate calls (`width_groups`):
+  every row of a call costs the widest row's full-canvas forward.
 - `block_causal_batch` (SDAR, LLaDA2 with or without the prefix cache): each row's
   window (cached prefix to the end of its attention block) left-padded to one width,
   RoPE rotated from each row's own offset (mlx-lm's attention takes `cache.offset` as a
@@ -15,8 +16,9 @@ the logits its own `Adapter.predict` would return:
   (left-padded) then the window, masked block-causally on each row's absolute
   positions. The rows' own KVCaches are then updated as `predict` would leave them.
 
-Widths are rounded up to a multiple of `BUCKET`, so that the shapes MLX builds kernels
-for stay few while rows join and leave.
+Widths are rounded up (canvases and cached prefixes to a multiple of `BUCKET`, windows
+to one of the attention block), so that the shapes MLX builds kernels for stay few
+while rows join and leave.
 """
 
 from __future__ import annotations
@@ -27,14 +29,36 @@ import mlx.core as mx
 import numpy as np
 
 BUCKET = 16  # padded widths are multiples of this
+WIDTH_SPREAD = 1.5  # canvases batched into one call differ in width by at most this factor
 
 
 def bucketed(width: int) -> int:
     return -(-width // BUCKET) * BUCKET
 
 
+def width_groups(widths: Sequence[int], spread: float = WIDTH_SPREAD) -> list:
+    """Indices of `widths` in groups whose widest is at most `spread` times the narrowest:
+    a short canvas padded to a long one would cost the long one's forward."""
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    groups: list = []
+    for i in order:
+        if groups and widths[i] <= spread * widths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int) -> list:
-    """Full-canvas bidirectional forwards of every row at once (no cache)."""
+    """Full-canvas bidirectional forwards: one model call per group of similar widths."""
+    out: list = [None] * len(requests)
+    for group in width_groups([r.canvas.shape[1] for r in requests]):
+        for i, logits in zip(group, _bidirectional_call(adapter, [requests[i] for i in group], shift)):
+            out[i] = logits
+    return out
+
+
+def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> list:
     lengths = [r.canvas.shape[1] for r in requests]
     width = max(lengths)
     if len(set(lengths)) > 1:
@@ -85,7 +109,8 @@ def block_causal_batch(adapter: Any, requests: Sequence[Any]) -> list:
     """Block-causal window forwards of every row at once (BlockCausalAdapter.predict's)."""
     block, layers = adapter.attention_block, len(adapter.model.layers)
     plans = [_window_plan(r, block) for r in requests]  # (offset, stop) per row
-    width = bucketed(max(stop - offset for offset, stop in plans))
+    # (windows span one or two attention blocks: a block multiple keeps the shapes few)
+    width = -(-max(stop - offset for offset, stop in plans) // block) * block
     stored = max(offset for offset, _ in plans)
     stored = bucketed(stored) if stored else 0
     tokens = mx.concatenate(
