@@ -13,10 +13,11 @@ advance) and leave as soon as they are done (first done, first out) or with `rem
 (a client that went away). Rows must share the family's own options (`options.family`:
 the adapter is configured once for all of them); generic options may differ per row.
 
-Randomness: each row draws from its own PRNG key (`mx.random.key(seed)`, split per
+Randomness: a seeded row draws from its own PRNG key (`mx.random.key(seed)`, split per
 draw as MLX's global generator splits its key), swapped into MLX's global generator
-while the row's code runs, so a row's draws do not depend on the other rows, and a
-seeded row draws exactly what `Engine.run` with that seed draws.
+while the row's code runs, so its draws do not depend on the other rows, and it draws
+exactly what `Engine.run` with that seed draws. Rows without a seed draw from the
+global generator (swapping costs a read-back of the key per resume).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class BatchRow:
     prompt_len: int
     options: ResolvedOptions
     steps: Iterator  # Engine.row_steps: yields Forward requests and Steps
-    key: mx.array  # this row's PRNG key
+    key: Optional[mx.array]  # this row's PRNG key (None: the global generator's)
     pending: Optional[Forward] = None  # the forward request waiting for the batch's forward
     last: Optional[Step] = None
     payload: Any = None  # the caller's (a server request)
@@ -91,7 +92,7 @@ class RunningBatch:
         if not self.rows:
             self.family = family_key(options)
         engine = Engine(self.adapter, options, keep_logprobs=self.keep_logprobs, pipeline=False)
-        key = mx.random.key(options.seed) if options.seed is not None else _fresh_key()
+        key = mx.random.key(options.seed) if options.seed is not None else None
         row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(mx.array([list(prompt)])), key,
                        payload=payload)
         self._next_id += 1
@@ -132,7 +133,8 @@ class RunningBatch:
     def _advance(self, row: BatchRow, reply: Optional[mx.array], events: list) -> None:
         """Resume the row (with its own PRNG key) until its next forward request, its
         end, or the step that makes it done."""
-        _use_key(row.key)
+        if row.key is not None:
+            _use_key(row.key)
         try:
             while True:
                 try:
@@ -153,7 +155,8 @@ class RunningBatch:
         except Exception as error:  # noqa: BLE001 (this row fails alone)
             self._fail(row, error, events)
         finally:
-            row.key = mx.random.state[0]
+            if row.key is not None:
+                row.key = mx.random.state[0]
 
     def _finish(self, row: BatchRow, events: list) -> None:
         self.rows.pop(row.id, None)
@@ -173,7 +176,3 @@ def _use_key(key: mx.array) -> None:
     high, low = key.tolist()
     mx.random.seed((int(high) << 32) | int(low))
 
-
-def _fresh_key() -> mx.array:
-    """A key for a row without a seed, drawn from the global generator."""
-    return mx.random.key(int(mx.random.randint(0, 2**31 - 1, ()).item()))

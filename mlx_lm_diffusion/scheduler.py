@@ -85,7 +85,7 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         adapter = adapter_for(model, tokenizer)
         fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
         decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
-                               sampler=_make_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
+                               sampler=_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
                                seed=args.seed, **fields)
         options = resolve(decode, adapter, len(prompt))
         drafts = generator._draft_sender(rqueue) if getattr(req, "drafts", False) else None
@@ -96,6 +96,12 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         return None
     rqueue.put(ctx)
     return job
+
+
+def _sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
+    """mlx_lm.server's sampler; None (the decoder's own argmax) at temperature 0, where
+    mlx-lm's is an argmax too, so that a greedy row reads nothing back to check it."""
+    return None if args.sampling.temperature == 0 else _make_sampler(args, tokenizer)
 
 
 _cache_lock = threading.Lock()  # the prompt cache is read on the generation thread, written here

@@ -199,13 +199,13 @@ def test_sigterm_finishes_running_rows_within_grace_cancels_the_rest(llada_path,
 
     from test_hardening import _events, _read_all, _start_server, _stop, request_bytes
 
-    grace = 4.0
+    grace = 15.0  # (the short row needs a few seconds on a loaded CPU; the long one a minute)
     proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace))
     try:
         long = long_stream(port)
         short = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
         short.sendall(request_bytes(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stream": True,
-                                                "max_tokens": 16, "block_length": 4}).encode()))
+                                                "max_tokens": 8, "block_length": 4}).encode()))
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         events = _events(_read_all(short))
