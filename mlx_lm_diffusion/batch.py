@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from model_adapters import Adapter
 
-from .decoders import Forward
+from .decoders import Forward, ReadBack
 from .engine import Engine, Step
 from .options import ResolvedOptions
 
@@ -44,6 +44,7 @@ class BatchRow:
     steps: Iterator  # Engine.row_steps: yields Forward requests and Steps
     key: Optional[mx.array]  # this row's PRNG key (None: the global generator's)
     pending: Optional[Forward] = None  # the forward request waiting for the batch's forward
+    reading: Optional[ReadBack] = None  # the arrays it reads back next, evaluated with the others
     last: Optional[Step] = None
     payload: Any = None  # the caller's (a server request)
     error: Optional[BaseException] = None
@@ -92,6 +93,7 @@ class RunningBatch:
         if not self.rows:
             self.family = family_key(options)
         engine = Engine(self.adapter, options, keep_logprobs=self.keep_logprobs, pipeline=False)
+        engine.decoder.queue_eagerly = False  # every row's step is evaluated at once (_settle)
         key = mx.random.key(options.seed) if options.seed is not None else None
         row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(mx.array([list(prompt)])), key,
                        payload=payload)
@@ -115,6 +117,7 @@ class RunningBatch:
         for row in list(self.rows.values()):
             if row.pending is None:
                 self._advance(row, None, events)
+        self._settle(events)
         waiting = [row for row in self.rows.values() if row.pending is not None]
         if not waiting:
             return events
@@ -128,7 +131,21 @@ class RunningBatch:
         for row, row_logits in zip(waiting, logits):
             row.pending = None
             self._advance(row, row_logits, events)
+        self._settle(events)
         return events
+
+    def _settle(self, events: list) -> None:
+        """Rows about to read arrays back: evaluate every row's at once (one wait for the
+        device, not one per row), then let them go on; repeat while some read again."""
+        for _ in range(64):  # (a row reads back at most twice between two forwards)
+            reading = [row for row in self.rows.values() if row.reading is not None]
+            if not reading:
+                return
+            mx.eval(*[a for row in reading for a in row.reading.arrays])
+            for row in reading:
+                row.reading = None
+                self._advance(row, None, events)
+        raise RuntimeError("batch rows kept reading back without a forward")
 
     def _advance(self, row: BatchRow, reply: Optional[mx.array], events: list) -> None:
         """Resume the row (with its own PRNG key) until its next forward request, its
@@ -145,6 +162,9 @@ class RunningBatch:
                 reply = None
                 if isinstance(item, Forward):
                     row.pending = item
+                    return
+                if isinstance(item, ReadBack):
+                    row.reading = item
                     return
                 row.last = item
                 done = bool(item.done[0])

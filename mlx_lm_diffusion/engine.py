@@ -28,7 +28,7 @@ from mlx_arsenal.diffusion import block_ranges
 
 from model_adapters import Adapter
 
-from .decoders import Canvas, Forward, Queued, decoder_class
+from .decoders import Canvas, Forward, Queued, ReadBack, decoder_class
 from .options import ResolvedOptions
 
 
@@ -87,6 +87,8 @@ def answered(requests: Iterator, predict: Callable[[Forward], mx.array]) -> Iter
             return
         if isinstance(item, Forward):
             reply = predict(item)
+        elif isinstance(item, ReadBack):
+            reply = None
         else:
             reply = None
             yield item
@@ -125,8 +127,9 @@ class Engine:
     def row_steps(self, prompt: mx.array):
         """One row's decode for a driver that batches forwards (mlx_lm_diffusion.batch):
         a generator yielding `Forward` requests, each to be answered with `send(logits)`,
-        and `Step`s (resumed with `send(None)`). No pipelining, no seeding: the driver
-        owns the PRNG (a key per row)."""
+        `ReadBack`s (the arrays it reads back next: evaluate them with every other row's)
+        and `Step`s (both resumed with `send(None)`). No pipelining, no seeding: the
+        driver owns the PRNG (a key per row)."""
         if prompt.ndim != 2 or prompt.shape != (1, prompt.shape[1]) or prompt.shape[1] < 1:
             raise ValueError("a batch row's prompt must be a (1, P) array of token ids with P >= 1")
         canvas = Canvas(prompt, self.decoder.canvas_length(prompt.shape[1]), self.decoder.fill)
@@ -137,10 +140,11 @@ class Engine:
                 item = requests.send(reply)
             except StopIteration:
                 return
-            if isinstance(item, Forward):
+            if isinstance(item, (Forward, ReadBack)):
                 reply = yield item
             else:
                 reply = None
+                yield ReadBack(tuple(a for a in (item.tokens, item.kept, item.confidence) if a is not None))
                 yield self._land(canvas, item)
 
     def _blocks(self, state, canvas: Canvas) -> Iterator[Queued]:

@@ -217,14 +217,13 @@ class Scheduler:
                 self._end(batch, row.payload, e)
         if not len(batch):
             return
-        with self.decode_lock:
-            events = batch.step()
-        for event in events:
-            try:
-                self._dispatch(batch, event)
-            except Exception as e:  # noqa: BLE001 (that request fails; the others go on)
-                if not event.row.payload.ended:
-                    self._end(batch, event.row.payload, e)
+        with self.decode_lock:  # (reading tokens and log-probs back is MLX work too)
+            for event in batch.step():
+                try:
+                    self._dispatch(batch, event)
+                except Exception as e:  # noqa: BLE001 (that request fails; the others go on)
+                    if not event.row.payload.ended:
+                        self._end(batch, event.row.payload, e)
 
     def _dispatch(self, batch: RunningBatch, event: RowEvent) -> None:
         job: Job = event.row.payload

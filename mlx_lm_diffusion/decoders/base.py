@@ -99,6 +99,15 @@ class Forward:
     end: int
 
 
+@dataclass
+class ReadBack:
+    """A decoder is about to read `arrays` back to the host. A driver of many decodes
+    evaluates every row's together (one wait instead of one per row); one decode's
+    driver just resumes (send None)."""
+
+    arrays: tuple
+
+
 def queue(canvas: Canvas, block: BlockState, kept: Optional[mx.array], block_over: bool,
           ran_forward: bool = True) -> Queued:
     return Queued(canvas.tokens, kept, block.confidence, canvas.forwards, (block.start, block.end),
@@ -140,6 +149,9 @@ class Decoder:
 
     def __init__(self, adapter: Any, options: Any, keep_logprobs: bool = True):
         self.adapter, self.options, self.keep_logprobs = adapter, options, keep_logprobs
+        # Queue each step's arrays as soon as they are built (one decode); a batch of
+        # decodes evaluates all rows' at once instead (mlx_lm_diffusion.batch).
+        self.queue_eagerly = True
 
     @classmethod
     def check_options(cls, values: dict, adapter: Any) -> None:

@@ -23,6 +23,7 @@ from .base import (
     Decoder,
     Forward,
     Queued,
+    ReadBack,
     greedy_proposal,
     log_softmax,
     normalized_entropy,
@@ -135,6 +136,7 @@ class MaskedBlockDecoder(Decoder):
                 edited = bool(mx.any(edit).item())
             self._apply(canvas, b, commit, x0, prob, logprobs)
         if committed is None:  # this step's tokens decide: read them back
+            yield ReadBack((canvas.tokens,))
             canvas.sync()
             b.masked = canvas.open_rows(b.start, b.end, mask_id).sum(axis=1)
         else:
@@ -180,7 +182,8 @@ class MaskedBlockDecoder(Decoder):
                 b.kept = mx.where(commit[..., None], logprobs, b.kept)
             b.confidence = mx.where(commit, prob, b.confidence)
         canvas.write(block, b.start)
-        mx.async_eval(canvas.tokens, b.kept, b.confidence)  # computes while the host goes on
+        if self.queue_eagerly:
+            mx.async_eval(canvas.tokens, b.kept, b.confidence)  # computes while the host goes on
 
     def _suppressed(self, logits: mx.array) -> mx.array:
         return logits if self.suppress is None else logits + self.suppress

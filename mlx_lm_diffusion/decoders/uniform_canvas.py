@@ -22,7 +22,7 @@ import numpy as np
 from mlx_arsenal.diffusion import StableConfidentStopping, linear_temperature, renoise, uniform_canvas
 
 from ..commit_rules import StepInputs
-from .base import BlockState, Canvas, Decoder, Forward, Queued, log_softmax, normalized_stats, queue
+from .base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack, log_softmax, normalized_stats, queue
 
 # Generic options that mean nothing when every step re-decides every position.
 NOT_APPLICABLE = ("editing_threshold", "temperature_schedule", "schedule")
@@ -96,6 +96,7 @@ class UniformCanvasDecoder(Decoder):
             kept = logprobs if kept is None else mx.where(frozen[..., None], kept, logprobs)
             stopped = stopped | stop(argmax, stats.entropy)
             canvas.tokens = mx.concatenate([canvas.tokens[:, :start], argmax, canvas.tokens[:, end:]], axis=1)
+            yield ReadBack((canvas.tokens, noisy, stopped, kept, b.confidence))
             mx.eval(canvas.tokens, noisy, stopped, kept, b.confidence)
             canvas.sync()
             yield queue(canvas, b, kept if self.keep_logprobs else None, False)
