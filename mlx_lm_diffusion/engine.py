@@ -5,7 +5,10 @@ A batched canvas (B, P + N) starts as the prompt followed by what the decoder fi
 the adapter chose (model_adapters: `Adapter.decoder`; mlx_lm_diffusion.decoders), which
 yields one queued step per model forward. The driver turns those into `Step`s: the
 draft canvas, how many generated tokens per row are final (can no longer change), which
-rows are done, and the forward count.
+rows are done, and the forward count. A decoder asks for each model forward by yielding a
+`Forward` request: `run()` answers it at once with `Adapter.predict`; a running batch of
+many single-row decodes (`row_steps`, mlx_lm_diffusion.batch) answers all rows' requests
+with one `Adapter.predict_batch`.
 
 Pipelining (as mlx-lm's generate_step does with async_eval): each step's arrays are
 queued with `mx.async_eval`, and when the decoder's control flow needs no step's tokens
