@@ -23,7 +23,7 @@ dropped and not counted, as mlx-lm's generate_step computes one token past the e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -107,16 +107,23 @@ class Engine:
         self.options = options
         self.decoder = decoder_class(adapter)(adapter, options, keep_logprobs)
         self.pipeline = pipeline  # False: read every step back before building the next
+        self.state: Any = None  # the adapter's state of the latest run
+        self.canvas: Optional[Canvas] = None  # ... and its canvas
         adapter.configure(options)  # the family's own switches (its options)
 
-    def run(self, prompt: mx.array) -> Iterator[Step]:
+    def run(self, prompt: mx.array, reuse: Any = None) -> Iterator[Step]:
+        """The decode's steps. `reuse`: a PrefixKV of the prompt's leading positions that the
+        adapter accepted (`Adapter.reuse_length`); the adapter's state stays in `self.state`
+        and its canvas in `self.canvas` (for `Adapter.export_prefix`)."""
         if prompt.ndim != 2 or prompt.shape[1] < 1:
             raise ValueError("prompt must be a (B, P) array of token ids with P >= 1")
         B, P = prompt.shape
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
         canvas = Canvas(prompt, self.decoder.canvas_length(P), self.decoder.fill)
-        state = self.adapter.start(prompt)
+        # (reuse passed only when given: adapters written before it take the prompt alone)
+        state = self.adapter.start(prompt) if reuse is None else self.adapter.start(prompt, reuse=reuse)
+        self.state, self.canvas = state, canvas
         predict = lambda f: self.adapter.predict(f.state, f.canvas, f.start, f.end)  # noqa: E731
         queued = answered(self._blocks(state, canvas), predict)
         land = lambda q: self._land(canvas, q)  # noqa: E731

@@ -15,6 +15,7 @@ from model_adapters import adapter_for
 
 from .batch_generate import DiffusionBatchResponse, generate_batch  # noqa: F401 (mlx_lm.batch_generate's)
 from .engine import Engine, Step
+from .kv_reuse import PromptReuse
 from .options import DecodeOptions, resolve
 
 
@@ -60,6 +61,7 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
     draft_callback: Optional[Callable[[Step], None]] = None,
+    prompt_kv: Optional[PromptReuse] = None,
     **kwargs,
 ) -> Iterator[DiffusionResponse]:
     """Yield one response per final token, strictly left to right (mlx-lm's contract).
@@ -67,6 +69,8 @@ def stream_generate(
     Options (keyword): sampler, logits_processors, block_length, steps, threshold,
     strategy, factor, entropy_bound, alg_temp, seed; `None` takes the family default.
     `draft_callback(step)` receives the whole draft canvas after every forward.
+    `prompt_kv` (mlx_lm_diffusion.kv_reuse.PromptReuse): the KV of the prompt's leading
+    tokens from an earlier decode, reused where the family's KV is exact.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
@@ -80,7 +84,9 @@ def stream_generate(
 
     tic = time.perf_counter()
     prompt_tps, emitted = 0.0, 0
-    for step in engine.run(mx.array([ids])):
+    prompt = mx.array([ids])
+    reuse = prompt_kv.plan(adapter, engine, prompt) if prompt_kv is not None else None
+    for step in engine.run(prompt, reuse=reuse):
         if step.forwards == 1:
             prompt_time = time.perf_counter() - tic
             prompt_tps = P / max(prompt_time, 1e-9)

@@ -190,6 +190,26 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
     )
 
 
+def forward_bound(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int) -> int:
+    """The most model forwards this decode can take: each block's step bound (the rule's
+    schedule, or one token per step, plus the editing passes), summed over the blocks."""
+    return decoder_class(adapter)(adapter, resolved, keep_logprobs=False).forward_bound(prompt_len)
+
+
+def check_forward_budget(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int,
+                         max_forwards: Optional[int]) -> int:
+    """Refuse (ValueError) a decode that could take more than `max_forwards` forwards; a
+    server checks this before anything runs. Returns the bound."""
+    bound = forward_bound(resolved, adapter, prompt_len)
+    if max_forwards is not None and bound > max_forwards:
+        raise ValueError(
+            f"this request could take up to {bound} model forwards (steps per block x blocks, "
+            f"plus editing passes); this server allows {max_forwards} per request: lower steps, "
+            "max_tokens or max_post_steps, or raise a block length"
+        )
+    return bound
+
+
 def _default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
@@ -267,4 +287,6 @@ __all__ = [
     "check_fields",
     "add_arguments",
     "resolve",
+    "forward_bound",
+    "check_forward_budget",
 ]

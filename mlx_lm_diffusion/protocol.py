@@ -20,7 +20,7 @@ Corrections to the spec, each deliberate:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import jsonschema
 import mlx.core as mx
@@ -29,8 +29,8 @@ import numpy as np
 from model_adapters import adapter_for
 
 from .commit_rules import Quota, StepInputs
-from .engine import Engine
-from .options import DecodeOptions, resolve, schema
+from .engine import Engine, Step
+from .options import DecodeOptions, check_forward_budget, resolve, schema
 from .schedules import GAMMAS, ScheduleQuota
 
 REQUEST_SCHEMA: dict = {
@@ -132,8 +132,11 @@ class ScheduleWithEarlyExit(ScheduleQuota):
         return commit
 
 
-def run_request(model, tokenizer, request: dict) -> dict:
-    """Decode one InferenceRequest; returns an InferenceResponse (a dict)."""
+def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None,
+                on_step: Optional[Callable[[Step], None]] = None) -> dict:
+    """Decode one InferenceRequest; returns an InferenceResponse (a dict). A request that
+    could take more than `max_forwards` forwards is refused (ValueError) before it runs;
+    `on_step` sees every step and may raise to stop the decode (a server's cancellation)."""
     validate_request(request)
     adapter = adapter_for(model, tokenizer)
     if adapter.mask_id is None:
@@ -154,9 +157,13 @@ def run_request(model, tokenizer, request: dict) -> dict:
         seed=request.get("seed"),
         cache=request.get("cache"),
     )
-    engine = Engine(adapter, resolve(options, adapter, P), keep_logprobs=False)
+    resolved = resolve(options, adapter, P)
+    check_forward_budget(resolved, adapter, P, max_forwards)
+    engine = Engine(adapter, resolved, keep_logprobs=False)
     trace, last, previous = [], None, np.array([prompt + [adapter.mask_id] * (total - P)])
     for last in engine.run(mx.array([prompt])):
+        if on_step is not None:
+            on_step(last)
         newly = np.flatnonzero((previous[0] == adapter.mask_id) & (last.canvas[0] != adapter.mask_id))
         if newly.size:
             trace.append({

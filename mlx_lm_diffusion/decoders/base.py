@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_arsenal.diffusion import TokenStats
+from mlx_arsenal.diffusion import TokenStats, block_ranges
 
 
 class Canvas:
@@ -164,6 +164,20 @@ class Decoder:
 
     def canvas_length(self, prompt_len: int) -> int:
         return self.options.max_tokens
+
+    def blocks(self, prompt_len: int) -> list:
+        """The (start, end) of each block the driver walks, in canvas positions."""
+        N = self.canvas_length(prompt_len)
+        return list(block_ranges(prompt_len, N, self.options.block_length, align=self.adapter.align_blocks))
+
+    def forward_bound(self, prompt_len: int) -> int:
+        """The most model forwards a decode can take (its rows may stop sooner): what a
+        server checks against its limit before anything runs."""
+        return sum(self.block_step_bound(end - start) for start, end in self.blocks(prompt_len))
+
+    def block_step_bound(self, width: int) -> int:
+        """The most steps (forwards) one block of `width` positions can take."""
+        raise NotImplementedError
 
     @property
     def fill(self) -> int:

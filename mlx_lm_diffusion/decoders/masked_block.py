@@ -63,6 +63,12 @@ class MaskedBlockDecoder(Decoder):
     def may_run_ahead(self) -> bool:
         return not (self.options.logits_processors or self.editing)
 
+    def block_step_bound(self, width: int) -> int:
+        # the rule's own bound, plus at most max_post_steps + 1 editing passes once the
+        # block is full
+        o = self.options
+        return o.rule.step_bound(o.steps, width) + (o.max_post_steps + 1) * self.editing
+
     def changing(self) -> bool:
         return self.editing  # an edit can revise a committed token until its block is over
 
@@ -70,9 +76,7 @@ class MaskedBlockDecoder(Decoder):
         """Steps until the block has no masks (and, with editing, no more edits)."""
         o, rule = self.options, self.options.rule
         b = self._start_block(state, canvas, start, end)
-        # A bound no rule may exceed: the rule's own, plus at most max_post_steps + 1
-        # editing passes once the block is full.
-        limit = rule.step_bound(o.steps, end - start) + (o.max_post_steps + 1) * self.editing
+        limit = self.block_step_bound(end - start)
         while True:
             if canvas.done.any():  # rows that finished commit nothing more
                 b.masked = b.masked * ~canvas.done

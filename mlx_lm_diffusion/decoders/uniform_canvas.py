@@ -58,6 +58,9 @@ class UniformCanvasDecoder(Decoder):
     def fill(self) -> int:
         return 0  # (positions not reached yet hold 0)
 
+    def block_step_bound(self, width: int) -> int:
+        return self.options.steps  # every canvas runs at most its steps
+
     def changing(self) -> bool:
         return True  # a canvas's tokens are final once the canvas is
 
