@@ -13,6 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from model_adapters import adapter_for
 
+from .batch_generate import DiffusionBatchResponse, generate_batch  # noqa: F401 (mlx_lm.batch_generate's)
 from .engine import Engine, Step
 from .infill import encode_suffix, suffix_seed
 from .kv_reuse import PromptReuse
@@ -151,51 +152,3 @@ def generate(
         )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
-
-
-def generate_batch(
-    model: nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[Union[str, Sequence[int], mx.array]],
-    max_tokens: int = 256,
-    suffix: Optional[Union[str, Sequence[int]]] = None,
-    **kwargs,
-) -> tuple[List[List[int]], int]:
-    """Decode prompts of equal token length together; returns (tokens per row, forwards).
-
-    Each prompt is a string (encoded as `stream_generate` encodes it) or a list of
-    token ids. Each row stops at its own EOS (excluded from its tokens). `suffix`: every
-    row infills before it (as `stream_generate`)."""
-    if isinstance(prompts, mx.array) and prompts.ndim == 2:  # (rows, length) token ids
-        prompts = prompts.tolist()
-    if isinstance(prompts, (str, mx.array)) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-    ):
-        raise ValueError("generate_batch takes a list of prompts (strings or token lists); wrap one prompt in a list")
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    prompts = [encode_prompt(tokenizer, p) for p in prompts or ()]
-    if not prompts:
-        raise ValueError("generate_batch needs one or more prompts")
-    lengths = sorted({len(p) for p in prompts})
-    if len(lengths) != 1:
-        raise ValueError(
-            f"generate_batch needs prompts of equal token length, got lengths {lengths}: "
-            "group the prompts by length, or call stream_generate for each"
-        )
-    suffix_ids = encode_suffix(tokenizer, suffix) or []
-    adapter, options = _engine(model, tokenizer, len(prompts[0]) + len(suffix_ids), max_tokens, kwargs)
-    for p in prompts:
-        check_prompt(list(p), adapter.mask_id, adapter.vocab_size)
-    seed = suffix_seed(adapter, options, suffix_ids, len(prompts)) if suffix_ids else None
-    last = None
-    for last in Engine(adapter, options, keep_logprobs=False).run(mx.array(prompts), seed):
-        pass
-    P = len(prompts[0])
-    rows = []
-    for b in range(len(prompts)):
-        tokens = [int(t) for t in last.canvas[b, P : P + last.final[b]]]
-        if tokens and tokens[-1] in adapter.eos_ids:
-            tokens = tokens[:-1]
-        rows.append(tokens)
-    return rows, last.forwards

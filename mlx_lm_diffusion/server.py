@@ -43,12 +43,18 @@ What a client may do is bounded (mlx_lm.server leaves these open):
 * the server fails at start (one line on stderr, exit 2, before binding the port)
   when --model cannot be loaded or a flag cannot apply to a diffusion model.
 
-Diffusion models are served one request at a time (their prompt cache, a
-`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them). For the
-families whose prompt KV is exact that cache also holds the KV of its leading tokens, so a
-request sharing a prefix with an earlier one prefills only the rest; usage's
-`prompt_tokens_details.cached_tokens` counts the positions reused, and GET /v1/stats
-reports running and queued requests and the prompt cache's occupancy (kv_reuse).
+Diffusion requests are batched continuously (mlx_lm_diffusion.scheduler): one running
+batch per group of requests with the same family options, rows joining at the next step
+and leaving once done, at most --decode-concurrency rows a batch; each row gives the
+tokens the request gives alone. --no-batch serves one request at a time, as mlx_lm.server
+does for these models (their `compat.TokenCache` has no `merge`). The step-schedule
+endpoint decodes each request whole, between two batch steps (serial: it takes the
+same decode lock). For the families whose prompt KV is exact, the prompt cache also holds
+the KV of its leading tokens: a request served one at a time (--no-batch) that shares a
+prefix with an earlier one prefills only the rest (batched rows re-read their whole prompt:
+KV reuse is not wired into the batch yet); usage's `prompt_tokens_details.cached_tokens`
+counts the positions the cache held, and GET /v1/stats reports running and queued requests
+and the prompt cache's occupancy (kv_reuse).
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ from .engine import Step
 from .install import install
 from .kv_reuse import CachedTokensTap, cache_occupancy
 from .protocol import run_request
+from .scheduler import Scheduler, prepare_job
 
 PROG = "mlx_lm_diffusion.server"
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
@@ -310,6 +317,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         for key, listed in self.listed.items():
             self.served.setdefault(listed, key)
         self.model_ids: List[str] = list(dict.fromkeys(self.listed.values()))
+        # Continuous batching (mlx_lm_diffusion.scheduler), started once the model loads;
+        # None with --no-batch: one request at a time, as before.
+        self.scheduler: Optional[Scheduler] = None
         super().__init__(model_provider, prompt_cache)
 
     def wait_loaded(self, timeout: Optional[float] = None) -> None:
@@ -394,8 +404,29 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             self.model_provider.reset()
             self.loaded.set()
             return
+        self._start_scheduler()
         self.loaded.set()
         super()._generate()  # load_default again: the same model key, no reload
+
+    def _start_scheduler(self) -> None:
+        model, cli = self.model_provider.model, self.cli_args
+        if is_diffusion_model(model) and not getattr(cli, "no_batch", False):
+            self.scheduler = Scheduler(model, self.model_provider.tokenizer, self.decode_lock,
+                                       getattr(cli, "decode_concurrency", 32))
+
+    def stop_and_join(self):
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        super().stop_and_join()
+
+    def _batched(self, request) -> bool:
+        """Whether the scheduler decodes this request (the served diffusion model, batching
+        on). Images, an infill's suffix and a response_format take the serial path, whose
+        decode applies them (a batch row knows none of them yet)."""
+        options = self._options(request[1])
+        return (self.scheduler is not None and self.model_provider.model is self.scheduler.model
+                and not any(mlx_server._image_parts(getattr(request[1], "messages", None) or []))
+                and all(options.get(name) is None for name in request_constraints.REQUEST_FIELDS))
 
     def _options(self, request) -> dict:
         return merge_options(self.defaults, getattr(request, "options", {}))
@@ -434,6 +465,11 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         return check
 
     def _serve_single(self, request, stream):
+        if self._batched(request):  # joins a running batch at its next step; returns at once
+            job = prepare_job(self, request)
+            if job is not None:
+                self.scheduler.submit(job)
+            return
         rqueue, req, _ = request
         options = self._options(req)
         check = self.agreed(self._canceller(req))  # (mlx.launch: rank 0 decides for every rank)
@@ -461,10 +497,14 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
     def stats(self) -> dict:
         """GET /v1/stats: decodes running and requests waiting (served one at a time: 0 or 1
         running) and the prompt cache's occupancy (kv_reuse.cache_occupancy)."""
+        running, queued = int(self.decode_lock.locked()), self.requests.qsize()
+        if self.scheduler is not None:  # batched: the rows decoding and the requests waiting for a row
+            batch = self.scheduler.stats()
+            running, queued = batch["running_rows"], queued + batch["queued_requests"]
         return {
             "object": "stats",
-            "running": int(self.decode_lock.locked()),
-            "queued": self.requests.qsize(),
+            "running": running,
+            "queued": queued,
             "prompt_cache": cache_occupancy(self.prompt_cache),
         }
 
@@ -1427,6 +1467,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
     group.add_argument("--allow-client-chat-templates", action="store_true",
                        help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
+    group.add_argument("--no-batch", action="store_true",
+                       help="Serve one request at a time instead of continuous batching (the batch size "
+                            "is mlx_lm.server's --decode-concurrency)")
     group.add_argument("--max-forwards", type=int, default=DEFAULT_MAX_FORWARDS,
                        help="Model forwards a request may take at most, from its settings (steps x blocks, "
                             f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})")

@@ -297,6 +297,12 @@ class Adapter:
     def finish_block(self, state: Any, canvas: mx.array, start: int, end: int) -> None:
         """Called once positions [start, end) are final (a cache may store them)."""
 
+    def predict_batch(self, requests: list) -> list:
+        """The logits `predict` gives for each of many decodes' forward requests
+        (mlx_lm_diffusion.decoders.Forward), from as few model calls as the family can
+        batch (model_adapters.batched); here, one call per request."""
+        return [self.predict(r.state, r.canvas, r.start, r.end) for r in requests]
+
 
 def _stop_ids(args: Any, tokenizer: Any) -> set[int]:
     """EOS ids from the config and the tokenizer; a pad id distinct from EOS stops too."""

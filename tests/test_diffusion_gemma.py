@@ -303,7 +303,8 @@ def test_eos_cuts_the_canvas_and_stops(gemma, monkeypatch):
 def test_options_and_seeds(gemma):
     model, tok = gemma
     kw = dict(max_tokens=16)
-    rows, forwards = mld.generate_batch(model, tok, [PROMPTS[0]], steps=3, seed=0, **kw)
+    out = mld.generate_batch(model, tok, [PROMPTS[0]], steps=3, seed=0, return_token_ids=True, **kw)
+    rows, forwards = out.token_ids, out.forwards[0]
     assert forwards <= 3 and len(rows[0]) == 16
     a = mld.generate(model, tok, PROMPTS[0], seed=5, **kw)
     assert a == mld.generate(model, tok, PROMPTS[0], seed=5, **kw)

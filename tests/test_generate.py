@@ -105,9 +105,9 @@ def test_eos_stops_early_and_is_never_text(family, request):
 def test_batch_rows_match_single_prompts(llada, dream):
     for model, tok in (llada, dream):
         a, b = PROMPT, [80, 81, 82, 83, 84, 85, 86]
-        rows, _ = mld.generate_batch(model, tok, [a, b], max_tokens=16, block_length=8)
+        rows = mld.generate_batch(model, tok, [a, b], max_tokens=16, block_length=8, return_token_ids=True).token_ids
         for prompt, row in zip((a, b), rows):
-            single, _ = mld.generate_batch(model, tok, [prompt], max_tokens=16, block_length=8)
+            single = mld.generate_batch(model, tok, [prompt], max_tokens=16, block_length=8, return_token_ids=True).token_ids
             assert row == single[0]
 
 

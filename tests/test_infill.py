@@ -199,7 +199,8 @@ def test_generate_batch_infills_each_row_as_alone(family, request):
 
     model, tok = request.getfixturevalue(family)
     prompts, suffix = [[72, 101, 108, 108], [5, 17, 99, 200]], SUFFIXES[0]
-    rows, _ = generate_batch(model, tok, prompts, max_tokens=12, block_length=4, threshold=0.5, suffix=suffix)
+    rows = generate_batch(model, tok, prompts, max_tokens=12, block_length=4, threshold=0.5, suffix=suffix,
+                          return_token_ids=True).token_ids
     for prompt, row in zip(prompts, rows):
         alone = [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=12, block_length=4,
                                                       threshold=0.5, suffix=suffix)]

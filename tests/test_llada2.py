@@ -292,7 +292,7 @@ def test_eos_stops_once_nothing_before_it_is_masked(llada2):
     out = list(api.stream_generate(model, tok, prompt, max_tokens=96, logits_processors=[eos_at(5)]))
     assert [r.finish_reason for r in out][-1] == "stop" and out[-1].token == LLADA2_EOS and len(out) == 6
     assert out[-1].forwards <= 32  # the later blocks were never decoded
-    rows, _ = api.generate_batch(model, tok, [prompt], max_tokens=96, logits_processors=[eos_at(5)])
+    rows = api.generate_batch(model, tok, [prompt], max_tokens=96, logits_processors=[eos_at(5)], return_token_ids=True).token_ids
     assert len(rows[0]) == 5
 
 

@@ -220,9 +220,9 @@ def test_generate_stream_batch_and_eos(sdar):
     assert [r.generation_tokens for r in responses] == list(range(1, len(responses) + 1))
     assert responses[-1].finish_reason in ("stop", "length") and SDAR_MASK not in [r.token for r in responses]
     a, b = PROMPTS[0], [80, 81, 82, 83, 84]
-    rows, _ = api.generate_batch(model, tok, [a, b], max_tokens=10)
+    rows = api.generate_batch(model, tok, [a, b], max_tokens=10, return_token_ids=True).token_ids
     for prompt, row in zip((a, b), rows):
-        assert row == api.generate_batch(model, tok, [prompt], max_tokens=10)[0][0]
+        assert row == api.generate_batch(model, tok, [prompt], max_tokens=10, return_token_ids=True).token_ids[0]
 
     prompt = PROMPTS[1]  # 8 tokens: blocks start on the boundary
 

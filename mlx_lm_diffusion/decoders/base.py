@@ -107,6 +107,28 @@ class Queued:
     ran_forward: bool
 
 
+@dataclass
+class Forward:
+    """A decoder's request for the logits (B, end - start, V) of positions [start, end) of
+    `canvas` (`Adapter.predict`'s arguments). Decoders yield it and receive the logits
+    back (generator `send`), so that a driver can answer the requests of many decodes
+    with one batched forward (mlx_lm_diffusion.batch) or one decode's at once (Engine)."""
+
+    state: Any
+    canvas: mx.array
+    start: int
+    end: int
+
+
+@dataclass
+class ReadBack:
+    """A decoder is about to read `arrays` back to the host. A driver of many decodes
+    evaluates every row's together (one wait instead of one per row); one decode's
+    driver just resumes (send None)."""
+
+    arrays: tuple
+
+
 def queue(canvas: Canvas, block: BlockState, kept: Optional[mx.array], block_over: bool,
           ran_forward: bool = True) -> Queued:
     return Queued(canvas.tokens, kept, block.confidence, canvas.forwards, (block.start, block.end),
@@ -148,6 +170,9 @@ class Decoder:
 
     def __init__(self, adapter: Any, options: Any, keep_logprobs: bool = True):
         self.adapter, self.options, self.keep_logprobs = adapter, options, keep_logprobs
+        # Queue each step's arrays as soon as they are built (one decode); a batch of
+        # decodes evaluates all rows' at once instead (mlx_lm_diffusion.batch).
+        self.queue_eagerly = True
 
     @classmethod
     def check_options(cls, values: dict, adapter: Any) -> None:

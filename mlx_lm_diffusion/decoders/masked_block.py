@@ -23,7 +23,9 @@ from .base import (
     BlockState,
     Canvas,
     Decoder,
+    Forward,
     Queued,
+    ReadBack,
     greedy_proposal,
     log_softmax,
     normalized_entropy,
@@ -97,7 +99,7 @@ class MaskedBlockDecoder(Decoder):
                     break
             if b.step >= limit:
                 raise RuntimeError(f"{rule.name} did not finish a block within {limit} steps")
-            edited = self._step(state, canvas, b, has_mask)
+            edited = yield from self._step(state, canvas, b, has_mask)
             block_over = self.editing and not has_mask and not edited
             yield queue(canvas, b, b.kept, block_over)
             b.step += 1
@@ -118,10 +120,11 @@ class MaskedBlockDecoder(Decoder):
         b.rule_state = self.options.rule.start_block(b.masked, self.options.steps)
         return b
 
-    def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool) -> bool:
-        """One forward and its commits; returns whether a committed token was edited."""
+    def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool):
+        """One forward and its commits (a generator: it yields the forward it needs);
+        returns whether a committed token was edited."""
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
-        x0, prob, logprobs, logits = self._predict(state, canvas, b)
+        x0, prob, logprobs, logits = yield from self._predict(state, canvas, b)
         # Under processors a block may outlast the rule's schedule (one commit per step at
         # least): past it the rule selects nothing and the walk commits the next token.
         past_rule = self.ordered is not None and b.step >= rule.step_bound(o.steps, b.end - b.start)
@@ -161,6 +164,7 @@ class MaskedBlockDecoder(Decoder):
                 edited = bool(mx.any(edit).item())
             self._apply(canvas, b, commit, x0, prob, logprobs)
         if committed is None:  # this step's tokens decide: read them back
+            yield ReadBack((canvas.tokens,))
             canvas.sync()
             b.masked = canvas.open_rows(b.start, b.end, mask_id).sum(axis=1)
         else:
@@ -189,7 +193,7 @@ class MaskedBlockDecoder(Decoder):
         canvas.sync()
 
     def _predict(self, state: Any, canvas: Canvas, b: BlockState):
-        logits = self.adapter.predict(state, canvas.tokens, b.start, b.end)
+        logits = yield Forward(state, canvas.tokens, b.start, b.end)  # the driver answers it
         canvas.forwards += 1
         logits = self._suppressed(self.process(logits))
         logprobs = log_softmax(logits)
@@ -220,7 +224,8 @@ class MaskedBlockDecoder(Decoder):
                 b.kept = mx.where(commit[..., None], logprobs, b.kept)
             b.confidence = mx.where(commit, prob, b.confidence)
         canvas.write(block, b.start)
-        mx.async_eval(canvas.tokens, b.kept, b.confidence)  # computes while the host goes on
+        if self.queue_eagerly:
+            mx.async_eval(canvas.tokens, b.kept, b.confidence)  # computes while the host goes on
 
     def _suppressed(self, logits: mx.array) -> mx.array:
         return logits if self.suppress is None else logits + self.suppress

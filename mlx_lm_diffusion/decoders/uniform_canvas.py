@@ -22,7 +22,7 @@ import numpy as np
 from mlx_arsenal.diffusion import StableConfidentStopping, linear_temperature, renoise, uniform_canvas
 
 from ..commit_rules import StepInputs
-from .base import BlockState, Canvas, Decoder, Queued, log_softmax, normalized_stats, queue
+from .base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack, log_softmax, normalized_stats, queue
 
 # Generic options that mean nothing when every step re-decides every position.
 NOT_APPLICABLE = ("editing_threshold", "temperature_schedule", "schedule")
@@ -90,7 +90,7 @@ class UniformCanvasDecoder(Decoder):
         b.rule_state = o.rule.start_block(open_count, o.steps)
         for b.step in range(o.steps):
             noisy_canvas = mx.concatenate([canvas.tokens[:, :start], noisy, canvas.tokens[:, end:]], axis=1)
-            logits = self.process(a.predict(state, noisy_canvas, start, end))
+            logits = self.process((yield Forward(state, noisy_canvas, start, end)))
             canvas.forwards += 1
             temperature = linear_temperature(o.steps - b.step, o.steps, t_min=settings["t_min"],
                                              t_max=settings["t_max"])
@@ -114,6 +114,7 @@ class UniformCanvasDecoder(Decoder):
             kept = logprobs if kept is None else mx.where(frozen[..., None], kept, logprobs)
             stopped = stopped | stop(argmax, entropy)
             canvas.tokens = mx.concatenate([canvas.tokens[:, :start], argmax, canvas.tokens[:, end:]], axis=1)
+            yield ReadBack((canvas.tokens, noisy, stopped, kept, b.confidence))
             mx.eval(canvas.tokens, noisy, stopped, kept, b.confidence)
             canvas.sync()
             yield queue(canvas, b, kept if self.keep_logprobs else None, False)
