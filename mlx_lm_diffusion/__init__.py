@@ -55,6 +55,7 @@ def load(
     autoregressive: bool = False,
     adapter_path: Optional[str] = None,
     trust_remote_code: bool = False,
+    group: Any = None,
 ):
     """Load a diffusion checkpoint (Hugging Face layout or converted MLX) with mlx-lm's
     own loader; returns (model, tokenizer) as `mlx_lm.load` does, or (model, processor)
@@ -69,7 +70,11 @@ def load(
     code? [y/N]") nor waits. A `trust_remote_code` in `tokenizer_config` wins.
 
     With `autoregressive=True` any mlx-lm causal LM loads too and is decoded through
-    the "ar" adapter (a degenerate diffusion model: model_adapters.ar)."""
+    the "ar" adapter (a degenerate diffusion model: model_adapters.ar).
+
+    With `group` (an `mx.distributed.Group` of more than one process, e.g.
+    `mx.distributed.init()` under mlx.launch) the weights are loaded lazily and only
+    this rank's shard is read (tensor parallelism: mlx_lm_diffusion.distributed)."""
     from mlx_lm.utils import _download, load as mlx_lm_load, load_config
 
     _check_local_path(path_or_hf_repo)
@@ -83,13 +88,19 @@ def load(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
+        sharded = group is not None and group.size() > 1
         model, tokenizer = mlx_lm_load(
             str(model_path),
             tokenizer_config={"trust_remote_code": bool(trust_remote_code), **(tokenizer_config or {})},
             model_config=model_config,
             adapter_path=adapter_path,
+            lazy=sharded,
             trust_remote_code=bool(trust_remote_code),
         )
+        if sharded:
+            from .distributed import shard_loaded
+
+            shard_loaded(model, group)
         processor = _processor(model, model_path, config)
         if processor is None:
             return model, tokenizer

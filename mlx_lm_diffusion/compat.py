@@ -33,6 +33,7 @@ from model_adapters import adapter_for
 from .engine import Step
 from .generation import DiffusionResponse, check_prompt, encode_prompt
 from .generation import stream_generate as diffusion_stream_generate
+from . import request_constraints
 from .kv_reuse import PromptReuse
 from .options import DecodeOptions, add_arguments, check_fields, check_forward_budget, named_options, resolve
 from .prompt_cache import TokenCache, make_prompt_cache
@@ -117,6 +118,7 @@ def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_t
     resolved = resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
     check_forward_budget(resolved, adapter, len(ids), max_forwards)
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
+    request_constraints.check(adapter, tokenizer, len(ids), max_tokens, options, check_decode_fields(fields))
     return max_tokens
 
 
@@ -147,6 +149,7 @@ def stream_generate(
     caches = _token_caches(kwargs.pop("prompt_cache", None))
     progress = kwargs.pop("prompt_progress_callback", None)
     options = {**current_request_options(), **kwargs}
+    options = request_constraints.apply(options, model, tokenizer)  # (a fresh grammar per decode)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     new = encode_prompt(tokenizer, prompt)

@@ -44,12 +44,18 @@ What a client may do is bounded (mlx_lm.server leaves these open):
 * the server fails at start (one line on stderr, exit 2, before binding the port)
   when --model cannot be loaded or a flag cannot apply to a diffusion model.
 
-Diffusion models are served one request at a time (their prompt cache, a
-`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them). For the
-families whose prompt KV is exact that cache also holds the KV of its leading tokens, so a
-request sharing a prefix with an earlier one prefills only the rest; usage's
-`prompt_tokens_details.cached_tokens` counts the positions reused, and GET /v1/stats
-reports running and queued requests and the prompt cache's occupancy (kv_reuse).
+Diffusion requests are batched continuously (mlx_lm_diffusion.scheduler): one running
+batch per group of requests with the same family options, rows joining at the next step
+and leaving once done, at most --decode-concurrency rows a batch; each row gives the
+tokens the request gives alone. --no-batch serves one request at a time, as mlx_lm.server
+does for these models (their `compat.TokenCache` has no `merge`). The step-schedule
+endpoint decodes each request whole, between two batch steps (serial: it takes the
+same decode lock). For the families whose prompt KV is exact, the prompt cache also holds
+the KV of its leading tokens: a request served one at a time (--no-batch) that shares a
+prefix with an earlier one prefills only the rest (batched rows re-read their whole prompt:
+KV reuse is not wired into the batch yet); usage's `prompt_tokens_details.cached_tokens`
+counts the positions the cache held, and GET /v1/stats reports running and queued requests
+and the prompt cache's occupancy (kv_reuse).
 """
 
 from __future__ import annotations
@@ -91,12 +97,13 @@ from mlx_lm.utils import _parse_size
 
 from model_adapters import adapter_for, is_diffusion_model
 
-from . import compat, images
+from . import compat, distributed, distributed_server, images, request_constraints
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
 from .kv_reuse import CachedTokensTap, cache_occupancy
 from .protocol import run_request
+from .scheduler import Scheduler, prepare_job
 
 PROG = "mlx_lm_diffusion.server"
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
@@ -129,7 +136,8 @@ INAPPLICABLE_FLAGS = {
     "kv_group_size": ("--kv-group-size", "a diffusion model keeps no key/value cache to quantize"),
     "quantized_kv_start": ("--quantized-kv-start", "a diffusion model keeps no key/value cache to quantize"),
     "prefill_step_size": ("--prefill-step-size", "a diffusion model has no prefill"),
-    "pipeline": ("--pipeline", "distributed serving is not supported for diffusion models"),
+    "pipeline": ("--pipeline", "pipeline parallelism is not supported for diffusion models; tensor "
+                 "parallelism is (mlx.launch without --pipeline)"),
 }
 
 # the NOFILE limits this process started with, before mlx_lm.utils set (2048, 4096);
@@ -210,10 +218,18 @@ class DiffusionRequest(CompletionRequest):
     images: list = field(default_factory=list)  # decoded on the handler thread (images.py)
     image_prompt: Optional[List[int]] = None  # their prompt, built by the processor
 
+    # mlx.launch: the other ranks receive the request without this process's channels
+    def __getstate__(self):
+        return distributed_server.request_state(self)
+
+    def __setstate__(self, state):
+        distributed_server.restore_request(self, state)
+
 
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
     """The decoding fields and the `drafts` flag of a JSON body, checked (ValueError)."""
     options = compat.check_decode_fields({k: body[k] for k in compat.DECODE_FIELDS if k in body})
+    options.update(request_constraints.parse_fields(body))  # suffix, response_format
     drafts = body.get("drafts", False)
     if drafts is None:
         drafts = False
@@ -279,7 +295,7 @@ def _model_id(name: str) -> str:
     return str(path.resolve()) if path.exists() else name
 
 
-class DiffusionResponseGenerator(ResponseGenerator):
+class DiffusionResponseGenerator(distributed_server.DistributedGeneration, ResponseGenerator):
     """mlx_lm.server's generation loop, with decoding options, drafts, up-front checks,
     the served-model allow-list and per-step cancellation."""
 
@@ -304,6 +320,9 @@ class DiffusionResponseGenerator(ResponseGenerator):
         for key, listed in self.listed.items():
             self.served.setdefault(listed, key)
         self.model_ids: List[str] = list(dict.fromkeys(self.listed.values()))
+        # Continuous batching (mlx_lm_diffusion.scheduler), started once the model loads;
+        # None with --no-batch: one request at a time, as before.
+        self.scheduler: Optional[Scheduler] = None
         super().__init__(model_provider, prompt_cache)
 
     def wait_loaded(self, timeout: Optional[float] = None) -> None:
@@ -322,6 +341,8 @@ class DiffusionResponseGenerator(ResponseGenerator):
             model, tokenizer = self.model_provider.model, self.model_provider.tokenizer
             if model is None:
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
+            if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
+                raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
             return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
                                on_step=lambda step: self._check_cancel(cancel))
 
@@ -386,8 +407,29 @@ class DiffusionResponseGenerator(ResponseGenerator):
             self.model_provider.reset()
             self.loaded.set()
             return
+        self._start_scheduler()
         self.loaded.set()
         super()._generate()  # load_default again: the same model key, no reload
+
+    def _start_scheduler(self) -> None:
+        model, cli = self.model_provider.model, self.cli_args
+        if is_diffusion_model(model) and not getattr(cli, "no_batch", False):
+            self.scheduler = Scheduler(model, self.model_provider.tokenizer, self.decode_lock,
+                                       getattr(cli, "decode_concurrency", 32))
+
+    def stop_and_join(self):
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        super().stop_and_join()
+
+    def _batched(self, request) -> bool:
+        """Whether the scheduler decodes this request (the served diffusion model, batching
+        on). Images, an infill's suffix and a response_format take the serial path, whose
+        decode applies them (a batch row knows none of them yet)."""
+        options = self._options(request[1])
+        return (self.scheduler is not None and self.model_provider.model is self.scheduler.model
+                and not any(mlx_server._image_parts(getattr(request[1], "messages", None) or []))
+                and all(options.get(name) is None for name in request_constraints.REQUEST_FIELDS))
 
     def _options(self, request) -> dict:
         return merge_options(self.defaults, getattr(request, "options", {}))
@@ -406,6 +448,11 @@ class DiffusionResponseGenerator(ResponseGenerator):
                                      max_forwards=self.max_forwards)
             except (ValueError, TypeError) as e:
                 raise RequestError(str(e)) from e
+        else:  # mlx-lm's own decode would ignore them
+            try:
+                request_constraints.refuse_unserved(self._options(request))
+            except ValueError as e:
+                raise RequestError(str(e)) from e
         return result
 
     @staticmethod
@@ -423,9 +470,14 @@ class DiffusionResponseGenerator(ResponseGenerator):
         return check
 
     def _serve_single(self, request, stream):
+        if self._batched(request):  # joins a running batch at its next step; returns at once
+            job = prepare_job(self, request)
+            if job is not None:
+                self.scheduler.submit(job)
+            return
         rqueue, req, _ = request
         options = self._options(req)
-        check = self._canceller(req)
+        check = self.agreed(self._canceller(req))  # (mlx.launch: rank 0 decides for every rank)
         if is_diffusion_model(self.model_provider.model):
             # usage's cached_tokens: the prompt positions whose KV the decode reused
             tap = CachedTokensTap(rqueue)
@@ -448,7 +500,7 @@ class DiffusionResponseGenerator(ResponseGenerator):
         with self.decode_lock, compat.request_options(**options):
             try:
                 check()
-            except (RequestError, ClientGone) as e:
+            except (RequestError, ClientGone, distributed.StoppedByLeader) as e:
                 rqueue.put(e)
                 return
             super()._serve_single(request, stream)
@@ -466,10 +518,14 @@ class DiffusionResponseGenerator(ResponseGenerator):
     def stats(self) -> dict:
         """GET /v1/stats: decodes running and requests waiting (served one at a time: 0 or 1
         running) and the prompt cache's occupancy (kv_reuse.cache_occupancy)."""
+        running, queued = int(self.decode_lock.locked()), self.requests.qsize()
+        if self.scheduler is not None:  # batched: the rows decoding and the requests waiting for a row
+            batch = self.scheduler.stats()
+            running, queued = batch["running_rows"], queued + batch["queued_requests"]
         return {
             "object": "stats",
-            "running": int(self.decode_lock.locked()),
-            "queued": self.requests.qsize(),
+            "running": running,
+            "queued": queued,
             "prompt_cache": cache_occupancy(self.prompt_cache),
         }
 
@@ -1328,6 +1384,8 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
     generator = DiffusionResponseGenerator(provider, prompt_cache, compat.decode_defaults(args))
     try:
         generator.wait_loaded()
+        if not distributed.is_leader(generator.group):
+            return None, generator  # mlx.launch: rank 0 serves, this rank follows it
         try:
             httpd = make_http_server(args.host, args.port, generator)
         except OSError as e:
@@ -1431,6 +1489,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
     group.add_argument("--allow-client-chat-templates", action="store_true",
                        help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
+    group.add_argument("--no-batch", action="store_true",
+                       help="Serve one request at a time instead of continuous batching (the batch size "
+                            "is mlx_lm.server's --decode-concurrency)")
     group.add_argument("--max-forwards", type=int, default=DEFAULT_MAX_FORWARDS,
                        help="Model forwards a request may take at most, from its settings (steps x blocks, "
                             f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})")
@@ -1515,6 +1576,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StartupError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    if httpd is None:
+        code = distributed_server.follow(generator)
+        return _exit_now(code) if argv is None else code
     host, port = httpd.server_address[:2]
     logging.info(f"Starting httpd at {host} on port {port}...")
     serving = threading.Thread(target=httpd.serve_forever, name="http-accept", daemon=True)
@@ -1522,6 +1586,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     while not stop.wait(0.5):
         if not serving.is_alive():
             break
+        if generator.group is not None and not generator.generation_available():
+            distributed.fail(generator.group, "the generation loop ended: the distributed group failed "
+                                              "(a peer rank died or lost its connection)")
     name = signal.Signals(signals[0]).name if signals else "stop"
     logging.info(f"{name}: no new connections; waiting up to {args.shutdown_grace:g} s for requests in flight")
     hurry = threading.Event()  # a second signal cancels what is left at once

@@ -28,6 +28,7 @@ class ArAdapter(Adapter):
     family = "autoregressive (any mlx-lm causal LM)"
     # One position per block and one step per block: next-token decoding.
     defaults = FamilyDefaults(block_length=1, strategy="low_confidence")
+    suffix_refusal = "its attention is causal: a token never sees text after it"
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model

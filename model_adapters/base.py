@@ -165,6 +165,32 @@ class DiffusionModel(nn.Module):
     def attention_mask(self, inputs: mx.array, cache: Optional[list]) -> Any:
         return None
 
+    # -- tensor parallelism (model_adapters.sharding)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Split the weights over `group` (mlx-lm's `Model.shard`; its `sharded_load` calls it)."""
+        from .sharding import shard_model
+
+        shard_model(self, group)
+
+    def shard_sizes(self) -> list:
+        """(what, size) pairs that the group size must divide."""
+        from .sharding import attention_sizes
+
+        return attention_sizes(self.args.text)
+
+    def shard_layers(self, group: mx.distributed.Group) -> None:
+        """The backbone's attention and MLPs: mlx-lm's own sharding of its module."""
+        from .sharding import shard_mlx_lm_layers
+
+        shard_mlx_lm_layers(self.args.text_module, getattr(self, self.backbone_name), group)
+
+    def shard_vocabulary(self, group: mx.distributed.Group) -> None:
+        """The embeddings and the head, split by vocabulary rows."""
+        from .sharding import shard_vocabulary
+
+        shard_vocabulary(self, group)
+
     def __call__(self, inputs: mx.array, cache: Optional[list] = None, mask: Any = None) -> mx.array:
         """Raw logits (B, L, V) with the attention the family trains with, unless `mask`
         is given (mlx-lm's own models would build a causal mask here)."""
@@ -206,6 +232,9 @@ class Adapter:
     # The family's own decoding options (model_adapters.option.Option), with their
     # defaults; the resolved values reach `configure` and the decoder as `options.family`.
     options: ClassVar[tuple] = ()
+    # Why text after the current block cannot condition it (infill with a suffix is then
+    # refused, mlx_lm_diffusion.infill); None: the attention sees the whole canvas.
+    suffix_refusal: ClassVar[Optional[str]] = None
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model
@@ -267,6 +296,12 @@ class Adapter:
 
     def finish_block(self, state: Any, canvas: mx.array, start: int, end: int) -> None:
         """Called once positions [start, end) are final (a cache may store them)."""
+
+    def predict_batch(self, requests: list) -> list:
+        """The logits `predict` gives for each of many decodes' forward requests
+        (mlx_lm_diffusion.decoders.Forward), from as few model calls as the family can
+        batch (model_adapters.batched); here, one call per request."""
+        return [self.predict(r.state, r.canvas, r.start, r.end) for r in requests]
 
 
 def _stop_ids(args: Any, tokenizer: Any) -> set[int]:

@@ -25,6 +25,7 @@ from mlx_arsenal.attention import block_causal_mask
 from mlx_lm.models.cache import KVCache
 
 from .base import Adapter as _BaseAdapter
+from .batched import block_causal_batch
 from .base import DiffusionModel
 from .prefix_kv import PrefixKV, block_causal, usable
 
@@ -86,6 +87,7 @@ class BlockCausalAdapter(_BaseAdapter):
     `defaults` and `attention_block` (the block size the model was trained with)."""
 
     align_blocks = True
+    suffix_refusal = "its attention is block-causal: a block attends only to the blocks before it"
     attention_block: int
 
     def __init__(self, model: Any, tokenizer: Any = None, use_cache: bool = True):
@@ -134,6 +136,11 @@ class BlockCausalAdapter(_BaseAdapter):
             for layer_cache in cache:
                 layer_cache.trim(stop - keep)
         return self.model.head(hidden[:, start - offset : end - offset])
+
+    def predict_batch(self, requests: list) -> list:
+        if len(requests) == 1:
+            return super().predict_batch(requests)
+        return block_causal_batch(self, requests)
 
     def finish_block(self, state: Optional[PrefixCache], canvas: mx.array, start: int, end: int) -> None:
         # Stored by the next forward, whose window begins at the cached prefix.

@@ -122,6 +122,7 @@ class Adapter(_BaseAdapter):
     # NVIDIA's model card: blocks of 32, confidence threshold 0.9 (>=, the most confident
     # always commits); causal context on.
     defaults = FamilyDefaults(block_length=32, strategy="threshold", threshold=0.9)
+    suffix_refusal = "a block attends to its causal prefix and to itself, never to text after it"
     options = (
         Option("causal_context", bool, "Nemotron-Labs Diffusion: encode the prefix causally and seed "
                "each block's first token from it (default on)", default=True),

@@ -316,7 +316,8 @@ def _failing_after(n):
     return failing
 
 
-def test_error_after_stream_began_is_an_sse_event(client, port, reference, monkeypatch):
+def test_error_after_stream_began_is_an_sse_event(client, port, reference, served, monkeypatch):
+    monkeypatch.setattr(served[1], "scheduler", None)  # the serial path (batched: test_scheduler)
     monkeypatch.setattr(mlx_lm.server, "stream_generate", _failing_after(2))
     body = json.dumps({"messages": USER, "stream": True, "logit_bias": NO_STOP}).encode()
     status, headers, data = exchange(port, request_bytes(body))
@@ -336,7 +337,7 @@ def test_error_after_stream_began_is_an_sse_event(client, port, reference, monke
     assert answer(client) == reference
 
 
-def test_responses_are_strict_json_even_with_non_finite_numbers(port, client, reference, monkeypatch):
+def test_responses_are_strict_json_even_with_non_finite_numbers(port, client, reference, served, monkeypatch):
     import dataclasses
 
     import mlx.core as mx
@@ -348,6 +349,7 @@ def test_responses_are_strict_json_even_with_non_finite_numbers(port, client, re
             fill = float("nan") if i % 2 else -float("inf")
             yield dataclasses.replace(r, logprobs=mx.full(r.logprobs.shape, fill))
 
+    monkeypatch.setattr(served[1], "scheduler", None)  # the serial path, where the poison goes in
     monkeypatch.setattr(mlx_lm.server, "stream_generate", poisoned)
 
     def strict(raw):
@@ -708,7 +710,8 @@ def test_sigterm_finishes_in_flight_cancels_the_rest_exits_0(llada_path, tmp_pat
     still streaming when the grace period ends gets an SSE error and [DONE], the one
     still queued a 503, and the server exits 0 without accepting new connections."""
     grace = 6.0
-    proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace))
+    # served one at a time, so that a request is still queued (batched: test_scheduler)
+    proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace), "--no-batch")
     try:
         results = {}
 
@@ -831,6 +834,9 @@ def test_base_dependencies_cover_what_the_server_imports():
     def owned_by(m, dists) -> bool:
         return any(d.lower().replace("_", "-") in dists for d in owners[m])
 
-    missing = {m: owners[m] for m in sorted(modules - own) if m in owners and not owned_by(m, required)
+    # The `constraints` extra (llguidance) is imported only when a grammar is asked for, and its
+    # absence is a clear error there (mlx_lm_diffusion.grammar): it need not be a base dependency.
+    optional = {name(r) for r in project["optional-dependencies"]["constraints"]}
+    missing = {m: owners[m] for m in sorted(modules - own) if m in owners and not owned_by(m, required | optional)
                and (m in top or not owned_by(m, vision))}
     assert not missing, f"imported but not base dependencies (nor the vision extra, lazily): {missing}"

@@ -303,7 +303,9 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant who answers in
 def served(request, sdar_path, llada_path):
     """(family, port, response generator) of an in-process server."""
     path = {"sdar": sdar_path, "llada": llada_path}[request.param]
-    argv = ["--model", str(path), "--port", "0", "--max-tokens", str(MAX_TOKENS), "--prompt-cache-bytes", "64MB"]
+    # one request at a time: the KV reuse path (batched rows re-read their whole prompt)
+    argv = ["--model", str(path), "--port", "0", "--max-tokens", str(MAX_TOKENS), "--prompt-cache-bytes", "64MB",
+            "--no-batch"]
     with running_server(argv) as (httpd, generator):
         yield request.param, httpd.server_address[1], generator
 

@@ -19,6 +19,7 @@ import pytest
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion import server as dserver
+from mlx_lm_diffusion.scheduler import Scheduler
 
 from checkpoints import EOS_ID, EOT_ID
 from serving import console_server, running_server
@@ -274,7 +275,15 @@ def test_disconnect_mid_stream_frees_the_server(client, port, monkeypatch):
             yielded[-1] += 1
             yield response
 
-    monkeypatch.setattr(mlx_lm.server, "stream_generate", counting)
+    monkeypatch.setattr(mlx_lm.server, "stream_generate", counting)  # served one at a time
+    emitted = {}  # batched (mlx_lm_diffusion.scheduler): tokens sent per request
+    emit = Scheduler._emit
+
+    def counting_emit(self, batch, job, step):
+        emit(self, batch, job, step)
+        emitted[id(job)] = job.emitted
+
+    monkeypatch.setattr(Scheduler, "_emit", counting_emit)
     max_tokens = 300
     body = {
         "messages": USER, "stream": True, "max_tokens": max_tokens,
@@ -294,6 +303,7 @@ def test_disconnect_mid_stream_frees_the_server(client, port, monkeypatch):
     sock.close()
     r = client.chat.completions.create(model="default_model", messages=USER)
     assert r.choices[0].finish_reason in ("stop", "length")
+    yielded = yielded or list(emitted.values())
     assert len(yielded) == 2
     assert yielded[0] < max_tokens  # the abandoned decode stopped early
 
