@@ -288,8 +288,8 @@ def test_text_requests_are_unchanged_by_the_processor(loaded):
     tok = images.text_tokenizer(processor)
     assert mld.generate(model, processor, "Hello", max_tokens=CANVAS, seed=3) == mld.generate(
         model, tok, "Hello", max_tokens=CANVAS, seed=3)
-    rows, _ = mld.generate_batch(model, processor, ["ab", "cd"], max_tokens=CANVAS, seed=1)
-    assert rows == mld.generate_batch(model, tok, ["ab", "cd"], max_tokens=CANVAS, seed=1)[0]
+    batch = mld.generate_batch(model, processor, ["ab", "cd"], max_tokens=CANVAS, seed=1)
+    assert batch.texts == mld.generate_batch(model, tok, ["ab", "cd"], max_tokens=CANVAS, seed=1).texts
 
 
 @pytest.mark.parametrize("source,word", [
