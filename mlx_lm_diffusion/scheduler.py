@@ -81,7 +81,7 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
                                 tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
                                 prompt=prompt)
-        ctx.prompt_cache_count = _cached_prefix(generator, prompt)
+        ctx.prompt_cache_count = 0  # usage's cached_tokens: a batch row re-reads its whole prompt
         adapter = adapter_for(model, tokenizer)
         fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
         decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
@@ -105,13 +105,6 @@ def _sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
 
 
 _cache_lock = threading.Lock()  # the prompt cache is read on the generation thread, written here
-
-
-def _cached_prefix(generator: Any, prompt: list) -> int:
-    """How many prompt tokens the prompt cache already held (the usage's cached_tokens)."""
-    with _cache_lock:
-        _, rest = generator.prompt_cache.fetch_nearest_cache(generator.model_provider.model_key, list(prompt))
-    return len(prompt) - len(rest)
 
 
 def _cache_writer(generator: Any) -> Callable[[list], None]:
