@@ -10,6 +10,7 @@ from model_adapters import FAMILIES, family_module, register
 
 register()  # mlx-lm resolves our model types from here on
 
+from . import generation_defaults  # noqa: E402
 from .engine import Engine, Step  # noqa: E402
 from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: E402
 from .install import install, uninstall  # noqa: E402
@@ -66,7 +67,11 @@ def load(
     code? [y/N]") nor waits. A `trust_remote_code` in `tokenizer_config` wins.
 
     With `autoregressive=True` any mlx-lm causal LM loads too and is decoded through
-    the "ar" adapter (a degenerate diffusion model: model_adapters.ar)."""
+    the "ar" adapter (a degenerate diffusion model: model_adapters.ar).
+
+    The checkpoint's generation_config.json gives the decoding defaults for what a call
+    leaves unset (block_length, steps, strategy, max_new_tokens, ...), over the family's
+    reference defaults: mlx_lm_diffusion.generation_defaults."""
     from mlx_lm.utils import _download, load as mlx_lm_load, load_config
 
     _check_local_path(path_or_hf_repo)
@@ -80,7 +85,7 @@ def load(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return mlx_lm_load(
+        model, tokenizer = mlx_lm_load(
             str(model_path),
             tokenizer_config={"trust_remote_code": bool(trust_remote_code), **(tokenizer_config or {})},
             model_config=model_config,
@@ -89,6 +94,9 @@ def load(
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+    # the checkpoint's decoding defaults (generation_config.json), below explicit options
+    generation_defaults.attach(model, model_path)
+    return model, tokenizer
 
 
 __all__ = [

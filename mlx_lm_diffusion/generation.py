@@ -47,7 +47,7 @@ def check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> Non
         raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
 
 
-def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, max_tokens: int, kwargs: dict):
+def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, max_tokens: Optional[int], kwargs: dict):
     adapter = adapter_for(model, tokenizer)
     options = DecodeOptions(max_tokens=max_tokens, **kwargs)  # (unknown names: TypeError)
     return adapter, resolve(options, adapter, prompt_len)
@@ -57,14 +57,15 @@ def stream_generate(
     model: nn.Module,
     tokenizer: Any,
     prompt: Union[str, Sequence[int], mx.array],
-    max_tokens: int = 256,
+    max_tokens: Optional[int] = None,
     draft_callback: Optional[Callable[[Step], None]] = None,
     **kwargs,
 ) -> Iterator[DiffusionResponse]:
     """Yield one response per final token, strictly left to right (mlx-lm's contract).
 
     Options (keyword): sampler, logits_processors, block_length, steps, threshold,
-    strategy, factor, entropy_bound, alg_temp, seed; `None` takes the family default.
+    strategy, factor, entropy_bound, alg_temp, seed; `None` (max_tokens too) takes the
+    checkpoint's default (generation_config.json, read by `load`), else the family's.
     `draft_callback(step)` receives the whole draft canvas after every forward.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -117,7 +118,7 @@ def generate(
     model: nn.Module,
     tokenizer: Any,
     prompt: Union[str, Sequence[int]],
-    max_tokens: int = 256,
+    max_tokens: Optional[int] = None,
     verbose: bool = False,
     **kwargs,
 ) -> str:
@@ -145,7 +146,7 @@ def generate_batch(
     model: nn.Module,
     tokenizer: Any,
     prompts: Sequence[Union[str, Sequence[int], mx.array]],
-    max_tokens: int = 256,
+    max_tokens: Optional[int] = None,
     **kwargs,
 ) -> tuple[List[List[int]], int]:
     """Decode prompts of equal token length together; returns (tokens per row, forwards).
