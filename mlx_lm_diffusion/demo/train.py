@@ -39,7 +39,8 @@ from mlx.utils import tree_flatten
 
 from model_adapters import llada
 
-from .problems import CANVAS_LENGTHS, CANVAS_WEIGHTS, CONTEXT, GEN_LENGTH, canvas_batch, held_out_problems
+from .problems import (CANVAS_LENGTHS, CANVAS_WEIGHTS, CONTEXT, GEN_LENGTH, TRAIN_MAX_CANVAS, canvas_batch,
+                       held_out_problems)
 from .vocab import EOS_ID, MASK_ID, VOCAB_SIZE, write_tokenizer
 
 MASK_EPS = 1e-3  # LLaDA's minimum mask probability
@@ -229,7 +230,7 @@ def train(
     n_heads: int = 4,
     mlp: int = 256,
     rope_theta: float = 500.0,
-    max_canvas: int = CONTEXT,
+    max_canvas: int = TRAIN_MAX_CANVAS,
     log_every: int = 50,
     eval_every: int = 0,
     eval_size: int = 256,
@@ -337,7 +338,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="Share of rows masked as a block decode sees them: all from a cut on")
     p.add_argument("--pad-weight", type=int, default=32,
                    help="The EOS padding of a row counts for at most this many positions")
-    p.add_argument("--max-canvas", type=int, default=CONTEXT, help="Longest training canvas")
+    p.add_argument("--max-canvas", type=int, default=TRAIN_MAX_CANVAS, help="Longest training canvas")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=4)
