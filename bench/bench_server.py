@@ -1,17 +1,15 @@
-"""Throughput and latency of the diffusion server under concurrent clients.
+"""Throughput and latency of the diffusion server under concurrent clients, batched
+(continuous batching, mlx_lm_diffusion.scheduler) against one request at a time (--no-batch).
 
-    python bench/bench_server.py [--model PATH] [--clients 8] [--requests 4] [--max-tokens 32]
+    python bench/bench_server.py [--clients 1 4 8 16] [--requests 16] [--max-tokens 32]
 
-Starts `mlx_lm_diffusion.server` in-process on 127.0.0.1 (a free port) and drives it
-with the `openai` client, side by side in one run:
-
-* library: the same decodes called directly (no HTTP), one after another;
-* serial:  one client, one request at a time;
-* concurrent: `--clients` clients, each sending `--requests` requests back to back.
-
-Reports requests/s and p50/p95 latency of each, and the ratios. Without --model a
-tiny random LLaDA checkpoint (tests/checkpoints.py) is written to a temporary folder.
-Diffusion requests are served one at a time, so concurrent latency includes queueing.
+Side by side in one run, for each micro model (tiny random checkpoints written by
+tests/checkpoints*.py: SDAR with block 4, LLaDA with block 32) two servers run
+in-process on 127.0.0.1, one batched and one with --no-batch; at each client count both
+serve the same `--requests` streamed chat requests (prompt lengths and max_tokens vary a
+little; temperature 0), the batched server first, then the serial one. Reported per
+mode: requests/s, generated tokens/s, p50/p95 latency, p50/p95 time to first token, and
+batched/serial throughput ratios. Timings on a shared CPU are noisy: read the ratios.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import statistics
 import sys
 import tempfile
 import threading
@@ -34,96 +31,116 @@ def percentile(values, q):
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def summary(name, latencies, wall):
-    return {
-        "mode": name,
-        "requests": len(latencies),
-        "req_per_s": len(latencies) / wall,
-        "p50_s": percentile(latencies, 0.5),
-        "p95_s": percentile(latencies, 0.95),
-        "mean_s": statistics.fmean(latencies),
-    }
+def checkpoints(folder: Path) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from checkpoints import write_llada
+    from checkpoints_block import write_sdar
+
+    return {"SDAR (block 4)": (str(write_sdar(folder / "sdar")), {}),
+            "LLaDA (block 32)": (str(write_llada(folder / "llada")), {"block_length": 32})}
+
+
+class Server:
+    """One in-process server and an openai client for it."""
+
+    def __init__(self, model_path: str, max_tokens: int, batched: bool):
+        import openai
+
+        from mlx_lm_diffusion import server
+
+        flags = ["--model", model_path, "--port", "0", "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
+        self.httpd, self.generator = server.start(server.parse_args(flags + ([] if batched else ["--no-batch"])))
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.httpd.server_address[1]}/v1",
+                                    api_key="unused", max_retries=0, timeout=600)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.generator.stop_and_join()
+
+    def ask(self, kw: dict) -> tuple:
+        """(latency, time to first token, completion tokens) of one streamed request."""
+        tic, first, tokens = time.perf_counter(), None, 0
+        stream = self.client.chat.completions.create(model="default_model", stream=True,
+                                                     stream_options={"include_usage": True}, **kw)
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.perf_counter() - tic
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        latency = time.perf_counter() - tic
+        return latency, first if first is not None else latency, tokens
+
+
+def requests(n: int, max_tokens: int, fields: dict) -> list:
+    return [dict(messages=[{"role": "user", "content": "Question " + "and more " * (i % 4) + f"{i}: what next?"}],
+                 max_tokens=max_tokens - (i % 3) * 4, temperature=0.0, extra_body=fields) for i in range(n)]
+
+
+def measure(server: Server, batch: list, clients: int) -> dict:
+    tic = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(server.ask, batch))
+    wall = time.perf_counter() - tic
+    latencies, ttfts, tokens = zip(*results)
+    return {"req_per_s": len(batch) / wall, "tok_per_s": sum(tokens) / wall,
+            "p50_s": percentile(latencies, 0.5), "p95_s": percentile(latencies, 0.95),
+            "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p95_s": percentile(ttfts, 0.95)}
+
+
+def bench_model(name: str, path: str, fields: dict, args) -> list:
+    servers = {"batched": Server(path, args.max_tokens, True), "serial": Server(path, args.max_tokens, False)}
+    rows = []
+    try:
+        for server in servers.values():  # warm up both
+            server.ask(requests(1, args.max_tokens, fields)[0])
+        for clients in args.clients:
+            batch = requests(args.requests, args.max_tokens, fields)
+            for mode, server in servers.items():
+                rows.append({"model": name, "clients": clients, "mode": mode, **measure(server, batch, clients)})
+                print_row(rows[-1], flush=True)
+    finally:
+        for server in servers.values():
+            server.close()
+    return rows
+
+
+HEADER = f"{'model':<18}{'clients':>8}{'mode':>9}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'ttft50':>8}{'ttft95':>8}"
+
+
+def print_row(r: dict, flush: bool = False) -> None:
+    print(f"{r['model']:<18}{r['clients']:>8}{r['mode']:>9}{r['req_per_s']:>8.2f}{r['tok_per_s']:>9.1f}"
+          f"{r['p50_s']:>8.2f}{r['p95_s']:>8.2f}{r['ttft_p50_s']:>8.2f}{r['ttft_p95_s']:>8.2f}", flush=flush)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="Checkpoint to serve (default: a tiny random LLaDA)")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--requests", type=int, default=4, help="Requests per client")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--requests", type=int, default=16, help="Requests per client count and mode")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--json", default=None, help="Also write the figures to this file")
     args = p.parse_args(argv)
 
-    import openai
     from transformers.utils import logging as hf_logging
 
-    from mlx_lm_diffusion import compat, server
-
     hf_logging.set_verbosity_error()
-    tmp = tempfile.TemporaryDirectory()
-    model_path = args.model
-    if model_path is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from checkpoints import write_llada
-
-        model_path = str(write_llada(Path(tmp.name) / "llada"))
-
-    server_args = server.parse_args(
-        ["--model", model_path, "--port", "0", "--max-tokens", str(args.max_tokens),
-         "--log-level", "WARNING"]
-    )
-    httpd, generator = server.start(server_args)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
-                           api_key="unused", max_retries=0, timeout=600)
-    total = args.clients * args.requests
-    prompts = [[{"role": "user", "content": f"Question number {i}: what happens next?"}]
-               for i in range(total)]
-
-    def ask(messages):
-        tic = time.perf_counter()
-        r = client.chat.completions.create(model="default_model", messages=messages, temperature=0)
-        return time.perf_counter() - tic, r.usage.completion_tokens
-
-    try:
-        ask(prompts[0])  # loads the model, warms up
-        model, tok = generator.model_provider.model, generator.model_provider.tokenizer
-
-        lib = []
-        tic = time.perf_counter()
-        for messages in prompts:
-            t = time.perf_counter()
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-            for _ in compat.stream_generate(model, tok, ids, max_tokens=args.max_tokens):
-                pass
-            lib.append(time.perf_counter() - t)
-        rows = [summary("library", lib, time.perf_counter() - tic)]
-
-        tic = time.perf_counter()
-        serial = [ask(m)[0] for m in prompts]
-        rows.append(summary("serial", serial, time.perf_counter() - tic))
-
-        def client_run(c):
-            return [ask(prompts[c * args.requests + i])[0] for i in range(args.requests)]
-
-        tic = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
-            together = [t for ts in pool.map(client_run, range(args.clients)) for t in ts]
-        rows.append(summary(f"concurrent x{args.clients}", together, time.perf_counter() - tic))
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        generator.stop_and_join()
-        tmp.cleanup()
-
-    print(f"model: {model_path}  max_tokens: {args.max_tokens}  requests per mode: {total}")
-    print(f"{'mode':<16}{'req/s':>9}{'p50 s':>9}{'p95 s':>9}{'mean s':>9}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        print(HEADER, flush=True)
+        for name, (path, fields) in checkpoints(Path(tmp)).items():
+            rows += bench_model(name, path, fields, args)
+    print(f"\nmax_tokens {args.max_tokens}, {args.requests} streamed requests per client count and mode\n")
+    print(HEADER)
     for r in rows:
-        print(f"{r['mode']:<16}{r['req_per_s']:>9.2f}{r['p50_s']:>9.3f}{r['p95_s']:>9.3f}{r['mean_s']:>9.3f}")
-    lib_rps, serial_rps, conc_rps = (r["req_per_s"] for r in rows)
-    print(f"serial server / library throughput: {serial_rps / lib_rps:.2f}")
-    print(f"concurrent / serial throughput:     {conc_rps / serial_rps:.2f}")
+        print_row(r)
+    print("\nbatched / serial generated tok/s:")
+    for r in rows:
+        if r["mode"] == "batched":
+            serial = next(s for s in rows if s["model"] == r["model"] and s["clients"] == r["clients"]
+                          and s["mode"] == "serial")
+            print(f"  {r['model']:<18} {r['clients']:>2} clients: {r['tok_per_s'] / serial['tok_per_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -56,6 +56,7 @@ def load(
     autoregressive: bool = False,
     adapter_path: Optional[str] = None,
     trust_remote_code: bool = False,
+    group: Any = None,
 ):
     """Load a diffusion checkpoint (Hugging Face layout or converted MLX) with mlx-lm's
     own loader; returns (model, tokenizer) as `mlx_lm.load` does.
@@ -71,7 +72,11 @@ def load(
 
     The checkpoint's generation_config.json gives the decoding defaults for what a call
     leaves unset (block_length, steps, strategy, max_new_tokens, ...), over the family's
-    reference defaults: mlx_lm_diffusion.generation_defaults."""
+    reference defaults: mlx_lm_diffusion.generation_defaults.
+
+    With `group` (an `mx.distributed.Group` of more than one process, e.g.
+    `mx.distributed.init()` under mlx.launch) the weights are loaded lazily and only
+    this rank's shard is read (tensor parallelism: mlx_lm_diffusion.distributed)."""
     from mlx_lm.utils import _download, load as mlx_lm_load, load_config
 
     _check_local_path(path_or_hf_repo)
@@ -85,13 +90,19 @@ def load(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
+        sharded = group is not None and group.size() > 1
         model, tokenizer = mlx_lm_load(
             str(model_path),
             tokenizer_config={"trust_remote_code": bool(trust_remote_code), **(tokenizer_config or {})},
             model_config=model_config,
             adapter_path=adapter_path,
+            lazy=sharded,
             trust_remote_code=bool(trust_remote_code),
         )
+        if sharded:
+            from .distributed import shard_loaded
+
+            shard_loaded(model, group)
     finally:
         hf_logging.set_verbosity(verbosity)
     # the checkpoint's decoding defaults (generation_config.json), below explicit options

@@ -9,7 +9,8 @@ whenever they like (stop strings, disconnects) and keep the cache under
 * `TokenCache`: LLaDA and Dream attend bidirectionally over the whole canvas, so no
   key/value state survives a decode. What a cache can honestly hold across calls is
   the token sequence it stands for; the next decode re-reads it as the start of its
-  prompt. It is trimmable (mlx-lm's LRU prompt cache trims to shared prefixes) and
+  prompt. For the exact-KV families it also holds the KV of its leading tokens, which
+  the next decode starts from (kv_reuse). It is trimmable (mlx-lm's LRU prompt cache trims to shared prefixes) and
   has no `merge`, so mlx-lm's server serves these models one request at a time
   instead of batching them as causal models.
 * `stream_generate`: mlx-lm's signature around `mlx_lm_diffusion.stream_generate`;
@@ -32,7 +33,9 @@ from model_adapters import adapter_for
 from .engine import Step
 from .generation import DiffusionResponse, check_prompt, encode_prompt
 from .generation import stream_generate as diffusion_stream_generate
-from .options import DecodeOptions, add_arguments, check_fields, named_options, resolve
+from . import request_constraints
+from .kv_reuse import PromptReuse
+from .options import DecodeOptions, add_arguments, check_fields, check_forward_budget, named_options, resolve
 from .prompt_cache import TokenCache, make_prompt_cache
 from .request_options import current_request_options, request_options
 
@@ -103,15 +106,19 @@ def fit_max_tokens(model: nn.Module, tokenizer: Any, prompt_len: int, max_tokens
     return room if max_tokens == -1 else min(max_tokens, room)
 
 
-def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_tokens: int, options: dict) -> int:
+def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_tokens: int, options: dict,
+                  max_forwards: Optional[int] = None) -> int:
     """Everything `stream_generate` would reject about a decode, checked up front (the
-    server answers it with a 400 before streaming). Returns the fitted max_tokens."""
+    server answers it with a 400 before streaming), and a decode that could take more
+    than `max_forwards` forwards. Returns the fitted max_tokens."""
     ids = list(prompt)
     max_tokens = fit_max_tokens(model, tokenizer, len(ids), max_tokens)
     adapter = adapter_for(model, tokenizer)
     fields = {k: v for k, v in options.items() if k in named_options()}
-    resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
+    resolved = resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
+    check_forward_budget(resolved, adapter, len(ids), max_forwards)
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
+    request_constraints.check(adapter, tokenizer, len(ids), max_tokens, options, check_decode_fields(fields))
     return max_tokens
 
 
@@ -142,6 +149,7 @@ def stream_generate(
     caches = _token_caches(kwargs.pop("prompt_cache", None))
     progress = kwargs.pop("prompt_progress_callback", None)
     options = {**current_request_options(), **kwargs}
+    options = request_constraints.apply(options, model, tokenizer)  # (a fresh grammar per decode)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     new = encode_prompt(tokenizer, prompt)
@@ -161,6 +169,11 @@ def _stream(
     options: dict,
 ) -> Iterator[DiffusionResponse]:
     user_callback = options.pop("draft_callback", None)
+    # (the server's: told how many prompt positions came from the cache's KV)
+    report_cached = options.pop("cached_tokens_callback", None)
+    # The KV of the cache's leading tokens (exact-KV families), and the decode's, left in
+    # the cache for the next call under "prompt + tokens yielded".
+    reuse = PromptReuse(caches[0].kv if caches else None)
 
     def on_step(step: Step) -> None:
         if progress is not None and step.forwards == 1:
@@ -170,11 +183,16 @@ def _stream(
 
     for cache in caches:  # the decode reads the whole prompt, as a prefill fills a KV cache
         cache.add(ids[cache.offset :])
+        cache.hold_kv(reuse.export)
     if progress is not None:
         progress(0, new_tokens)
+    first = True
     for response in diffusion_stream_generate(
-        model, tokenizer, ids, max_tokens, draft_callback=on_step, **options
+        model, tokenizer, ids, max_tokens, draft_callback=on_step, prompt_kv=reuse, **options
     ):
+        if first and report_cached is not None:
+            report_cached(reuse.reused)
+        first = False
         for cache in caches:
             cache.add([response.token])
         yield response

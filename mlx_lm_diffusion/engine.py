@@ -5,7 +5,10 @@ A batched canvas (B, P + N) starts as the prompt followed by what the decoder fi
 the adapter chose (model_adapters: `Adapter.decoder`; mlx_lm_diffusion.decoders), which
 yields one queued step per model forward. The driver turns those into `Step`s: the
 draft canvas, how many generated tokens per row are final (can no longer change), which
-rows are done, and the forward count.
+rows are done, and the forward count. A decoder asks for each model forward by yielding a
+`Forward` request: `run()` answers it at once with `Adapter.predict`; a running batch of
+many single-row decodes (`row_steps`, mlx_lm_diffusion.batch) answers all rows' requests
+with one `Adapter.predict_batch`.
 
 Pipelining (as mlx-lm's generate_step does with async_eval): each step's arrays are
 queued with `mx.async_eval`, and when the decoder's control flow needs no step's tokens
@@ -20,7 +23,7 @@ dropped and not counted, as mlx-lm's generate_step computes one token past the e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -28,7 +31,7 @@ from mlx_arsenal.diffusion import block_ranges
 
 from model_adapters import Adapter
 
-from .decoders import Canvas, Queued, decoder_class
+from .decoders import Canvas, Forward, Queued, ReadBack, decoder_class
 from .options import ResolvedOptions
 
 
@@ -76,6 +79,24 @@ def pipelined(queued: Iterator[Queued], land: Callable[[Queued], Step], finished
         yield land(pending)
 
 
+def answered(requests: Iterator, predict: Callable[[Forward], mx.array]) -> Iterator[Queued]:
+    """The queued steps of a decoder's generator, its forward requests answered at once
+    by `predict` (one decode: nothing to batch them with)."""
+    reply = None
+    while True:
+        try:
+            item = requests.send(reply)
+        except StopIteration:
+            return
+        if isinstance(item, Forward):
+            reply = predict(item)
+        elif isinstance(item, ReadBack):
+            reply = None
+        else:
+            reply = None
+            yield item
+
+
 class Engine:
     """Runs one resolved decode through an adapter; iterate `run()` for the steps."""
 
@@ -86,17 +107,27 @@ class Engine:
         self.options = options
         self.decoder = decoder_class(adapter)(adapter, options, keep_logprobs)
         self.pipeline = pipeline  # False: read every step back before building the next
+        self.state: Any = None  # the adapter's state of the latest run
+        self.canvas: Optional[Canvas] = None  # ... and its canvas
         adapter.configure(options)  # the family's own switches (its options)
 
-    def run(self, prompt: mx.array) -> Iterator[Step]:
+    def run(self, prompt: mx.array, seed: Optional[np.ndarray] = None, reuse: Any = None) -> Iterator[Step]:
+        """The decode's steps. `seed` (B, W), optional: the canvas after the prompt with
+        pinned tokens (FREE where the decoder fills in; see Canvas), built by
+        mlx_lm_diffusion.infill. `reuse`: a PrefixKV of the prompt's leading positions that the
+        adapter accepted (`Adapter.reuse_length`); the adapter's state stays in `self.state`
+        and its canvas in `self.canvas` (for `Adapter.export_prefix`)."""
         if prompt.ndim != 2 or prompt.shape[1] < 1:
             raise ValueError("prompt must be a (B, P) array of token ids with P >= 1")
         B, P = prompt.shape
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
-        canvas = Canvas(prompt, self.decoder.canvas_length(P), self.decoder.fill)
-        state = self.adapter.start(prompt)
-        queued = self._blocks(state, canvas)
+        canvas = Canvas(prompt, self.decoder.canvas_length(P), self.decoder.fill, seed)
+        # (reuse passed only when given: adapters written before it take the prompt alone)
+        state = self.adapter.start(prompt) if reuse is None else self.adapter.start(prompt, reuse=reuse)
+        self.state, self.canvas = state, canvas
+        predict = lambda f: self.adapter.predict(f.state, f.canvas, f.start, f.end)  # noqa: E731
+        queued = answered(self._blocks(state, canvas), predict)
         land = lambda q: self._land(canvas, q)  # noqa: E731
         # A queued step runs ahead of the host only where a stale `done` cannot change it:
         # one row (its decode ends when it is done) and a decoder that reads nothing back.
@@ -105,10 +136,32 @@ class Engine:
         else:
             yield from map(land, queued)
 
+    def row_steps(self, prompt: mx.array, seed: Optional[np.ndarray] = None):
+        """One row's decode for a driver that batches forwards (mlx_lm_diffusion.batch):
+        a generator yielding `Forward` requests, each to be answered with `send(logits)`,
+        `ReadBack`s (the arrays it reads back next: evaluate them with every other row's)
+        and `Step`s (both resumed with `send(None)`). No pipelining, no seeding: the
+        driver owns the PRNG (a key per row). `seed` (1, W): pinned tokens, as for `run`."""
+        if prompt.ndim != 2 or prompt.shape != (1, prompt.shape[1]) or prompt.shape[1] < 1:
+            raise ValueError("a batch row's prompt must be a (1, P) array of token ids with P >= 1")
+        canvas = Canvas(prompt, self.decoder.canvas_length(prompt.shape[1]), self.decoder.fill, seed)
+        requests = self._blocks(self.adapter.start(prompt), canvas)
+        reply = None
+        while True:
+            try:
+                item = requests.send(reply)
+            except StopIteration:
+                return
+            if isinstance(item, (Forward, ReadBack)):
+                reply = yield item
+            else:
+                reply = None
+                yield ReadBack(tuple(a for a in (item.tokens, item.kept, item.confidence) if a is not None))
+                yield self._land(canvas, item)
+
     def _blocks(self, state, canvas: Canvas) -> Iterator[Queued]:
         a, o = self.adapter, self.options
-        N = canvas.host.shape[1] - canvas.prompt_len
-        for start, end in block_ranges(canvas.prompt_len, N, o.block_length, align=a.align_blocks):
+        for start, end in block_ranges(canvas.prompt_len, canvas.generated, o.block_length, align=a.align_blocks):
             if canvas.done.all():
                 break
             yield from self.decoder.decode_block(state, canvas, start, end)
@@ -131,7 +184,7 @@ class Engine:
         max_tokens. Final tokens never change, so each call scans only the tokens after
         the last call's final prefix."""
         P, a = canvas.prompt_len, self.adapter
-        N = min(host.shape[1] - P, self.options.max_tokens)  # (a canvas may run past it)
+        N = min(canvas.generated, self.options.max_tokens)  # (a canvas may run past it)
         limit = min(horizon - P, N)
         final, done = canvas.final.copy(), canvas.done.copy()
         for b in range(len(done)):

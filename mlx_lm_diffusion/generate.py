@@ -25,6 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from model_adapters import adapter_for
 
+from . import distributed
 from .compat import add_decode_arguments, decode_defaults
 from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: F401
 
@@ -103,6 +104,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     verbose_flag(p)
     p.add_argument("--show-canvas", action="store_true",
                    help="Show the canvas being unmasked (on stderr); the answer is printed once final")
+    p.add_argument("--suffix", default=None,
+                   help="Infill: the text after the generated span (prompt, at most --max-tokens "
+                        "generated tokens, then this); the families that cannot attend to it refuse it")
     return add_decode_arguments(p)  # --block-length, --steps, --strategy, --threshold, ...
 
 
@@ -157,6 +161,15 @@ def make_cli_sampler(args: argparse.Namespace, tokenizer: TokenizerWrapper):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Under mlx.launch every rank runs this with the same flags (mlx_lm_diffusion.distributed).
+    group = distributed.launched_group()
+    with distributed.group_failures_end_the_process(group):
+        return _main(argv, group)
+
+
+def _main(argv: Optional[Sequence[str]], group=None) -> int:
+    run = distributed.DistributedRun(group)
+    run.silence()
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     refused = refused_flag(parser, args, REFUSED)
@@ -177,26 +190,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.model = str(DEMO_MODEL_PATH)
             print("no --model given: using the embedded demo model (adds two numbers, e.g. '357+468=')",
                   file=sys.stderr)
-        model, tokenizer = load_for_cli(args)
+        model, tokenizer = load_for_cli(args, group)
         for eos_token in args.extra_eos_token:
             tokenizer.add_eos_token(eos_token)
-        ids = _build_prompt(tokenizer, args)
+        ids = distributed.share_object(group, _build_prompt(tokenizer, args))  # (stdin: rank 0's)
+        if args.suffix is not None:
+            options["suffix"] = args.suffix.replace("\\n", "\n").replace("\\t", "\t")
         sampler = make_cli_sampler(args, tokenizer)
         if not args.show_canvas:
             text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
-                            sampler=sampler, seed=args.seed, **options)
+                            sampler=sampler, seed=args.seed, draft_callback=run.progress(), **options)
+            run.finished(text)
             if not args.verbose:
                 print(text)
             return 0
         # The canvas on stderr, the answer on stdout once final: they never share a line.
         view = CanvasView(tokenizer, adapter_for(model, tokenizer).mask_id)
+        shown = view if distributed.is_leader(group) else None  # (rank 0 draws the canvas)
         text, last = "", None
         try:
             for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
-                                        seed=args.seed, draft_callback=view, **options):
+                                        seed=args.seed, draft_callback=run.progress(shown), **options):
                 text += last.text
         finally:
             view.close()
+        run.finished(text)
         if args.verbose:
             print("=" * 10)
             print(text)
@@ -227,9 +245,10 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def load_for_cli(args: argparse.Namespace):
-    """`load` with the CLI's --adapter-path, --trust-remote-code, --quantize-activations;
-    a model that cannot be loaded is a ValueError saying so."""
+def load_for_cli(args: argparse.Namespace, group=None):
+    """`load` with the CLI's --adapter-path, --trust-remote-code, --quantize-activations
+    (and this rank's shard under mlx.launch); a model that cannot be loaded is a
+    ValueError saying so."""
     from . import load
 
     model_config = {"quantize_activations": True} if getattr(args, "quantize_activations", False) else None
@@ -239,6 +258,7 @@ def load_for_cli(args: argparse.Namespace):
             adapter_path=getattr(args, "adapter_path", None),
             trust_remote_code=getattr(args, "trust_remote_code", False),
             model_config=model_config,
+            group=group,
         )
     except (ValueError, OSError) as e:
         reason = one_line(e)

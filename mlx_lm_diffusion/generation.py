@@ -13,7 +13,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from model_adapters import adapter_for
 
+from .batch_generate import DiffusionBatchResponse, generate_batch  # noqa: F401 (mlx_lm.batch_generate's)
 from .engine import Engine, Step
+from .infill import encode_suffix, suffix_seed
+from .kv_reuse import PromptReuse
 from .options import DecodeOptions, resolve
 
 
@@ -59,20 +62,28 @@ def stream_generate(
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: Optional[int] = None,
     draft_callback: Optional[Callable[[Step], None]] = None,
+    suffix: Optional[Union[str, Sequence[int]]] = None,
+    prompt_kv: Optional[PromptReuse] = None,
     **kwargs,
 ) -> Iterator[DiffusionResponse]:
     """Yield one response per final token, strictly left to right (mlx-lm's contract).
 
-    Options (keyword): sampler, logits_processors, block_length, steps, threshold,
-    strategy, factor, entropy_bound, alg_temp, seed; `None` (max_tokens too) takes the
-    checkpoint's default (generation_config.json, read by `load`), else the family's.
-    `draft_callback(step)` receives the whole draft canvas after every forward.
+    Options (keyword): sampler, logits_processors, allowed_tokens, block_length, steps,
+    threshold, strategy, factor, entropy_bound, alg_temp, seed; `None` (max_tokens too)
+    takes the checkpoint's default (generation_config.json, read by `load`), else the
+    family's. `draft_callback(step)` receives the whole draft canvas after every forward.
+    `suffix` (text or ids): infill the span between the prompt and it, at most
+    max_tokens long (mlx_lm_diffusion.infill); the responses are the middle only.
+    `prompt_kv` (mlx_lm_diffusion.kv_reuse.PromptReuse): the KV of the prompt's leading
+    tokens from an earlier decode, reused where the family's KV is exact.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = encode_prompt(tokenizer, prompt)
-    adapter, options = _engine(model, tokenizer, len(ids), max_tokens, kwargs)
+    suffix_ids = encode_suffix(tokenizer, suffix) or []
+    adapter, options = _engine(model, tokenizer, len(ids) + len(suffix_ids), max_tokens, kwargs)
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
+    seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
     engine = Engine(adapter, options)
     P = len(ids)
     detokenizer = tokenizer.detokenizer
@@ -80,7 +91,9 @@ def stream_generate(
 
     tic = time.perf_counter()
     prompt_tps, emitted = 0.0, 0
-    for step in engine.run(mx.array([ids])):
+    prompt = mx.array([ids])
+    reuse = prompt_kv.plan(adapter, engine, prompt) if prompt_kv is not None else None
+    for step in engine.run(prompt, seed, reuse=reuse):
         if step.forwards == 1:
             prompt_time = time.perf_counter() - tic
             prompt_tps = P / max(prompt_time, 1e-9)
@@ -140,47 +153,3 @@ def generate(
         )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
-
-
-def generate_batch(
-    model: nn.Module,
-    tokenizer: Any,
-    prompts: Sequence[Union[str, Sequence[int], mx.array]],
-    max_tokens: Optional[int] = None,
-    **kwargs,
-) -> tuple[List[List[int]], int]:
-    """Decode prompts of equal token length together; returns (tokens per row, forwards).
-
-    Each prompt is a string (encoded as `stream_generate` encodes it) or a list of
-    token ids. Each row stops at its own EOS (excluded from its tokens)."""
-    if isinstance(prompts, mx.array) and prompts.ndim == 2:  # (rows, length) token ids
-        prompts = prompts.tolist()
-    if isinstance(prompts, (str, mx.array)) or (
-        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-    ):
-        raise ValueError("generate_batch takes a list of prompts (strings or token lists); wrap one prompt in a list")
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    prompts = [encode_prompt(tokenizer, p) for p in prompts or ()]
-    if not prompts:
-        raise ValueError("generate_batch needs one or more prompts")
-    lengths = sorted({len(p) for p in prompts})
-    if len(lengths) != 1:
-        raise ValueError(
-            f"generate_batch needs prompts of equal token length, got lengths {lengths}: "
-            "group the prompts by length, or call stream_generate for each"
-        )
-    adapter, options = _engine(model, tokenizer, len(prompts[0]), max_tokens, kwargs)
-    for p in prompts:
-        check_prompt(list(p), adapter.mask_id, adapter.vocab_size)
-    last = None
-    for last in Engine(adapter, options, keep_logprobs=False).run(mx.array(prompts)):
-        pass
-    P = len(prompts[0])
-    rows = []
-    for b in range(len(prompts)):
-        tokens = [int(t) for t in last.canvas[b, P : P + last.final[b]]]
-        if tokens and tokens[-1] in adapter.eos_ids:
-            tokens = tokens[:-1]
-        rows.append(tokens)
-    return rows, last.forwards

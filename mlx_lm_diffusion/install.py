@@ -11,9 +11,9 @@ needs no patch: it calls the model's `make_cache()`, which gives diffusion model
 Callers that bound `from mlx_lm import stream_generate` before `install()` keep the
 original function: call `install()` first. That function reaches mlx-lm's
 `generate_step`, which `install()` makes refuse diffusion models with an error naming
-`install()` (`REFUSALS`); so do `mlx_lm.batch_generate` (use
-`mlx_lm_diffusion.generate_batch`) and `mlx_lm.cache_prompt` (no key/value cache to
-save), each saying what to call instead.
+`install()` (`REFUSALS`); so does `mlx_lm.cache_prompt` (no key/value cache to
+save), saying what to call instead. `mlx_lm.batch_generate` sends diffusion models to
+`generate_batch` (ragged running batches, mlx_lm_diffusion.batch).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Tuple
 from model_adapters import is_diffusion_model, register
 
 from . import compat
+from .batch_generate import generate_batch
 
 # (module, attribute) -> the diffusion implementation it dispatches to
 TARGETS: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
@@ -33,6 +34,8 @@ TARGETS: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
     ("mlx_lm", "stream_generate", compat.stream_generate),
     ("mlx_lm.server", "stream_generate", compat.stream_generate),
     ("mlx_lm.chat", "stream_generate", compat.stream_generate),
+    ("mlx_lm.generate", "batch_generate", generate_batch),  # ragged running batches
+    ("mlx_lm", "batch_generate", generate_batch),
 )
 
 _BOUND_BEFORE_INSTALL = (
@@ -45,12 +48,6 @@ _BOUND_BEFORE_INSTALL = (
 # (module, attribute, position of the model argument, why a diffusion model is refused)
 REFUSALS: Tuple[Tuple[str, str, int, str], ...] = (
     ("mlx_lm.generate", "generate_step", 1, _BOUND_BEFORE_INSTALL),
-    ("mlx_lm.generate", "batch_generate", 0,
-     "mlx_lm.batch_generate decodes autoregressive models over key/value caches; for a diffusion "
-     "model call mlx_lm_diffusion.generate_batch(model, tokenizer, prompts, max_tokens=...)"),
-    ("mlx_lm", "batch_generate", 0,
-     "mlx_lm.batch_generate decodes autoregressive models over key/value caches; for a diffusion "
-     "model call mlx_lm_diffusion.generate_batch(model, tokenizer, prompts, max_tokens=...)"),
     ("mlx_lm.cache_prompt", "generate_step", 1,
      "mlx_lm.cache_prompt saves a key/value cache, and a diffusion model keeps none (every forward "
      "re-reads the prompt); pass the prompt itself to mlx_lm_diffusion.generate / stream_generate"),

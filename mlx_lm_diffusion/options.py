@@ -20,6 +20,7 @@ from model_adapters import FAMILIES, Adapter, family_options
 from model_adapters.option import Option
 
 from . import generation_defaults
+from .constraints import allowed_bias
 from .commit_rules import RULES, THRESHOLD_RULES, CommitRule, make_rule
 from .decoders import decoder_class
 from .schedules import GAMMAS, ScheduleQuota
@@ -55,7 +56,10 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("top_p", float, "Nucleus sampling with temperature_schedule", default=1.0, low=0.0, high=1.0,
            low_open=True, named=False),
     Option("sampler", object, "mlx-lm sampler over log-probs; greedy if None", named=False),
-    Option("logits_processors", tuple, "mlx-lm logits processors", default=(), named=False),
+    Option("logits_processors", tuple, "mlx-lm logits processors, fed the committed tokens left to right "
+           "(mlx_lm_diffusion.constraints)", default=(), named=False),
+    Option("allowed_tokens", tuple, "Only these token ids may be generated (EOS always may)", item=int,
+           low=0),
     Option("seed", int, "PRNG seed", low=0, high=2**64 - 1, named=False),  # (mx.random.seed's range)
 )
 
@@ -129,6 +133,7 @@ class ResolvedOptions:
     logits_processors: tuple
     seed: Optional[int]
     family: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    allowed_tokens: Optional[tuple] = None  # None: every id may be generated
 
 
 def check_fields(fields: Mapping[str, Any]) -> dict:
@@ -167,6 +172,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
             values[name] = (own.get(name) or schema()[name]).check(value)
     decoder = decoder_class(adapter)
     decoder.check_options(values, adapter)
+    allowed_bias(values.get("allowed_tokens"), adapter)  # (refuses ids outside the vocabulary, the mask id)
     family = {name: values.get(name, o.default) for name, o in own.items()}
     adapter.check_options(family, values)
     get = lambda name: values.get(name, schema()[name].default)  # noqa: E731
@@ -190,7 +196,28 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         logits_processors=tuple(get("logits_processors") or ()),
         seed=get("seed"),
         family=MappingProxyType(family),
+        allowed_tokens=get("allowed_tokens"),
     )
+
+
+def forward_bound(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int) -> int:
+    """The most model forwards this decode can take: each block's step bound (the rule's
+    schedule, or one token per step, plus the editing passes), summed over the blocks."""
+    return decoder_class(adapter)(adapter, resolved, keep_logprobs=False).forward_bound(prompt_len)
+
+
+def check_forward_budget(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int,
+                         max_forwards: Optional[int]) -> int:
+    """Refuse (ValueError) a decode that could take more than `max_forwards` forwards; a
+    server checks this before anything runs. Returns the bound."""
+    bound = forward_bound(resolved, adapter, prompt_len)
+    if max_forwards is not None and bound > max_forwards:
+        raise ValueError(
+            f"this request could take up to {bound} model forwards (steps per block x blocks, "
+            f"plus editing passes); this server allows {max_forwards} per request: lower steps, "
+            "max_tokens or max_post_steps, or raise a block length"
+        )
+    return bound
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -270,4 +297,6 @@ __all__ = [
     "check_fields",
     "add_arguments",
     "resolve",
+    "forward_bound",
+    "check_forward_budget",
 ]

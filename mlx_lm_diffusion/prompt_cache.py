@@ -1,9 +1,11 @@
 """The prompt cache of a diffusion model, as mlx-lm's server and chat keep it.
 
 LLaDA and Dream attend bidirectionally over the whole canvas, so no key/value state
-survives a decode (the block-causal and causal-prefix families rebuild theirs per
-decode). What a cache can honestly hold across calls is the token sequence it stands
-for; the next decode re-reads it as the start of its prompt. `TokenCache` is
+survives a decode. What a cache can honestly hold across calls is the token sequence it
+stands for; the next decode re-reads it as the start of its prompt. For the families
+whose prompt keys and values are exact (block-causal, causal prefix, causal encoder) it
+also holds the KV of its leading tokens, which the next decode starts from
+(mlx_lm_diffusion.kv_reuse). `TokenCache` is
 trimmable (mlx-lm's LRU prompt cache trims to shared prefixes) and has no `merge`, so
 mlx-lm's server serves these models one request at a time instead of batching them.
 
@@ -13,13 +15,14 @@ Every diffusion model's `make_cache()` returns `[TokenCache()]`, so mlx-lm's own
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import _BaseCache
 
 from model_adapters import is_diffusion_model
+from model_adapters.prefix_kv import PrefixKV
 
 
 class TokenCache(_BaseCache):
@@ -27,6 +30,31 @@ class TokenCache(_BaseCache):
 
     def __init__(self, tokens: Optional[Sequence[int]] = None):
         self.tokens: List[int] = [int(t) for t in tokens or ()]
+        # The keys and values of the leading tokens, for the families where they are exact
+        # (mlx_lm_diffusion.kv_reuse): never longer than `tokens`, trimmed with them.
+        self._kv: Optional[PrefixKV] = None
+        self._kv_source: Optional[Callable[[List[int]], Optional[PrefixKV]]] = None
+
+    @property
+    def kv(self) -> Optional[PrefixKV]:
+        """The KV of the first `kv.length` tokens (None: tokens only). While a decode holds
+        the cache (`hold_kv`), the first read takes the decode's KV for the tokens so far."""
+        if self._kv_source is not None:
+            source, self._kv_source = self._kv_source, None
+            kv = source(list(self.tokens))
+            self._kv = kv if kv is None or kv.length <= len(self.tokens) else kv.trimmed(len(self.tokens))
+        return self._kv
+
+    def hold_kv(self, source: Callable[[List[int]], Optional[PrefixKV]]) -> None:
+        """Let a running decode provide the KV (`source(tokens)`: its KV of the leading
+        positions of these tokens), read when the cache is next used, trimmed or copied."""
+        self._kv, self._kv_source = None, source
+
+    def __deepcopy__(self, memo) -> "TokenCache":
+        # The KV arrays are never written to (model_adapters.prefix_kv): a copy shares them.
+        copy = TokenCache(self.tokens)
+        copy._kv = self.kv
+        return copy
 
     def add(self, tokens: Sequence[int]) -> None:
         self.tokens.extend(int(t) for t in tokens)
@@ -45,6 +73,7 @@ class TokenCache(_BaseCache):
     @state.setter
     def state(self, v):
         self.tokens = [int(t) for t in v.tolist()] if v is not None else []
+        self._kv = self._kv_source = None  # (the state is the tokens alone)
 
     def update_and_fetch(self, keys, values):
         """What an autoregressive decoding loop calls on a KV cache: refused with what
@@ -63,6 +92,8 @@ class TokenCache(_BaseCache):
         n = max(0, min(n, len(self.tokens)))
         if n:
             del self.tokens[-n:]
+            if self.kv is not None:
+                self._kv = self._kv.trimmed(len(self.tokens))
         return n
 
     def empty(self) -> bool:
@@ -70,10 +101,11 @@ class TokenCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return 4 * len(self.tokens)
+        return 4 * len(self.tokens) + (self.kv.nbytes if self.kv is not None else 0)
 
     def __repr__(self) -> str:
-        return f"TokenCache({len(self.tokens)} tokens)"
+        held = f", KV of {self._kv.length}" if self._kv is not None else ""
+        return f"TokenCache({len(self.tokens)} tokens{held})"
 
 
 def make_prompt_cache(model: nn.Module, max_kv_size: Optional[int] = None) -> List[Any]:

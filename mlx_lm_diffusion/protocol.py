@@ -15,12 +15,18 @@ Corrections to the spec, each deliberate:
   commit, when every position still masked is predicted with at least this
   confidence, all of them are committed at once and the reason is
   "confidence_threshold_met".
+- Extension `seed_canvas` (optional, target_length ids): the canvas to start from. Its
+  first entries are prompt_tokens; after them the model's mask id marks a free
+  position and any other id a pinned one (infilling, mlx_lm_diffusion.infill): pinned
+  tokens are never changed, are in final_tokens as given, are never listed in
+  per_step_unmasked and have confidence 1; the schedule counts the free positions only.
+  Families that cannot attend to text after the current block refuse pinned positions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import jsonschema
 import mlx.core as mx
@@ -29,8 +35,10 @@ import numpy as np
 from model_adapters import adapter_for
 
 from .commit_rules import Quota, StepInputs
-from .engine import Engine
-from .options import DecodeOptions, resolve, schema
+from .decoders.base import FREE
+from .engine import Engine, Step
+from .infill import check_seed
+from .options import DecodeOptions, check_forward_budget, resolve, schema
 from .schedules import GAMMAS, ScheduleQuota
 
 REQUEST_SCHEMA: dict = {
@@ -47,6 +55,7 @@ REQUEST_SCHEMA: dict = {
         "confidence_threshold": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},
         "seed": schema()["seed"].json_schema(),  # extension fields, from the options schema
         "cache": schema()["cache"].json_schema(),  # (LLaDA and Dream: Fast-dLLM's caches)
+        "seed_canvas": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     },
     "required": [
         "prompt_tokens",
@@ -100,6 +109,10 @@ def validate_request(request: Any) -> None:
         )
     if not request["prompt_tokens"]:
         raise ValueError("prompt_tokens must hold at least one token")
+    seed = request.get("seed_canvas")
+    if seed is not None and (len(seed) != request["target_length"]
+                             or seed[: len(request["prompt_tokens"])] != request["prompt_tokens"]):
+        raise ValueError("seed_canvas must hold target_length ids and begin with prompt_tokens")
     if len(request["temperature_schedule"]) != request["num_steps"]:
         raise ValueError(
             f"temperature_schedule has {len(request['temperature_schedule'])} values; "
@@ -132,8 +145,11 @@ class ScheduleWithEarlyExit(ScheduleQuota):
         return commit
 
 
-def run_request(model, tokenizer, request: dict) -> dict:
-    """Decode one InferenceRequest; returns an InferenceResponse (a dict)."""
+def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None,
+                on_step: Optional[Callable[[Step], None]] = None) -> dict:
+    """Decode one InferenceRequest; returns an InferenceResponse (a dict). A request that
+    could take more than `max_forwards` forwards is refused (ValueError) before it runs;
+    `on_step` sees every step and may raise to stop the decode (a server's cancellation)."""
     validate_request(request)
     adapter = adapter_for(model, tokenizer)
     if adapter.mask_id is None:
@@ -154,9 +170,15 @@ def run_request(model, tokenizer, request: dict) -> dict:
         seed=request.get("seed"),
         cache=request.get("cache"),
     )
-    engine = Engine(adapter, resolve(options, adapter, P), keep_logprobs=False)
-    trace, last, previous = [], None, np.array([prompt + [adapter.mask_id] * (total - P)])
-    for last in engine.run(mx.array([prompt])):
+    resolved = resolve(options, adapter, P)
+    check_forward_budget(resolved, adapter, P, max_forwards)
+    engine = Engine(adapter, resolved, keep_logprobs=False)
+    start = np.array([request.get("seed_canvas") or prompt + [adapter.mask_id] * (total - P)])
+    seed = check_seed(adapter, start[:, P:], adapter.mask_id) if "seed_canvas" in request else None
+    trace, last, previous = [], None, start
+    for last in engine.run(mx.array([prompt]), seed):
+        if on_step is not None:
+            on_step(last)
         newly = np.flatnonzero((previous[0] == adapter.mask_id) & (last.canvas[0] != adapter.mask_id))
         if newly.size:
             trace.append({
@@ -172,6 +194,8 @@ def run_request(model, tokenizer, request: dict) -> dict:
     else:
         reason = "fully_unmasked"
     confidence = np.clip(np.array(last.block_confidence[0], dtype=np.float64), 0.0, 1.0)
+    if seed is not None:  # a pinned token is certain
+        confidence = np.where(seed[0] != FREE, 1.0, confidence)
     return {
         "final_tokens": last.canvas[0].tolist(),
         "per_step_unmasked": trace,

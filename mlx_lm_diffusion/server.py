@@ -43,8 +43,18 @@ What a client may do is bounded (mlx_lm.server leaves these open):
 * the server fails at start (one line on stderr, exit 2, before binding the port)
   when --model cannot be loaded or a flag cannot apply to a diffusion model.
 
-Diffusion models are served one request at a time (their prompt cache, a
-`compat.TokenCache`, has no `merge`, so mlx_lm.server does not batch them).
+Diffusion requests are batched continuously (mlx_lm_diffusion.scheduler): one running
+batch per group of requests with the same family options, rows joining at the next step
+and leaving once done, at most --decode-concurrency rows a batch; each row gives the
+tokens the request gives alone. --no-batch serves one request at a time, as mlx_lm.server
+does for these models (their `compat.TokenCache` has no `merge`). The step-schedule
+endpoint decodes each request whole, between two batch steps (serial: it takes the
+same decode lock). For the families whose prompt KV is exact, the prompt cache also holds
+the KV of its leading tokens: a request served one at a time (--no-batch) that shares a
+prefix with an earlier one prefills only the rest (batched rows re-read their whole prompt:
+KV reuse is not wired into the batch yet); usage's `prompt_tokens_details.cached_tokens`
+counts the positions the cache held, and GET /v1/stats reports running and queued requests
+and the prompt cache's occupancy (kv_reuse).
 """
 
 from __future__ import annotations
@@ -86,17 +96,20 @@ from mlx_lm.utils import _parse_size
 
 from model_adapters import adapter_for, is_diffusion_model
 
-from . import compat
+from . import compat, distributed, distributed_server, request_constraints
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
+from .kv_reuse import CachedTokensTap, cache_occupancy
 from .protocol import run_request
+from .scheduler import Scheduler, prepare_job
 
 PROG = "mlx_lm_diffusion.server"
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
 # The decoding fields are the options schema's named options, looked up per request (a
 # family registered after this import adds its own): compat.DECODE_FIELDS.
 PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
+STATS_PATH = "/v1/stats"  # running decodes, queued requests, prompt cache occupancy
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 _RULE_FIELDS = ("strategy", "threshold")
 
@@ -104,6 +117,9 @@ DEFAULT_MAX_BODY_BYTES = 10 * 1000 * 1000
 DEFAULT_READ_TIMEOUT = 30.0
 DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_SHUTDOWN_GRACE = 30.0
+# Forwards a request may cost at most (--max-forwards): above any reference decode of a
+# few thousand tokens, below what would hold the model for hours ("steps": 10**5).
+DEFAULT_MAX_FORWARDS = 16384
 LISTEN_BACKLOG = 128
 MAX_JSON_DEPTH = 64
 LOG_EXCERPT = 200  # characters of a request body a log line may quote
@@ -119,7 +135,8 @@ INAPPLICABLE_FLAGS = {
     "kv_group_size": ("--kv-group-size", "a diffusion model keeps no key/value cache to quantize"),
     "quantized_kv_start": ("--quantized-kv-start", "a diffusion model keeps no key/value cache to quantize"),
     "prefill_step_size": ("--prefill-step-size", "a diffusion model has no prefill"),
-    "pipeline": ("--pipeline", "distributed serving is not supported for diffusion models"),
+    "pipeline": ("--pipeline", "pipeline parallelism is not supported for diffusion models; tensor "
+                 "parallelism is (mlx.launch without --pipeline)"),
 }
 
 # the NOFILE limits this process started with, before mlx_lm.utils set (2048, 4096);
@@ -198,10 +215,18 @@ class DiffusionRequest(CompletionRequest):
     cancel_error: Optional[BaseException] = None  # what a cancelled decode raises
     connection: Any = None  # the client's socket: a closed one cancels the decode
 
+    # mlx.launch: the other ranks receive the request without this process's channels
+    def __getstate__(self):
+        return distributed_server.request_state(self)
+
+    def __setstate__(self, state):
+        distributed_server.restore_request(self, state)
+
 
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
     """The decoding fields and the `drafts` flag of a JSON body, checked (ValueError)."""
     options = compat.check_decode_fields({k: body[k] for k in compat.DECODE_FIELDS if k in body})
+    options.update(request_constraints.parse_fields(body))  # suffix, response_format
     drafts = body.get("drafts", False)
     if drafts is None:
         drafts = False
@@ -267,7 +292,7 @@ def _model_id(name: str) -> str:
     return str(path.resolve()) if path.exists() else name
 
 
-class DiffusionResponseGenerator(ResponseGenerator):
+class DiffusionResponseGenerator(distributed_server.DistributedGeneration, ResponseGenerator):
     """mlx_lm.server's generation loop, with decoding options, drafts, up-front checks,
     the served-model allow-list and per-step cancellation."""
 
@@ -292,6 +317,9 @@ class DiffusionResponseGenerator(ResponseGenerator):
         for key, listed in self.listed.items():
             self.served.setdefault(listed, key)
         self.model_ids: List[str] = list(dict.fromkeys(self.listed.values()))
+        # Continuous batching (mlx_lm_diffusion.scheduler), started once the model loads;
+        # None with --no-batch: one request at a time, as before.
+        self.scheduler: Optional[Scheduler] = None
         super().__init__(model_provider, prompt_cache)
 
     def wait_loaded(self, timeout: Optional[float] = None) -> None:
@@ -310,7 +338,19 @@ class DiffusionResponseGenerator(ResponseGenerator):
             model, tokenizer = self.model_provider.model, self.model_provider.tokenizer
             if model is None:
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
-            return run_request(model, tokenizer, body)
+            if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
+                raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
+            return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
+                               on_step=lambda step: self._check_cancel(cancel))
+
+    @property
+    def max_forwards(self) -> Optional[int]:
+        return getattr(self.cli_args, "max_forwards", DEFAULT_MAX_FORWARDS)
+
+    @staticmethod
+    def _check_cancel(cancel: Optional[threading.Event]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled()
 
     # -- handler thread
 
@@ -364,8 +404,29 @@ class DiffusionResponseGenerator(ResponseGenerator):
             self.model_provider.reset()
             self.loaded.set()
             return
+        self._start_scheduler()
         self.loaded.set()
         super()._generate()  # load_default again: the same model key, no reload
+
+    def _start_scheduler(self) -> None:
+        model, cli = self.model_provider.model, self.cli_args
+        if is_diffusion_model(model) and not getattr(cli, "no_batch", False):
+            self.scheduler = Scheduler(model, self.model_provider.tokenizer, self.decode_lock,
+                                       getattr(cli, "decode_concurrency", 32))
+
+    def stop_and_join(self):
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        super().stop_and_join()
+
+    def _batched(self, request) -> bool:
+        """Whether the scheduler decodes this request (the served diffusion model, batching
+        on). Images, an infill's suffix and a response_format take the serial path, whose
+        decode applies them (a batch row knows none of them yet)."""
+        options = self._options(request[1])
+        return (self.scheduler is not None and self.model_provider.model is self.scheduler.model
+                and not any(mlx_server._image_parts(getattr(request[1], "messages", None) or []))
+                and all(options.get(name) is None for name in request_constraints.REQUEST_FIELDS))
 
     def _options(self, request) -> dict:
         return merge_options(self.defaults, getattr(request, "options", {}))
@@ -378,8 +439,14 @@ class DiffusionResponseGenerator(ResponseGenerator):
         model = self.model_provider.model
         if is_diffusion_model(model):
             try:
-                compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request))
+                compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request),
+                                     max_forwards=self.max_forwards)
             except (ValueError, TypeError) as e:
+                raise RequestError(str(e)) from e
+        else:  # mlx-lm's own decode would ignore them
+            try:
+                request_constraints.refuse_unserved(self._options(request))
+            except ValueError as e:
                 raise RequestError(str(e)) from e
         return result
 
@@ -398,10 +465,19 @@ class DiffusionResponseGenerator(ResponseGenerator):
         return check
 
     def _serve_single(self, request, stream):
+        if self._batched(request):  # joins a running batch at its next step; returns at once
+            job = prepare_job(self, request)
+            if job is not None:
+                self.scheduler.submit(job)
+            return
         rqueue, req, _ = request
         options = self._options(req)
-        check = self._canceller(req)
+        check = self.agreed(self._canceller(req))  # (mlx.launch: rank 0 decides for every rank)
         if is_diffusion_model(self.model_provider.model):
+            # usage's cached_tokens: the prompt positions whose KV the decode reused
+            tap = CachedTokensTap(rqueue)
+            request = (tap, *request[1:])
+            options["cached_tokens_callback"] = tap.report
             drafts = self._draft_sender(rqueue) if getattr(req, "drafts", False) else None
 
             def on_step(step: Step) -> None:
@@ -413,10 +489,24 @@ class DiffusionResponseGenerator(ResponseGenerator):
         with self.decode_lock, compat.request_options(**options):
             try:
                 check()
-            except (RequestError, ClientGone) as e:
+            except (RequestError, ClientGone, distributed.StoppedByLeader) as e:
                 rqueue.put(e)
                 return
             super()._serve_single(request, stream)
+
+    def stats(self) -> dict:
+        """GET /v1/stats: decodes running and requests waiting (served one at a time: 0 or 1
+        running) and the prompt cache's occupancy (kv_reuse.cache_occupancy)."""
+        running, queued = int(self.decode_lock.locked()), self.requests.qsize()
+        if self.scheduler is not None:  # batched: the rows decoding and the requests waiting for a row
+            batch = self.scheduler.stats()
+            running, queued = batch["running_rows"], queued + batch["queued_requests"]
+        return {
+            "object": "stats",
+            "running": running,
+            "queued": queued,
+            "prompt_cache": cache_occupancy(self.prompt_cache),
+        }
 
     def _draft_sender(self, rqueue) -> Callable[[Step], None]:
         tokenizer = self.model_provider.tokenizer
@@ -434,6 +524,9 @@ class DiffusionResponseGenerator(ResponseGenerator):
 
 
 # ----------------------------------------------------------------------------- handler
+
+
+NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
 
 
 class _Answered(BaseException):
@@ -707,6 +800,8 @@ class DiffusionAPIHandler(APIHandler):
         self._request = None
         if not self._gate():
             return
+        if self.path == STATS_PATH:
+            return self._send_json(200, self.response_generator.stats())
         if not (self.path.startswith("/v1/models") or self.path == "/health"):
             return self._send_error(404, f"no such endpoint: GET {self.path[:200]}")
         super().do_GET()
@@ -714,37 +809,38 @@ class DiffusionAPIHandler(APIHandler):
     # -- bodies
 
     def _read_body(self) -> Any:
-        """The request's JSON body, or None once an error has been answered."""
+        """The request's JSON body (any JSON value, null included), or NO_BODY once an
+        error has been answered."""
         self.close_connection = True
         limit = getattr(self.response_generator.cli_args, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
         if self.headers.get("Transfer-Encoding") is not None:
             self._send_error(411, "a Content-Length is required (chunked bodies are not accepted)")
-            return None
+            return NO_BODY
         lengths = self.headers.get_all("Content-Length") or []
         if not lengths:
             self._send_error(411, "a Content-Length header is required")
-            return None
+            return NO_BODY
         text = lengths[0].strip()
         if len(set(v.strip() for v in lengths)) > 1 or not (text.isascii() and text.isdigit()):
             self._send_error(400, f"invalid Content-Length header {excerpt(text.encode(), 40)}")
-            return None
+            return NO_BODY
         length = int(text)
         if length > limit:
             self._send_error(413, f"the body ({length} bytes) is over this server's limit of "
                              f"{limit} bytes (--max-body-bytes)")
             self._drain_after_error()
-            return None
+            return NO_BODY
         raw = self.rfile.read(length)
         self._disarm()
         if len(raw) < length:  # the client left, or --read-timeout closed it, within its body
             logging.info(f"{self.address_string()}: closed within its body ({len(raw)} of {length} bytes)")
-            return None
+            return NO_BODY
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             logging.warning(f"body is not UTF-8: {excerpt(raw)}")
             self._send_error(400, f"the body is not UTF-8: {e}")
-            return None
+            return NO_BODY
         try:
             body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
         except RecursionError:
@@ -758,7 +854,7 @@ class DiffusionAPIHandler(APIHandler):
         if problem is not None:
             logging.warning(f"{problem}; body: {excerpt(raw)}")
             self._send_error(400, problem)
-            return None
+            return NO_BODY
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             logging.debug(f"Incoming Request Body: {excerpt(json.dumps(body).encode(), 2000)}")
         return body
@@ -786,7 +882,7 @@ class DiffusionAPIHandler(APIHandler):
             self.close_connection = True
             return self._send_error(404, f"no such endpoint: POST {self.path[:200]}")
         body = self._read_body()
-        if body is None:
+        if body is NO_BODY:
             return
         if self.path == PROTOCOL_PATH:
             return self.handle_protocol(body)
@@ -1260,10 +1356,14 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
         raise StartupError(f"cannot load --model {model!r}: no such directory")
     install()
     provider = ModelProvider(args)
-    prompt_cache = LRUPromptCache(args.prompt_cache_size)
+    # mlx_lm.server bounds the bytes only when it batches; here always (the KV it holds)
+    max_bytes = args.prompt_cache_bytes if getattr(args, "prompt_cache_bytes", None) is not None else 1 << 63
+    prompt_cache = LRUPromptCache(args.prompt_cache_size, max_bytes)
     generator = DiffusionResponseGenerator(provider, prompt_cache, compat.decode_defaults(args))
     try:
         generator.wait_loaded()
+        if not distributed.is_leader(generator.group):
+            return None, generator  # mlx.launch: rank 0 serves, this rank follows it
         try:
             httpd = make_http_server(args.host, args.port, generator)
         except OSError as e:
@@ -1367,6 +1467,12 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
     group.add_argument("--allow-client-chat-templates", action="store_true",
                        help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
+    group.add_argument("--no-batch", action="store_true",
+                       help="Serve one request at a time instead of continuous batching (the batch size "
+                            "is mlx_lm.server's --decode-concurrency)")
+    group.add_argument("--max-forwards", type=int, default=DEFAULT_MAX_FORWARDS,
+                       help="Model forwards a request may take at most, from its settings (steps x blocks, "
+                            f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})")
     group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
                             "(default 30)")
@@ -1419,6 +1525,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _fail("--read-timeout must be positive")
     if args.max_connections < 1:
         _fail("--max-connections must be at least 1")
+    if args.max_forwards < 1:
+        _fail("--max-forwards must be at least 1")
     if not args.shutdown_grace >= 0:
         _fail("--shutdown-grace must be >= 0")
     return args
@@ -1445,6 +1553,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StartupError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
+    if httpd is None:
+        code = distributed_server.follow(generator)
+        return _exit_now(code) if argv is None else code
     host, port = httpd.server_address[:2]
     logging.info(f"Starting httpd at {host} on port {port}...")
     serving = threading.Thread(target=httpd.serve_forever, name="http-accept", daemon=True)
@@ -1452,6 +1563,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     while not stop.wait(0.5):
         if not serving.is_alive():
             break
+        if generator.group is not None and not generator.generation_available():
+            distributed.fail(generator.group, "the generation loop ended: the distributed group failed "
+                                              "(a peer rank died or lost its connection)")
     name = signal.Signals(signals[0]).name if signals else "stop"
     logging.info(f"{name}: no new connections; waiting up to {args.shutdown_grace:g} s for requests in flight")
     hurry = threading.Event()  # a second signal cancels what is left at once

@@ -9,14 +9,15 @@ the step-schedule protocol's autoregressive-equivalence invariant.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from .base import Adapter, FamilyDefaults, _stop_ids
+from .prefix_kv import CAUSAL, PrefixKV, usable
 
 # A canvas sentinel outside every vocabulary: it is never embedded (only the committed
 # prefix is fed to the model) and never proposed.
@@ -27,6 +28,7 @@ class ArAdapter(Adapter):
     family = "autoregressive (any mlx-lm causal LM)"
     # One position per block and one step per block: next-token decoding.
     defaults = FamilyDefaults(block_length=1, strategy="low_confidence")
+    suffix_refusal = "its attention is causal: a token never sees text after it"
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model
@@ -44,15 +46,31 @@ class ArAdapter(Adapter):
         # checking against the canvas.
         self.editing = getattr(options, "editing_threshold", None) is not None
 
-    def start(self, prompt: mx.array) -> dict:
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> dict:
         if prompt.shape[0] != 1:
             raise ValueError("the autoregressive adapter decodes one prompt at a time")
-        cache = make_prompt_cache(self.model)
+        cache = make_prompt_cache(self.model) if reuse is None else reuse.caches()
         if not can_trim_prompt_cache(cache):
             raise ValueError("this model's cache cannot be trimmed; the ar adapter needs KVCache layers")
+        fed = 0 if reuse is None else reuse.length  # (the first predict feeds the rest)
+        tokens = np.array(prompt[0, :fed]).astype(np.int64)
         # fed: positions in the cache; tokens: their ids (host, kept for editing);
         # next: the prediction for position `fed`; block: the block of the last predict
-        return {"cache": cache, "fed": 0, "tokens": np.zeros((0,), dtype=np.int64), "next": None, "block": None}
+        return {"cache": cache, "fed": fed, "tokens": tokens, "next": None, "block": None}
+
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+        """Causal attention: the same leading tokens have the same KV in any prompt. At least
+        the last prompt token is fed again (it predicts the first generated token)."""
+        if prompt.shape[0] != 1 or any(type(c) is not KVCache for c in make_prompt_cache(self.model)):
+            return 0
+        return usable(prefix, CAUSAL, 1, prompt.shape[1] - 1)
+
+    def export_prefix(self, state: dict, length: int) -> Optional[PrefixKV]:
+        """The fed positions: committed tokens, which never change without editing (with
+        editing a token fed may be revised after its last feed: nothing is exported)."""
+        if state is None or getattr(self, "editing", False):
+            return None
+        return PrefixKV.of(state["cache"], min(length, state["fed"]), CAUSAL)
 
     def predict(self, state: dict, canvas: mx.array, start: int, end: int) -> mx.array:
         if state["block"] != start and not getattr(self, "editing", False):

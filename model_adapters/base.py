@@ -165,6 +165,32 @@ class DiffusionModel(nn.Module):
     def attention_mask(self, inputs: mx.array, cache: Optional[list]) -> Any:
         return None
 
+    # -- tensor parallelism (model_adapters.sharding)
+
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Split the weights over `group` (mlx-lm's `Model.shard`; its `sharded_load` calls it)."""
+        from .sharding import shard_model
+
+        shard_model(self, group)
+
+    def shard_sizes(self) -> list:
+        """(what, size) pairs that the group size must divide."""
+        from .sharding import attention_sizes
+
+        return attention_sizes(self.args.text)
+
+    def shard_layers(self, group: mx.distributed.Group) -> None:
+        """The backbone's attention and MLPs: mlx-lm's own sharding of its module."""
+        from .sharding import shard_mlx_lm_layers
+
+        shard_mlx_lm_layers(self.args.text_module, getattr(self, self.backbone_name), group)
+
+    def shard_vocabulary(self, group: mx.distributed.Group) -> None:
+        """The embeddings and the head, split by vocabulary rows."""
+        from .sharding import shard_vocabulary
+
+        shard_vocabulary(self, group)
+
     def __call__(self, inputs: mx.array, cache: Optional[list] = None, mask: Any = None) -> mx.array:
         """Raw logits (B, L, V) with the attention the family trains with, unless `mask`
         is given (mlx-lm's own models would build a causal mask here)."""
@@ -206,6 +232,9 @@ class Adapter:
     # The family's own decoding options (model_adapters.option.Option), with their
     # defaults; the resolved values reach `configure` and the decoder as `options.family`.
     options: ClassVar[tuple] = ()
+    # Why text after the current block cannot condition it (infill with a suffix is then
+    # refused, mlx_lm_diffusion.infill); None: the attention sees the whole canvas.
+    suffix_refusal: ClassVar[Optional[str]] = None
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model
@@ -231,8 +260,24 @@ class Adapter:
     def configure(self, options: Any) -> None:
         """Read the family's own switches from the resolved options (`options.family`)."""
 
-    def start(self, prompt: mx.array) -> Any:
-        """Prepare a decode of `prompt` (B, P); returns the adapter's state."""
+    def start(self, prompt: mx.array, reuse: Any = None) -> Any:
+        """Prepare a decode of `prompt` (B, P); returns the adapter's state. `reuse` (a
+        model_adapters.prefix_kv.PrefixKV, given only when `reuse_length` allowed it) holds
+        the keys and values of the prompt's first `reuse.length` positions: prefill the rest."""
+        return None
+
+    # Prompt KV reused across decodes (model_adapters.prefix_kv). The families whose prompt
+    # keys and values a cold prefill would compute identically override both; the others
+    # (bidirectional attention: the KV depends on the whole canvas) reuse nothing.
+    def reuse_length(self, prefix: Any, prompt: mx.array) -> int:
+        """How many leading positions of `prompt` (B, P) this decode, as configured, can take
+        from `prefix` (the KV of the same leading tokens from an earlier decode); 0: none."""
+        return 0
+
+    def export_prefix(self, state: Any, length: int) -> Any:
+        """After (or while) a decode: a PrefixKV of at most the first `length` canvas
+        positions, holding only keys and values a cold prefill of those tokens would compute
+        identically (final tokens, the family's exact layout), or None."""
         return None
 
     def block_seed(self, state: Any, canvas: mx.array, start: int) -> Optional[mx.array]:
@@ -251,6 +296,12 @@ class Adapter:
 
     def finish_block(self, state: Any, canvas: mx.array, start: int, end: int) -> None:
         """Called once positions [start, end) are final (a cache may store them)."""
+
+    def predict_batch(self, requests: list) -> list:
+        """The logits `predict` gives for each of many decodes' forward requests
+        (mlx_lm_diffusion.decoders.Forward), from as few model calls as the family can
+        batch (model_adapters.batched); here, one call per request."""
+        return [self.predict(r.state, r.canvas, r.start, r.end) for r in requests]
 
 
 def _stop_ids(args: Any, tokenizer: Any) -> set[int]:

@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Optional
 import mlx.core as mx
 
 from .base import Adapter as _BaseAdapter
+from .batched import bidirectional_batch
 from .option import Option
 
 CACHE_MODES = ("prefix", "dual")
@@ -130,6 +131,14 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         if state.start != start:
             return self._open_block(state, canvas, start, end)
         return self._cached_step(state, canvas, start, end)
+
+    def predict_batch(self, requests: list) -> list:
+        if self.cache_mode is not None or len(requests) == 1:
+            # (Fast-dLLM's kept keys and values differ per row and block: one call per row)
+            return super().predict_batch(requests)
+        if any(r.start < self.shift for r in requests):
+            raise ValueError(f"{self.family} needs at least one prompt token before the canvas")
+        return bidirectional_batch(self, requests, self.shift)
 
     def _open_block(self, state: CacheState, canvas: mx.array, start: int, end: int) -> mx.array:
         """The block's first step: the whole canvas, keeping the keys and values outside

@@ -25,7 +25,9 @@ from mlx_arsenal.attention import block_causal_mask
 from mlx_lm.models.cache import KVCache
 
 from .base import Adapter as _BaseAdapter
+from .batched import block_causal_batch
 from .base import DiffusionModel
+from .prefix_kv import PrefixKV, block_causal, usable
 
 
 def window_mask(offset: int, stop: int, block: int) -> Optional[mx.array]:
@@ -85,6 +87,7 @@ class BlockCausalAdapter(_BaseAdapter):
     `defaults` and `attention_block` (the block size the model was trained with)."""
 
     align_blocks = True
+    suffix_refusal = "its attention is block-causal: a block attends only to the blocks before it"
     attention_block: int
 
     def __init__(self, model: Any, tokenizer: Any = None, use_cache: bool = True):
@@ -93,9 +96,31 @@ class BlockCausalAdapter(_BaseAdapter):
         self.eos_ids = self.eos_ids - {self.mask_id}
         self.use_cache = use_cache
 
-    def start(self, prompt: mx.array) -> PrefixCache:
-        layers = [KVCache() for _ in self.model.layers] if self.use_cache else []
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> PrefixCache:
+        if not self.use_cache:
+            return PrefixCache(layers=[], final=prompt.shape[1])
+        # A reused prefix holds whole attention blocks of the prompt: the first forward's
+        # window then begins after it, as it begins after the blocks stored by this decode.
+        layers = reuse.caches() if reuse is not None else [KVCache() for _ in self.model.layers]
         return PrefixCache(layers=layers, final=prompt.shape[1])
+
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+        """Whole attention blocks of the prompt: a position's keys and values depend only on
+        its block and the blocks before it, so a block of the same tokens at the same
+        absolute place has the same KV in any prompt (the prompt's last partial block does
+        not: it is decoded together with the first generated tokens)."""
+        if not self.use_cache:
+            return 0
+        return usable(prefix, block_causal(self.attention_block), prompt.shape[0], prompt.shape[1])
+
+    def export_prefix(self, state: Optional[PrefixCache], length: int) -> Optional[PrefixKV]:
+        """The stored blocks: each was computed, with block-causal attention, over final
+        tokens only (the prompt's full blocks, and each finished block once the next
+        forward carried it), which is what a cold prefill of those tokens computes."""
+        if state is None or not state.layers:
+            return None
+        block = self.attention_block
+        return PrefixKV.of(state.layers, min(length, state.stored), block_causal(block), block)
 
     def predict(self, state: Optional[PrefixCache], canvas: mx.array, start: int, end: int) -> mx.array:
         block = self.attention_block
@@ -111,6 +136,11 @@ class BlockCausalAdapter(_BaseAdapter):
             for layer_cache in cache:
                 layer_cache.trim(stop - keep)
         return self.model.head(hidden[:, start - offset : end - offset])
+
+    def predict_batch(self, requests: list) -> list:
+        if len(requests) == 1:
+            return super().predict_batch(requests)
+        return block_causal_batch(self, requests)
 
     def finish_block(self, state: Optional[PrefixCache], canvas: mx.array, start: int, end: int) -> None:
         # Stored by the next forward, whose window begins at the cached prefix.

@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
@@ -27,6 +28,8 @@ from mlx_lm.models.cache import KVCache
 from .base import Adapter as _BaseAdapter
 from .base import DiffusionModel, FamilyDefaults, _stop_ids
 from .option import Option
+from .prefix_kv import CAUSAL, PrefixKV, usable
+from .sharding import SummedOverRanks, VocabShardedEmbedding, shard_in_place, shard_mlp
 
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -218,14 +221,48 @@ class Model(DiffusionModel):
         """softmax(logits) @ embeddings, scaled like the embeddings (self-conditioning input)."""
         table = self.model.decoder.embed_tokens
         probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
-        if isinstance(table, nn.QuantizedEmbedding):
-            soft = mx.quantized_matmul(
-                probs, table.weight, table.scales, table.biases, transpose=False,
-                group_size=table.group_size, bits=table.bits, mode=getattr(table, "mode", "affine"),
-            )
+        if isinstance(table, VocabShardedEmbedding):
+            soft = table.weighted_rows(probs, _weighted_rows)
         else:
-            soft = probs.astype(table.weight.dtype) @ table.weight
+            soft = _weighted_rows(table, probs)
         return soft * self.embed_scale
+
+    # -- tensor parallelism (model_adapters.sharding)
+
+    def shard_sizes(self) -> list:
+        t = self.args.text
+        return [
+            ("num_attention_heads", t.num_attention_heads),
+            ("num_key_value_heads", t.num_key_value_heads),
+            ("num_global_key_value_heads", t.num_global_key_value_heads),
+            ("intermediate_size", t.intermediate_size),
+            ("moe_intermediate_size", t.moe_intermediate_size),
+        ]
+
+    def shard_layers(self, group: mx.distributed.Group) -> None:
+        """Attention split by heads, the dense MLP and the self-conditioning MLP by hidden
+        units, the experts by every expert's hidden units (one all_sum for the block's
+        sparse output, before its norm); the router stays replicated. The encoder shares
+        these layers, so it is sharded with them."""
+        N = group.size()
+        d = self.model.decoder
+        for layer in d.layers:
+            attn = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):
+                if name in attn:
+                    setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+            attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+            attn.n_heads //= N
+            attn.n_kv_heads //= N
+            shard_mlp(layer.mlp, group)
+            shard_in_place(layer.experts.switch_glu, group)
+            layer.experts = SummedOverRanks(layer.experts, group)
+        shard_mlp(d.self_conditioning, group)
+
+    def shard_vocabulary(self, group: mx.distributed.Group) -> None:
+        """The decoder's embeddings (the tied head) split by vocabulary rows."""
+        d = self.model.decoder
+        d.embed_tokens = VocabShardedEmbedding(d.embed_tokens, group)
 
     def decode(self, canvas: mx.array, cache: list, self_conditioning: Optional[mx.array] = None) -> mx.array:
         """Softcapped logits (B, C, V) of the decoder over `canvas`, on top of the cached prefix."""
@@ -269,6 +306,16 @@ class Model(DiffusionModel):
                 out[f"{base}.switch_glu.gate_proj{suffix}"] = mx.contiguous(gate)
                 out[f"{base}.switch_glu.up_proj{suffix}"] = mx.contiguous(up)
         return out
+
+
+def _weighted_rows(table: nn.Module, weights: mx.array) -> mx.array:
+    """weights @ table's rows (an Embedding or a QuantizedEmbedding)."""
+    if isinstance(table, nn.QuantizedEmbedding):
+        return mx.quantized_matmul(
+            weights, table.weight, table.scales, table.biases, transpose=False,
+            group_size=table.group_size, bits=table.bits, mode=getattr(table, "mode", "affine"),
+        )
+    return weights.astype(table.weight.dtype) @ table.weight
 
 
 # transformers' fused expert tensors (no suffix) and mlx-vlm's SwitchLinear names
@@ -329,10 +376,23 @@ class Adapter(_BaseAdapter):
         self.eos_ids = frozenset(_eos_ids(model.args, tokenizer))
         self.defaults = replace(type(self).defaults, block_length=model.args.canvas_length)
 
-    def start(self, prompt: mx.array) -> _State:
-        state = _State(self.model.make_kv_cache())
-        self.model.encode(prompt, state.cache)
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
+        state = _State(reuse.caches() if reuse is not None else self.model.make_kv_cache())
+        self.model.encode(prompt[:, state.cache[0].offset :], state.cache)
         return state
+
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+        """The encoder is causal (its sliding layers keep every position; the mask windows
+        them): the same leading tokens have the same KV in any prompt. At least the last
+        prompt token is encoded again, so every decode runs the encoder."""
+        return usable(prefix, CAUSAL, prompt.shape[0], prompt.shape[1] - 1)
+
+    def export_prefix(self, state: _State, length: int) -> Optional[PrefixKV]:
+        """The encoder's cache: the prompt and each finished canvas, encoded causally once
+        final (the decoder reads the cache without storing)."""
+        if state is None:
+            return None
+        return PrefixKV.of(state.cache, min(length, state.cache[0].offset), CAUSAL)
 
     def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
         if state.pending is not None:  # encode the previous canvas first (the reference's order)

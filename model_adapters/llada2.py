@@ -19,11 +19,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models import bailing_moe
 
 from .base import DiffusionArgs, FamilyDefaults, LayerStack
 from .block_cache import BlockCausalAdapter, BlockCausalModel
 from .option import Option
+from .sharding import SummedOverRanks, shard_in_place, shard_mlp
 
 BLOCK_SIZE = 32  # LLaDA2.x is trained with block-causal attention over 32-token blocks
 
@@ -115,6 +117,43 @@ class Model(BlockCausalModel):
             if args.moe_router_enable_expert_bias and f"{prefix}.gate.expert_bias" not in weights:
                 weights[f"{prefix}.gate.expert_bias"] = mx.zeros((args.num_experts,))
         return weights
+
+    def shard_sizes(self) -> list:
+        args = self.args.text
+        shared = (args.moe_shared_expert_intermediate_size or args.moe_intermediate_size) * args.num_shared_experts
+        return [
+            ("num_attention_heads", args.num_attention_heads),
+            ("num_key_value_heads", args.num_key_value_heads),
+            ("intermediate_size", args.intermediate_size),
+            ("moe_intermediate_size", args.moe_intermediate_size),
+            ("the shared experts' intermediate size", shared),
+        ]
+
+    def shard_layers(self, group: mx.distributed.Group) -> None:
+        """Attention split by heads (the fused query_key_value by its q, k and v parts),
+        dense MLPs by hidden units, MoE blocks by every expert's hidden units (routed and
+        shared) with one all_sum per block; the router stays replicated."""
+        if self.args.text.use_bias:
+            # a sharded-to-all bias would be added once per rank
+            raise ValueError("cannot shard LLaDA2 checkpoints with linear biases (use_bias)")
+        N = group.size()
+        for layer in self.model.layers:
+            attn = layer.attention
+            q = attn.num_attention_heads * attn.head_dim
+            kv = attn.num_key_value_heads * attn.head_dim
+            attn.query_key_value = shard_linear(
+                attn.query_key_value, "all-to-sharded", segments=[q, q + kv], group=group
+            )
+            attn.dense = shard_linear(attn.dense, "sharded-to-all", group=group)
+            attn.num_attention_heads //= N
+            attn.num_key_value_heads //= N
+            if isinstance(layer.mlp, bailing_moe.BailingMoeSparseMoeBlock):
+                shard_in_place(layer.mlp.switch_mlp, group)
+                if layer.mlp.shared_experts is not None:
+                    shard_in_place(layer.mlp.shared_experts, group)
+                layer.mlp = SummedOverRanks(layer.mlp, group)
+            else:
+                shard_mlp(layer.mlp, group)
 
     @property
     def quant_predicate(self):

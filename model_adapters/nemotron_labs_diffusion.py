@@ -26,6 +26,7 @@ from mlx_lm.models.cache import KVCache
 from .base import Adapter as _BaseAdapter
 from .base import DiffusionArgs, DiffusionModel, FamilyDefaults
 from .option import Option
+from .prefix_kv import CAUSAL, PrefixKV, usable
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Adapter(_BaseAdapter):
     # NVIDIA's model card: blocks of 32, confidence threshold 0.9 (>=, the most confident
     # always commits); causal context on.
     defaults = FamilyDefaults(block_length=32, strategy="threshold", threshold=0.9)
+    suffix_refusal = "a block attends to its causal prefix and to itself, never to text after it"
     options = (
         Option("causal_context", bool, "Nemotron-Labs Diffusion: encode the prefix causally and seed "
                "each block's first token from it (default on)", default=True),
@@ -149,10 +151,26 @@ class Adapter(_BaseAdapter):
             state.pending = None
             self._encode(state, canvas[:, start:end])
 
-    def start(self, prompt: mx.array) -> _State:
-        state = _State(self.model.make_kv_cache())
-        self._encode(state, prompt)
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
+        state = _State(reuse.caches() if reuse is not None else self.model.make_kv_cache())
+        self._encode(state, prompt[:, state.offset :])  # (at least the last prompt token)
         return state
+
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+        """With causal context the prefix is encoded causally: the same leading tokens have
+        the same KV in any prompt. The last prompt token is always encoded again (its causal
+        pass seeds the first block). Without causal context the prompt is encoded
+        bidirectionally, as a whole: nothing is reusable."""
+        if not self.causal_context:
+            return 0
+        return usable(prefix, CAUSAL, prompt.shape[0], prompt.shape[1] - 1)
+
+    def export_prefix(self, state: _State, length: int) -> Optional[PrefixKV]:
+        """The cache: the prompt and the finished blocks, each encoded causally once final
+        (the bidirectional passes over a block are trimmed away)."""
+        if not self.causal_context or state is None:
+            return None
+        return PrefixKV.of(state.cache, min(length, state.offset), CAUSAL)
 
     def block_seed(self, state: _State, canvas: mx.array, start: int) -> Optional[mx.array]:
         """(B, V) logits for the block's first position, from the causal pass over everything

@@ -24,12 +24,21 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def llada_generate(model, prompt, *, gen_length, block_length, steps, mask_id):
+def _seeded(prompt, gen_length, suffix, mask_id) -> np.ndarray:
+    """The reference's starting canvas: prompt, gen_length masks, then the suffix (an
+    infill: the loop then unmasks the middle only, the suffix stays as given)."""
+    x = np.full((1, len(prompt) + gen_length + len(suffix)), mask_id, dtype=np.int64)
+    x[0, : len(prompt)] = prompt
+    x[0, len(prompt) + gen_length :] = suffix
+    return x
+
+
+def llada_generate(model, prompt, *, gen_length, block_length, steps, mask_id, suffix=()):
     """LLaDA's `generate` (remasking="low_confidence", temperature 0, no CFG), with
-    `steps` denoising steps per block and a last block that may be shorter."""
+    `steps` denoising steps per block and a last block that may be shorter; `suffix`:
+    the canvas ends with it (masks only in the middle span)."""
     P = len(prompt)
-    x = np.full((1, P + gen_length), mask_id, dtype=np.int64)
-    x[0, :P] = prompt
+    x = _seeded(prompt, gen_length, suffix, mask_id)
     forwards = 0
     for start in range(P, P + gen_length, block_length):
         end = min(start + block_length, P + gen_length)
@@ -49,14 +58,14 @@ def llada_generate(model, prompt, *, gen_length, block_length, steps, mask_id):
     return x[0, P:].tolist(), forwards
 
 
-def dream_generate(model, prompt, *, max_new_tokens, steps, alg, mask_id, eps=1e-3):
+def dream_generate(model, prompt, *, max_new_tokens, steps, alg, mask_id, eps=1e-3, suffix=()):
     """Dream's `diffusion_generate` (temperature 0, alg in maskgit_plus / topk_margin /
-    entropy, alg_temp 0): shifted logits, count int(M * (1 - s / t))."""
+    entropy, alg_temp 0): shifted logits, count int(M * (1 - s / t)); `suffix`: the
+    canvas ends with it (masks only in the middle span)."""
     import torch
 
     P = len(prompt)
-    x = np.full((1, P + max_new_tokens), mask_id, dtype=np.int64)
-    x[0, :P] = prompt
+    x = _seeded(prompt, max_new_tokens, suffix, mask_id)
     timesteps = torch.linspace(1, eps, steps + 1)
     forwards = 0
     for i in range(steps):

@@ -313,10 +313,10 @@ def test_batched_rows_decode_as_alone(llada):
 
     model, tok = llada
     prompts = [[72, 101, 108, 108], [5, 17, 99, 200]]
-    rows, _ = generate_batch(model, tok, prompts, max_tokens=16, block_length=8, cache="dual")
+    kw = dict(max_tokens=16, block_length=8, cache="dual", return_token_ids=True)
+    rows = generate_batch(model, tok, prompts, **kw).token_ids
     for prompt, row in zip(prompts, rows):
-        alone, _ = generate_batch(model, tok, [prompt], max_tokens=16, block_length=8, cache="dual")
-        assert row == alone[0]
+        assert row == generate_batch(model, tok, [prompt], **kw).token_ids[0]
 
 
 def test_fast_preset(llada, dream):

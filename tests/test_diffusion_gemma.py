@@ -16,6 +16,7 @@ import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.engine import Engine
 from mlx_lm_diffusion.options import DecodeOptions, resolve
 from model_adapters import adapter_for
+from model_adapters.diffusion_gemma import Adapter
 
 from checkpoints import EOS_ID, VOCAB
 from checkpoints_nemotron_gemma import write_diffusion_gemma
@@ -282,16 +283,18 @@ def test_stream_contract(gemma):
     assert text == mld.generate(model, tok, prompt, max_tokens=40, seed=0)
 
 
-def test_eos_cuts_the_canvas_and_stops(gemma):
+def test_eos_cuts_the_canvas_and_stops(gemma, monkeypatch):
     model, tok = gemma
+    predict = Adapter.predict
 
-    def eos_at_five(tokens, logits):
+    def eos_at_five(self, state, canvas, start, end):  # the model makes canvas position 5 EOS
+        logits = predict(self, state, canvas, start, end)
         bias = mx.zeros(logits.shape)
-        bias[5, EOS_ID] = 1e4
+        bias[:, 5, EOS_ID] = 1e4
         return logits + bias
 
-    responses = list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=48, seed=0,
-                                         logits_processors=[eos_at_five]))
+    monkeypatch.setattr(Adapter, "predict", eos_at_five)
+    responses = list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=48, seed=0))
     assert [r.finish_reason for r in responses][-1] == "stop" and len(responses) == 6
     assert responses[-1].token == EOS_ID and tok.decode([EOS_ID]) not in "".join(r.text for r in responses)
     assert responses[-1].forwards <= 48  # one canvas only
@@ -300,7 +303,8 @@ def test_eos_cuts_the_canvas_and_stops(gemma):
 def test_options_and_seeds(gemma):
     model, tok = gemma
     kw = dict(max_tokens=16)
-    rows, forwards = mld.generate_batch(model, tok, [PROMPTS[0]], steps=3, seed=0, **kw)
+    out = mld.generate_batch(model, tok, [PROMPTS[0]], steps=3, seed=0, return_token_ids=True, **kw)
+    rows, forwards = out.token_ids, out.forwards[0]
     assert forwards <= 3 and len(rows[0]) == 16
     a = mld.generate(model, tok, PROMPTS[0], seed=5, **kw)
     assert a == mld.generate(model, tok, PROMPTS[0], seed=5, **kw)

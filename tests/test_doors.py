@@ -1,5 +1,6 @@
 """install() doors that cannot drive a diffusion model refuse saying what to call
-instead (issue 12, part 8); generate_batch takes strings as well as token lists."""
+instead (issue 12, part 8); mlx_lm.batch_generate drives diffusion models through
+generate_batch, which takes strings as well as token lists of any lengths (issue 15)."""
 
 import importlib
 import subprocess
@@ -15,11 +16,15 @@ generate_module = importlib.import_module("mlx_lm.generate")
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
 
-def test_batch_generate_after_install_names_generate_batch(llada, installed):
+def test_batch_generate_after_install_drives_generate_batch(llada, installed):
     model, tok = llada
+    prompts = [PROMPT, PROMPT[:3]]
+    expected = mld.generate_batch(model, tok, prompts, max_tokens=6, return_token_ids=True)
     for batch_generate in (mlx_lm.batch_generate, generate_module.batch_generate):
-        with pytest.raises(ValueError, match=r"mlx_lm_diffusion\.generate_batch"):
-            batch_generate(model, tok, [PROMPT, PROMPT], max_tokens=4)
+        out = batch_generate(model, tok, prompts, max_tokens=6, return_token_ids=True)
+        assert isinstance(out, generate_module.BatchResponse)
+        assert out.texts == expected.texts and out.token_ids == expected.token_ids
+        assert out.stats.generation_tokens == sum(len(t) for t in out.token_ids) + out.finish_reasons.count("stop")
 
 
 def test_cache_prompt_after_install_says_there_is_no_kv_cache(llada, installed):
@@ -80,22 +85,28 @@ def test_cache_prompt_cli_after_install_is_one_clear_error(llada_path, tmp_path)
 def test_generate_batch_takes_strings(llada):
     model, tok = llada
     a, b = "Hello", "World"
-    rows, forwards = mld.generate_batch(model, tok, [a, b], max_tokens=8, block_length=4)
-    assert forwards > 0
-    for prompt, row in zip((a, b), rows):
-        assert row == [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=8, block_length=4)
-                       if r.finish_reason != "stop"]
+    kw = dict(max_tokens=8, block_length=4, return_token_ids=True, return_logprobs=True)
+    out = mld.generate_batch(model, tok, [a, b, "Hello there"], **kw)  # different lengths
+    for i, prompt in enumerate((a, b, "Hello there")):
+        alone = list(mld.stream_generate(model, tok, prompt, max_tokens=8, block_length=4))
+        tokens = [r.token for r in alone if r.finish_reason != "stop"]
+        assert out.token_ids[i] == tokens and out.texts[i] == tok.decode(tokens)
+        assert out.forwards[i] == alone[-1].forwards > 0
+        assert out.finish_reasons[i] == alone[-1].finish_reason
+        assert out.logprobs[i] == pytest.approx([r.logprobs[r.token].item() for r in alone][: len(tokens)], abs=1e-5)
+    rows = out.token_ids[:2]
     ids = [list(tok.encode(a)), list(tok.encode(b))]
-    assert mld.generate_batch(model, tok, ids, max_tokens=8, block_length=4)[0] == rows
-    assert mld.generate_batch(model, tok, [ids[0], b], max_tokens=8, block_length=4)[0] == rows  # mixed
-    assert mld.generate_batch(model, tok, mx.array(ids), max_tokens=8, block_length=4)[0] == rows
+    assert mld.generate_batch(model, tok, ids, **kw).token_ids == rows
+    assert mld.generate_batch(model, tok, [ids[0], b], **kw).token_ids == rows  # mixed
+    assert mld.generate_batch(model, tok, mx.array(ids), **kw).token_ids == rows
+    per_row = mld.generate_batch(model, tok, [a, b], max_tokens=[3, 8], block_length=4, return_token_ids=True)
+    assert len(per_row.token_ids[0]) <= 3 and per_row.token_ids[1] == rows[1]
 
 
 @pytest.mark.parametrize(
     "prompts,word",
     [
-        (["Hi", "Hello"], "equal token length"),
-        ([[1, 2], [1, 2, 3]], "equal token length"),
+        ([[1, 2], [1, 2, 3]], "max_tokens has 1 entries"),
         ("Hello", "list of prompts"),
         ([1, 2, 3], "list of prompts"),
         ([], "one or more"),
@@ -104,4 +115,4 @@ def test_generate_batch_takes_strings(llada):
 def test_generate_batch_bad_prompts_are_clear_value_errors(llada, prompts, word):
     model, tok = llada
     with pytest.raises(ValueError, match=word):
-        mld.generate_batch(model, tok, prompts, max_tokens=4)
+        mld.generate_batch(model, tok, prompts, max_tokens=[4] if word.startswith("max_tokens") else 4)

@@ -14,12 +14,15 @@ from checkpoints import EOS_ID, MASK_ID, VOCAB
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
 
-def boost_eos_at(offset_in_block):
-    """A logits processor that makes one block position certainly EOS."""
+def boost_eos_at(generated, prompt_len=len(PROMPT)):
+    """An mlx-lm logits processor (tokens so far, (1, V) logits of the next position)
+    that makes the generated token at index `generated` certainly EOS."""
 
     def processor(tokens, logits):
+        if len(tokens) != prompt_len + generated:
+            return logits
         bias = mx.zeros(logits.shape)
-        bias[offset_in_block, EOS_ID] = 1e4
+        bias[:, EOS_ID] = 1e4
         return logits + bias
 
     return processor
@@ -102,9 +105,9 @@ def test_eos_stops_early_and_is_never_text(family, request):
 def test_batch_rows_match_single_prompts(llada, dream):
     for model, tok in (llada, dream):
         a, b = PROMPT, [80, 81, 82, 83, 84, 85, 86]
-        rows, _ = mld.generate_batch(model, tok, [a, b], max_tokens=16, block_length=8)
+        rows = mld.generate_batch(model, tok, [a, b], max_tokens=16, block_length=8, return_token_ids=True).token_ids
         for prompt, row in zip((a, b), rows):
-            single, _ = mld.generate_batch(model, tok, [prompt], max_tokens=16, block_length=8)
+            single = mld.generate_batch(model, tok, [prompt], max_tokens=16, block_length=8, return_token_ids=True).token_ids
             assert row == single[0]
 
 

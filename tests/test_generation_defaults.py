@@ -62,9 +62,9 @@ def test_explicit_options_win(plain, tmp_path):
 def test_decoding_at_the_checkpoint_defaults_equals_asking_for_them(plain, tmp_path):
     model, tokenizer = _with_config(plain, tmp_path, {**OWN, "strategy": "low_confidence"})
     asked = dict(max_tokens=8, block_length=4, steps=1, strategy="low_confidence")
-    rows, forwards = mlx_lm_diffusion.generate_batch(model, tokenizer, [PROMPT])
-    assert (rows, forwards) == mlx_lm_diffusion.generate_batch(model, tokenizer, [PROMPT], **asked)
-    assert len(rows[0]) <= 8 and forwards <= 2 * 1  # two blocks of 4, one step each
+    own = [(r.token, r.forwards) for r in mlx_lm_diffusion.stream_generate(model, tokenizer, PROMPT)]
+    assert own == [(r.token, r.forwards) for r in mlx_lm_diffusion.stream_generate(model, tokenizer, PROMPT, **asked)]
+    assert len(own) <= 8 and own[-1][1] <= 2 * 1  # two blocks of 4, one step each
     text = mlx_lm_diffusion.generate(model, tokenizer, PROMPT)
     assert text == mlx_lm_diffusion.generate(model, tokenizer, PROMPT, **asked)
 

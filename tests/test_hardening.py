@@ -168,9 +168,11 @@ GOOD = json.dumps({"messages": USER, "max_tokens": 4}).encode()
         (request_bytes(b'{"messages": [], "temperature": NaN}'), 400),
         (request_bytes(b'{"messages": [], "temperature": 1e400}'), 400),
         (request_bytes(b'"a string"'), 400),
+        (request_bytes(b"null"), 400),  # (once answered with a closed connection: found by the fuzz test)
+        (request_bytes(b"null", path="/v1/diffusion/generate"), 400),
     ],
     ids=["no-length", "chunked", "negative", "non-numeric", "float", "two-lengths", "1e12", "over-10MB",
-         "non-utf8", "deep-1e5", "deep-70", "NaN", "1e400", "not-an-object"],
+         "non-utf8", "deep-1e5", "deep-70", "NaN", "1e400", "not-an-object", "null", "null-protocol"],
 )
 def test_malformed_bodies_get_a_clean_4xx(port, client, reference, data, status):
     got, headers, body = exchange(port, data)
@@ -232,6 +234,57 @@ def test_fields_at_their_bounds_are_served(client, reference):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
 
 
+# ----------------------------------------------------------------------------- part 2: bounded work
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": USER, "schedule": "linear", "steps": 100_000}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 12, "block_length": 1, "steps": 2_000}),
+    ("/v1/diffusion/generate", {"prompt_tokens": [72, 101], "target_length": 6, "num_steps": 100_000,
+                                "mask_schedule": "cosine", "temperature_schedule": [0.0] * 100_000,
+                                "top_p": 1.0}),
+])
+def test_requests_over_the_forward_budget_get_a_400_before_anything_runs(port, client, reference, path, body,
+                                                                         monkeypatch):
+    from mlx_lm_diffusion import engine
+
+    ran = []
+    monkeypatch.setattr(engine.Engine, "run", lambda *a, **k: ran.append(1) or iter(()))
+    status, data = post(port, body, path=path)
+    monkeypatch.undo()
+    assert status == 400 and not ran
+    assert f"allows {dserver.DEFAULT_MAX_FORWARDS} per request" in assert_openai_error(data)["message"]
+    assert answer(client) == reference
+
+
+def test_max_forwards_flag(port, served, client, reference, monkeypatch):
+    assert dserver.parse_args(["--model", "m"]).max_forwards == dserver.DEFAULT_MAX_FORWARDS
+    assert dserver.parse_args(["--model", "m", "--max-forwards", "64"]).max_forwards == 64
+    monkeypatch.setattr(served[1].cli_args, "max_forwards", 4)
+    status, data = post(port, {"messages": USER, "max_tokens": 12, "block_length": 4, "steps": 4})
+    assert status == 400 and "up to 12 model forwards" in assert_openai_error(data)["message"]
+    monkeypatch.setattr(served[1].cli_args, "max_forwards", 12)  # at the limit: served
+    status, data = post(port, {"messages": USER, "max_tokens": 12, "block_length": 4, "steps": 4})
+    assert status == 200
+
+
+def test_protocol_decode_stops_when_cancelled(llada):
+    from mlx_lm_diffusion.protocol import run_request
+
+    seen = []
+
+    def on_step(step):
+        seen.append(step.forwards)
+        if len(seen) == 2:
+            raise dserver.Cancelled()
+
+    request = {"prompt_tokens": [72, 101], "target_length": 12, "num_steps": 8, "mask_schedule": "cosine",
+               "temperature_schedule": [0.0] * 8, "top_p": 1.0}
+    with pytest.raises(dserver.Cancelled):
+        run_request(*llada, request, on_step=on_step)
+    assert seen == [1, 2]
+
+
 def test_client_chat_templates_only_when_the_operator_allows(port, served, monkeypatch):
     body = {"messages": USER, "max_tokens": 2,
             "chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}"}}
@@ -263,7 +316,8 @@ def _failing_after(n):
     return failing
 
 
-def test_error_after_stream_began_is_an_sse_event(client, port, reference, monkeypatch):
+def test_error_after_stream_began_is_an_sse_event(client, port, reference, served, monkeypatch):
+    monkeypatch.setattr(served[1], "scheduler", None)  # the serial path (batched: test_scheduler)
     monkeypatch.setattr(mlx_lm.server, "stream_generate", _failing_after(2))
     body = json.dumps({"messages": USER, "stream": True, "logit_bias": NO_STOP}).encode()
     status, headers, data = exchange(port, request_bytes(body))
@@ -283,7 +337,7 @@ def test_error_after_stream_began_is_an_sse_event(client, port, reference, monke
     assert answer(client) == reference
 
 
-def test_responses_are_strict_json_even_with_non_finite_numbers(port, client, reference, monkeypatch):
+def test_responses_are_strict_json_even_with_non_finite_numbers(port, client, reference, served, monkeypatch):
     import dataclasses
 
     import mlx.core as mx
@@ -295,6 +349,7 @@ def test_responses_are_strict_json_even_with_non_finite_numbers(port, client, re
             fill = float("nan") if i % 2 else -float("inf")
             yield dataclasses.replace(r, logprobs=mx.full(r.logprobs.shape, fill))
 
+    monkeypatch.setattr(served[1], "scheduler", None)  # the serial path, where the poison goes in
     monkeypatch.setattr(mlx_lm.server, "stream_generate", poisoned)
 
     def strict(raw):
@@ -473,7 +528,7 @@ def test_open_connections_are_capped_with_503(served, port, client, reference):
 
 
 def test_32_concurrent_clients_all_answered_as_serial(served, port, monkeypatch):
-    """32 clients at once, 2 requests each (the listen backlog and the connection
+    """32 clients at once, 8 requests each (the listen backlog and the connection
     cap above them): every request answered, each equal to its serial answer."""
     import concurrent.futures
 
@@ -491,11 +546,11 @@ def test_32_concurrent_clients_all_answered_as_serial(served, port, monkeypatch)
 
     def client_(k):
         start.wait()
-        return [(i, ask(i)) for i in (k, k + 32)]
+        return [(i, ask(i)) for i in range(k, k + 8 * 32, 32)]
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        answers = [a for batch in pool.map(client_, range(32), timeout=4 * TIMEOUT) for a in batch]
-    assert len(answers) == 64
+        answers = [a for batch in pool.map(client_, range(32), timeout=8 * TIMEOUT) for a in batch]
+    assert len(answers) == 256
     assert all(text == serial[i % len(bodies)] for i, text in answers)
 
 
@@ -591,14 +646,14 @@ def test_bad_model_fails_at_start_before_binding(monkeypatch, capsys, tmp_path, 
 @pytest.mark.parametrize("flags", [
     ["--draft-model", "x"], ["--num-draft-tokens", "3"], ["--adapter-path", "a"], ["--kv-bits", "4"],
     ["--kv-group-size", "32"], ["--quantized-kv-start", "0"], ["--prefill-step-size", "512"], ["--pipeline"],
-    ["--read-timeout", "0"], ["--max-connections", "0"], ["--threshold", "2"],
+    ["--read-timeout", "0"], ["--max-connections", "0"], ["--max-forwards", "0"], ["--threshold", "2"],
 ])
 def test_flags_that_cannot_apply_fail_at_start(capsys, flags):
     with pytest.raises(SystemExit) as e:
         dserver.parse_args(["--model", "m", *flags])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "error" in err[0]
-    if flags[0] not in ("--read-timeout", "--max-connections", "--threshold"):
+    if flags[0] not in ("--read-timeout", "--max-connections", "--max-forwards", "--threshold"):
         assert flags[0] in err[0] and "cannot apply" in err[0]
 
 
@@ -655,7 +710,8 @@ def test_sigterm_finishes_in_flight_cancels_the_rest_exits_0(llada_path, tmp_pat
     still streaming when the grace period ends gets an SSE error and [DONE], the one
     still queued a 503, and the server exits 0 without accepting new connections."""
     grace = 6.0
-    proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace))
+    # served one at a time, so that a request is still queued (batched: test_scheduler)
+    proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace), "--no-batch")
     try:
         results = {}
 
@@ -764,6 +820,9 @@ def test_base_dependencies_cover_what_the_server_imports():
     assert "jsonschema" in modules
     owners = md.packages_distributions()
     own = {"mlx_lm_diffusion", "model_adapters"}
+    # The `constraints` extra (llguidance) is imported only when a grammar is asked for, and its
+    # absence is a clear error there (mlx_lm_diffusion.grammar): it need not be a base dependency.
+    optional = {name(r) for r in project["optional-dependencies"]["constraints"]}
     missing = {m: owners[m] for m in sorted(modules - own) if m in owners
-               and not any(d.lower().replace("_", "-") in required for d in owners[m])}
+               and not any(d.lower().replace("_", "-") in required | optional for d in owners[m])}
     assert not missing, f"imported but not base dependencies: {missing}"

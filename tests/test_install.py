@@ -229,3 +229,18 @@ def test_every_family_through_stock_mlx_lm(family, tmp_path, installed):
     turn = [10, 65, 66]
     after = [r.token for r in mlx_lm.stream_generate(model, tok, turn, prompt_cache=cache, **opts)]
     assert after == [r.token for r in mld.stream_generate(model, tok, PROMPT + yielded + turn, **opts)]
+
+
+def test_batch_generate_keeps_autoregressive_models_on_mlx_lm(tmp_path):
+    """After install(), mlx_lm.batch_generate still runs an autoregressive model itself."""
+    from checkpoints_ar import write_causal
+
+    model, tok = mlx_lm.load(str(write_causal(tmp_path / "llama", "llama")))
+    prompts = [[72, 101, 108], [5, 17, 99, 200, 31]]
+    before = mlx_lm.batch_generate(model, tok, prompts, max_tokens=4, return_token_ids=True)
+    mld.install()
+    try:
+        after = mlx_lm.batch_generate(model, tok, prompts, max_tokens=4, return_token_ids=True)
+    finally:
+        mld.uninstall()
+    assert type(after) is type(before) and after.token_ids == before.token_ids

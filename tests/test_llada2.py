@@ -281,18 +281,18 @@ def test_fewer_steps_than_the_block_leave_no_mask(llada2, vlm_model):
 def test_eos_stops_once_nothing_before_it_is_masked(llada2):
     model, tok = llada2
 
-    def eos_at(offset):
+    prompt = PROMPTS[1]  # 32 tokens: the first block starts at the prompt's end
+
+    def eos_at(offset):  # (mlx-lm's call: the tokens so far, the next position's logits)
         def processor(tokens, logits):
             bias = mx.zeros(logits.shape)
-            bias[offset, LLADA2_EOS] = 1e4
+            bias[:, LLADA2_EOS] = 1e4 if len(tokens) == len(prompt) + offset else 0.0
             return logits + bias
         return processor
-
-    prompt = PROMPTS[1]  # 32 tokens: the first block starts at the prompt's end
     out = list(api.stream_generate(model, tok, prompt, max_tokens=96, logits_processors=[eos_at(5)]))
     assert [r.finish_reason for r in out][-1] == "stop" and out[-1].token == LLADA2_EOS and len(out) == 6
     assert out[-1].forwards <= 32  # the later blocks were never decoded
-    rows, _ = api.generate_batch(model, tok, [prompt], max_tokens=96, logits_processors=[eos_at(5)])
+    rows = api.generate_batch(model, tok, [prompt], max_tokens=96, logits_processors=[eos_at(5)], return_token_ids=True).token_ids
     assert len(rows[0]) == 5
 
 

@@ -231,3 +231,18 @@ def test_private_names_we_rely_on_exist(module, name, why):
     for part in name.split("."):
         target = getattr(target, part)
     assert target is not None, why
+
+
+def test_batch_generate_signature_and_response():
+    """generate_batch mirrors mlx_lm.batch_generate (install() routes diffusion models to it)."""
+    from mlx_lm.generate_utils import BatchStats
+
+    from mlx_lm_diffusion.batch_generate import generate_batch
+
+    assert params(generate_module.batch_generate) == params(generate_batch)
+    fields = [f.name for f in dataclasses.fields(generate_module.BatchResponse)]
+    assert fields == ["texts", "stats", "caches", "token_ids", "logprobs"]
+    stats = {f.name for f in dataclasses.fields(BatchStats)}
+    assert {"prompt_tokens", "prompt_time", "generation_tokens", "generation_steps", "decode_time",
+            "wall_time", "peak_memory"} <= stats
+    assert mlx_lm.batch_generate is generate_module.batch_generate or hasattr(mlx_lm.batch_generate, "__wrapped__")

@@ -236,8 +236,8 @@ def test_batch_rows_match_single_prompts(nemotron):
     a, b = PROMPTS[0], [80, 81, 82, 83, 84, 85, 86]
     for causal_context in (True, False):
         kw = dict(max_tokens=20, block_length=8, causal_context=causal_context, threshold=0.5)
-        rows, _ = mld.generate_batch(model, tok, [a, b], **kw)
-        assert rows == [mld.generate_batch(model, tok, [p], **kw)[0][0] for p in (a, b)]
+        rows = mld.generate_batch(model, tok, [a, b], **kw, return_token_ids=True).token_ids
+        assert rows == [mld.generate_batch(model, tok, [p], **kw, return_token_ids=True).token_ids[0] for p in (a, b)]
 
 
 @pytest.mark.parametrize("options", [{}, dict(editing_threshold=0.2), dict(causal_context=False)])
@@ -270,10 +270,10 @@ def test_stream_contract(nemotron, options):
 def test_eos_stops_early(nemotron):
     model, tok = nemotron
 
-    def eos_at_three(tokens, logits):
+    def eos_at_three(tokens, logits):  # (mlx-lm's call: the tokens so far, the next position's logits)
         bias = mx.zeros(logits.shape)
-        if logits.shape[0] == 8:  # a denoising forward over a block (the seed has one row)
-            bias[3, EOS_ID] = 1e4
+        if len(tokens) == len(PROMPTS[0]) + 3:
+            bias[:, EOS_ID] = 1e4
         return logits + bias
 
     responses = list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=32, block_length=8,

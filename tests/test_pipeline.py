@@ -8,8 +8,9 @@ import pytest
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.decoders import decoder_class
 from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.options import DecodeOptions, check_forward_budget, forward_bound, resolve
 from mlx_lm_diffusion.schedules import ScheduleQuota
 from model_adapters import adapter_for
 
@@ -110,3 +111,37 @@ def test_next_forward_is_queued_before_the_step_is_read_back(models):
         finally:
             adapter.model = model
         assert len(at_forward) >= 8 and at_forward == [max(0, k - lag) for k in range(len(at_forward))]
+
+
+@pytest.mark.parametrize("family,options", CASES)
+def test_forward_bound_holds_for_every_decode(models, family, options):
+    """`forward_bound` (what a server checks against --max-forwards before anything runs)
+    is never exceeded, and is exact for LLaDA's and Dream's fixed quotas of no more steps
+    than a block has positions, run to the end of the canvas (with more steps, or a
+    threshold inside the schedule as LLaDA2's, a block can fill early)."""
+    model, tok = models[family]
+    prompt = [5, 9, 30, 31, 7, 64, 25]
+    if isinstance(options.get("strategy"), ScheduleQuota):
+        options = dict(options, strategy=ScheduleQuota(options["strategy"].schedule))
+    adapter = adapter_for(model, tok)
+    adapter.eos_ids = frozenset()  # run every block
+    resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
+    bound = forward_bound(resolved, adapter, len(prompt))
+    last = None
+    for last in Engine(adapter, resolved).run(mx.array([prompt])):
+        pass
+    assert last.forwards <= bound
+    widths = [end - start for start, end in decoder_class(adapter)(adapter, resolved).blocks(len(prompt))]
+    quota = family in ("llada", "dream") and "threshold" not in options and resolved.rule.fixed_steps
+    if quota and resolved.editing_threshold is None and resolved.steps <= min(widths):
+        assert last.forwards == bound
+
+
+def test_forward_budget_refuses_with_the_bound(models):
+    model, tok = models["llada"]
+    adapter = adapter_for(model, tok)
+    resolved = resolve(DecodeOptions(max_tokens=16, block_length=8, steps=100_000, schedule="linear"), adapter, 3)
+    assert forward_bound(resolved, adapter, 3) == 200_000
+    assert check_forward_budget(resolved, adapter, 3, None) == 200_000
+    with pytest.raises(ValueError, match="up to 200000 model forwards.*allows 4096"):
+        check_forward_budget(resolved, adapter, 3, 4096)

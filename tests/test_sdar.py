@@ -220,16 +220,16 @@ def test_generate_stream_batch_and_eos(sdar):
     assert [r.generation_tokens for r in responses] == list(range(1, len(responses) + 1))
     assert responses[-1].finish_reason in ("stop", "length") and SDAR_MASK not in [r.token for r in responses]
     a, b = PROMPTS[0], [80, 81, 82, 83, 84]
-    rows, _ = api.generate_batch(model, tok, [a, b], max_tokens=10)
+    rows = api.generate_batch(model, tok, [a, b], max_tokens=10, return_token_ids=True).token_ids
     for prompt, row in zip((a, b), rows):
-        assert row == api.generate_batch(model, tok, [prompt], max_tokens=10)[0][0]
-
-    def eos_at_2(tokens, logits):
-        bias = mx.zeros(logits.shape)
-        bias[2, SDAR_EOS] = 1e4  # third position of every block
-        return logits + bias
+        assert row == api.generate_batch(model, tok, [prompt], max_tokens=10, return_token_ids=True).token_ids[0]
 
     prompt = PROMPTS[1]  # 8 tokens: blocks start on the boundary
+
+    def eos_at_2(tokens, logits):  # (mlx-lm's call: the tokens so far, the next position's logits)
+        bias = mx.zeros(logits.shape)
+        bias[:, SDAR_EOS] = 1e4 if len(tokens) == len(prompt) + 2 else 0.0  # the third generated token
+        return logits + bias
     out = list(api.stream_generate(model, tok, prompt, max_tokens=32, logits_processors=[eos_at_2]))
     assert out[-1].finish_reason == "stop" and out[-1].token == SDAR_EOS and len(out) == 3
     assert out[-1].forwards <= BLOCK  # only the first block was decoded

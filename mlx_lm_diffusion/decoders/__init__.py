@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import BlockState, Canvas, Decoder, Queued
+from .base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack
 from .masked_block import MaskedBlockDecoder
 from .uniform_canvas import UniformCanvasDecoder
 
@@ -18,4 +18,4 @@ def decoder_class(adapter: Any) -> type[Decoder]:
     return DECODERS[name]
 
 
-__all__ = ["DECODERS", "decoder_class", "Decoder", "Canvas", "BlockState", "Queued"]
+__all__ = ["DECODERS", "decoder_class", "Decoder", "Canvas", "BlockState", "Forward", "Queued", "ReadBack"]

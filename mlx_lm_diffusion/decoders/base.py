@@ -12,19 +12,36 @@ from typing import Any, ClassVar, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_arsenal.diffusion import TokenStats
+from mlx_arsenal.diffusion import TokenStats, block_ranges
+
+# In a canvas seed (`Canvas(seed=...)`), a free position: the decoder fills it.
+FREE = -1
 
 
 class Canvas:
     """A decode's canvas (B, P + N): the tokens on the device, their latest host copy,
-    and each row's progress (`done`, `final`), kept per row so that rows can differ."""
+    and each row's progress (`done`, `final`), kept per row so that rows can differ.
 
-    def __init__(self, prompt: mx.array, generated: int, fill: int):
+    `seed` (B, W), optional: the tokens after the prompt, FREE where the decoder fills in
+    and a token id where the position is pinned (an infill suffix, a seeded canvas);
+    pinned tokens never change. W may exceed `generated`: the positions past it (a
+    suffix) are context only, no block covers them. `pinned` is None without a seed."""
+
+    def __init__(self, prompt: mx.array, generated: int, fill: int, seed: Optional[np.ndarray] = None):
         B, P = prompt.shape
-        self.tokens = mx.concatenate([prompt.astype(mx.int32), mx.full((B, generated), fill, mx.int32)], axis=1)
+        width = generated if seed is None else max(generated, seed.shape[1])
+        tail = np.full((B, width), fill, dtype=np.int32)
+        self.pinned: Optional[mx.array] = None  # (B, P + width) positions whose tokens never change
+        if seed is not None:
+            pinned = np.zeros((B, P + width), dtype=bool)
+            pinned[:, P : P + seed.shape[1]] = seed != FREE
+            tail[:, : seed.shape[1]] = np.where(seed != FREE, seed, tail[:, : seed.shape[1]])
+            self.pinned = mx.array(pinned)
+        self.tokens = mx.concatenate([prompt.astype(mx.int32), mx.array(tail)], axis=1)
         self.host = np.array(self.tokens)  # the host copy of the latest tokens read back
         self.synced = self.tokens  # ... which is this array
         self.prompt_len = P
+        self.generated = generated  # positions after the prompt that blocks cover
         self.done = np.zeros(B, dtype=bool)  # rows that finished (EOS in their final prefix, or full)
         self.final = np.zeros(B, dtype=np.int64)  # per row: generated tokens that are final
         self.forwards = 0
@@ -56,6 +73,10 @@ class Canvas:
     def live_rows(self) -> mx.array:
         return mx.array(~self.done)[:, None]
 
+    def unpinned(self, start: int, end: int) -> Optional[mx.array]:
+        """(B, end - start) positions of [start, end) a decoder may change; None: all."""
+        return None if self.pinned is None else ~self.pinned[:, start:end]
+
 
 @dataclass
 class BlockState:
@@ -84,6 +105,28 @@ class Queued:
     step: int
     block_over: bool
     ran_forward: bool
+
+
+@dataclass
+class Forward:
+    """A decoder's request for the logits (B, end - start, V) of positions [start, end) of
+    `canvas` (`Adapter.predict`'s arguments). Decoders yield it and receive the logits
+    back (generator `send`), so that a driver can answer the requests of many decodes
+    with one batched forward (mlx_lm_diffusion.batch) or one decode's at once (Engine)."""
+
+    state: Any
+    canvas: mx.array
+    start: int
+    end: int
+
+
+@dataclass
+class ReadBack:
+    """A decoder is about to read `arrays` back to the host. A driver of many decodes
+    evaluates every row's together (one wait instead of one per row); one decode's
+    driver just resumes (send None)."""
+
+    arrays: tuple
 
 
 def queue(canvas: Canvas, block: BlockState, kept: Optional[mx.array], block_over: bool,
@@ -127,6 +170,9 @@ class Decoder:
 
     def __init__(self, adapter: Any, options: Any, keep_logprobs: bool = True):
         self.adapter, self.options, self.keep_logprobs = adapter, options, keep_logprobs
+        # Queue each step's arrays as soon as they are built (one decode); a batch of
+        # decodes evaluates all rows' at once instead (mlx_lm_diffusion.batch).
+        self.queue_eagerly = True
 
     @classmethod
     def check_options(cls, values: dict, adapter: Any) -> None:
@@ -139,6 +185,20 @@ class Decoder:
 
     def canvas_length(self, prompt_len: int) -> int:
         return self.options.max_tokens
+
+    def blocks(self, prompt_len: int) -> list:
+        """The (start, end) of each block the driver walks, in canvas positions."""
+        N = self.canvas_length(prompt_len)
+        return list(block_ranges(prompt_len, N, self.options.block_length, align=self.adapter.align_blocks))
+
+    def forward_bound(self, prompt_len: int) -> int:
+        """The most model forwards a decode can take (its rows may stop sooner): what a
+        server checks against its limit before anything runs."""
+        return sum(self.block_step_bound(end - start) for start, end in self.blocks(prompt_len))
+
+    def block_step_bound(self, width: int) -> int:
+        """The most steps (forwards) one block of `width` positions can take."""
+        raise NotImplementedError
 
     @property
     def fill(self) -> int:
@@ -178,21 +238,22 @@ class Decoder:
             )
         return x0
 
-    def process(self, canvas: Canvas, logits: mx.array, stop: Optional[int]) -> mx.array:
-        """mlx-lm logits processors, per row, over the row's committed tokens before
-        `stop` (mask ids left out); logits in float32."""
+    def process(self, logits: mx.array) -> mx.array:
+        """Logits in float32 with the request's allowed-token set applied (`allowed_tokens`:
+        every other id gets -inf). mlx-lm logits processors are not applied here: they
+        track a left-to-right state, so a decoder feeds them one committed position at a
+        time (mlx_lm_diffusion.constraints.LeftToRight)."""
         if logits.dtype != mx.float32:
             logits = logits.astype(mx.float32)
-        processors = self.options.logits_processors
-        if not processors:
-            return logits
-        host = canvas.sync()[:, :stop]
-        rows = []
-        for b in range(logits.shape[0]):
-            row = host[b]
-            history = mx.array(row[row != self.adapter.mask_id]) if self.adapter.mask_id is not None else mx.array(row)
-            out = logits[b]
-            for processor in processors:
-                out = processor(history, out)
-            rows.append(out)
-        return mx.stack(rows)
+        if self.allowed_bias is not None:
+            logits = logits + self.allowed_bias
+        return logits
+
+    @property
+    def allowed_bias(self) -> Optional[mx.array]:
+        """(V,) 0 at the allowed ids, -inf elsewhere; None: every id is allowed."""
+        if not hasattr(self, "_allowed_bias"):
+            from ..constraints import allowed_bias  # (constraints imports this module)
+
+            self._allowed_bias = allowed_bias(self.options.allowed_tokens, self.adapter)
+        return self._allowed_bias

@@ -13,15 +13,19 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_arsenal.diffusion import edit_transfer
 from mlx_lm.sample_utils import apply_top_p
 
 from ..commit_rules import StepInputs
+from ..constraints import LeftToRight
 from .base import (
     BlockState,
     Canvas,
     Decoder,
+    Forward,
     Queued,
+    ReadBack,
     greedy_proposal,
     log_softmax,
     normalized_entropy,
@@ -40,11 +44,19 @@ class MaskedBlockDecoder(Decoder):
         if adapter.mask_id is None:
             raise ValueError(f"{adapter.family} has no mask token; it cannot use a masked canvas")
         super().__init__(adapter, options, keep_logprobs)
-        self.editing = options.editing_threshold is not None
+        # Logits processors are fed each committed token once and for good, and their commits
+        # only extend the left-to-right prefix: no committed token is left that an edit could
+        # revise, so editing (editing_threshold) does not run under them.
+        self.editing = options.editing_threshold is not None and not options.logits_processors
         self.suppress = None  # added to the logits: the suppressed ids are never proposed
         if adapter.suppress_ids:
             self.suppress = mx.zeros((adapter.vocab_size,), mx.float32)
             self.suppress[mx.array(sorted(adapter.suppress_ids))] = -mx.inf
+        # mlx-lm logits processors: fed the committed prefix in order (constraints.py)
+        self.ordered = None
+        if options.logits_processors:
+            greedy = options.sampler is None and options.temperature_schedule is None
+            self.ordered = LeftToRight(options.logits_processors, adapter.eos_ids, greedy)
 
     def canvas_length(self, prompt_len: int) -> int:
         a, o = self.adapter, self.options
@@ -61,6 +73,14 @@ class MaskedBlockDecoder(Decoder):
     def may_run_ahead(self) -> bool:
         return not (self.options.logits_processors or self.editing)
 
+    def block_step_bound(self, width: int) -> int:
+        # the rule's own bound, plus at most max_post_steps + 1 editing passes once the
+        # block is full
+        o = self.options
+        bound = o.rule.step_bound(o.steps, width) + (o.max_post_steps + 1) * self.editing
+        # logits processors: at least one commit per step and row, so at most `width` steps
+        return max(bound, width) if o.logits_processors else bound
+
     def changing(self) -> bool:
         return self.editing  # an edit can revise a committed token until its block is over
 
@@ -68,9 +88,7 @@ class MaskedBlockDecoder(Decoder):
         """Steps until the block has no masks (and, with editing, no more edits)."""
         o, rule = self.options, self.options.rule
         b = self._start_block(state, canvas, start, end)
-        # A bound no rule may exceed: the rule's own, plus at most max_post_steps + 1
-        # editing passes once the block is full.
-        limit = rule.step_bound(o.steps, end - start) + (o.max_post_steps + 1) * self.editing
+        limit = self.block_step_bound(end - start)
         while True:
             if canvas.done.any():  # rows that finished commit nothing more
                 b.masked = b.masked * ~canvas.done
@@ -81,7 +99,7 @@ class MaskedBlockDecoder(Decoder):
                     break
             if b.step >= limit:
                 raise RuntimeError(f"{rule.name} did not finish a block within {limit} steps")
-            edited = self._step(state, canvas, b, has_mask)
+            edited = yield from self._step(state, canvas, b, has_mask)
             block_over = self.editing and not has_mask and not edited
             yield queue(canvas, b, b.kept, block_over)
             b.step += 1
@@ -102,11 +120,17 @@ class MaskedBlockDecoder(Decoder):
         b.rule_state = self.options.rule.start_block(b.masked, self.options.steps)
         return b
 
-    def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool) -> bool:
-        """One forward and its commits; returns whether a committed token was edited."""
+    def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool):
+        """One forward and its commits (a generator: it yields the forward it needs);
+        returns whether a committed token was edited."""
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
-        x0, prob, logprobs = self._predict(state, canvas, b)
-        committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked) if has_mask else 0
+        x0, prob, logprobs, logits = yield from self._predict(state, canvas, b)
+        # Under processors a block may outlast the rule's schedule (one commit per step at
+        # least): past it the rule selects nothing and the walk commits the next token.
+        past_rule = self.ordered is not None and b.step >= rule.step_bound(o.steps, b.end - b.start)
+        committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked) if has_mask and not past_rule else 0
+        if self.ordered is not None and has_mask:
+            committed = None  # the processors decide how far the commits go
         takes_all = has_mask and committed is not None and (committed == b.masked).all()
         edited = False
         if takes_all and b.step == 0 and b.first_open.all() and not self.editing:
@@ -117,7 +141,7 @@ class MaskedBlockDecoder(Decoder):
                 candidates = mx.array(b.first_open)
             else:
                 candidates = (canvas.tokens[:, b.start : b.end] == mask_id) & canvas.live_rows()
-            if not has_mask:
+            if not has_mask or past_rule:
                 commit = mx.zeros(candidates.shape, dtype=mx.bool_)
             elif takes_all:
                 commit = candidates  # every candidate commits: no ranking can change that
@@ -125,14 +149,22 @@ class MaskedBlockDecoder(Decoder):
                 inputs = StepInputs(x0, prob, normalized_entropy(logprobs), logprobs, candidates, b.step,
                                     o.steps, b.masked)
                 commit = rule.select(inputs, b.rule_state)
+            if self.ordered is not None and has_mask:
+                commit, x0, logprobs = self.ordered.verify(canvas, b.start, commit, x0, logits, logprobs,
+                                                           self._correction(b), mask_id)
+                prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
             if self.editing:
                 block = canvas.tokens[:, b.start : b.end]
                 editable = (block != mask_id) & canvas.live_rows()
+                unpinned = canvas.unpinned(b.start, b.end)
+                if unpinned is not None:  # a pinned token is never edited
+                    editable = editable & unpinned
                 edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
                 commit = commit | edit
                 edited = bool(mx.any(edit).item())
             self._apply(canvas, b, commit, x0, prob, logprobs)
         if committed is None:  # this step's tokens decide: read them back
+            yield ReadBack((canvas.tokens,))
             canvas.sync()
             b.masked = canvas.open_rows(b.start, b.end, mask_id).sum(axis=1)
         else:
@@ -145,10 +177,13 @@ class MaskedBlockDecoder(Decoder):
         logits = self.adapter.block_seed(state, canvas.tokens, b.start)
         if logits is None:
             return
-        logprobs = log_softmax(self._suppressed(self.process(canvas, logits[:, None], b.start)))
-        x0, prob = self._propose(logprobs)
         start = b.start
         open_row = canvas.live_rows()[:, 0] & (canvas.tokens[:, start] == self.adapter.mask_id)
+        logits = self._suppressed(self.process(logits[:, None]))
+        if self.ordered is not None:  # the seed commits `start`: the processors are fed it
+            logits = self.ordered.seed(canvas, logits, start, np.array(open_row))
+        logprobs = log_softmax(logits)
+        x0, prob = self._propose(logprobs)
         seeded = mx.where(open_row, x0[:, 0], canvas.tokens[:, start])[:, None]
         canvas.write(seeded, start)
         b.confidence[:, 0] = mx.where(open_row, prob[:, 0], b.confidence[:, 0])
@@ -158,14 +193,25 @@ class MaskedBlockDecoder(Decoder):
         canvas.sync()
 
     def _predict(self, state: Any, canvas: Canvas, b: BlockState):
-        logits = self.adapter.predict(state, canvas.tokens, b.start, b.end)
+        logits = yield Forward(state, canvas.tokens, b.start, b.end)  # the driver answers it
         canvas.forwards += 1
-        logprobs = log_softmax(self._suppressed(self.process(canvas, logits, None)))
+        logits = self._suppressed(self.process(logits))
+        logprobs = log_softmax(logits)
+        temperature = self._temperature(b)
+        if temperature is not None:
+            return (*self._propose_tempered(logprobs, temperature), logprobs, logits)
+        return (*self._propose(logprobs), logprobs, logits)
+
+    def _temperature(self, b: BlockState) -> Optional[float]:
         temperatures = self.options.temperature_schedule
-        if temperatures is not None:
-            temperature = temperatures[min(b.step, len(temperatures) - 1)]
-            return (*self._propose_tempered(logprobs, temperature), logprobs)
-        return (*self._propose(logprobs), logprobs)
+        return None if temperatures is None else temperatures[min(b.step, len(temperatures) - 1)]
+
+    def _correction(self, b: BlockState):
+        """A token from processed log-probs (1, 1, V), proposed as this step proposes."""
+        temperature = self._temperature(b)
+        if temperature is not None:
+            return lambda logprobs: self._propose_tempered(logprobs, temperature)[0]
+        return lambda logprobs: self._propose(logprobs)[0]
 
     def _apply(self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob, logprobs) -> None:
         """Write the committed proposals into the canvas (commit None: the whole block)."""
@@ -178,7 +224,8 @@ class MaskedBlockDecoder(Decoder):
                 b.kept = mx.where(commit[..., None], logprobs, b.kept)
             b.confidence = mx.where(commit, prob, b.confidence)
         canvas.write(block, b.start)
-        mx.async_eval(canvas.tokens, b.kept, b.confidence)  # computes while the host goes on
+        if self.queue_eagerly:
+            mx.async_eval(canvas.tokens, b.kept, b.confidence)  # computes while the host goes on
 
     def _suppressed(self, logits: mx.array) -> mx.array:
         return logits if self.suppress is None else logits + self.suppress

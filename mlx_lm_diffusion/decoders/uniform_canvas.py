@@ -22,7 +22,7 @@ import numpy as np
 from mlx_arsenal.diffusion import StableConfidentStopping, linear_temperature, renoise, uniform_canvas
 
 from ..commit_rules import StepInputs
-from .base import BlockState, Canvas, Decoder, Queued, log_softmax, normalized_stats, queue
+from .base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack, log_softmax, normalized_stats, queue
 
 # Generic options that mean nothing when every step re-decides every position.
 NOT_APPLICABLE = ("editing_threshold", "temperature_schedule", "schedule")
@@ -40,6 +40,12 @@ class UniformCanvasDecoder(Decoder):
                     f"{name} does not apply to {adapter.family}, whose canvas is uniform noise "
                     "(every step re-decides every position); drop it"
                 )
+        if values.get("logits_processors"):
+            raise ValueError(
+                f"logits_processors do not apply to {adapter.family}: they are fed tokens left to "
+                "right as each becomes final, and a uniform-noise canvas re-decides every position "
+                "until the whole canvas is final; use allowed_tokens to restrict its tokens"
+            )
 
     @staticmethod
     def whole(max_tokens: int, block_length: int) -> int:
@@ -58,6 +64,9 @@ class UniformCanvasDecoder(Decoder):
     def fill(self) -> int:
         return 0  # (positions not reached yet hold 0)
 
+    def block_step_bound(self, width: int) -> int:
+        return self.options.steps  # every canvas runs at most its steps
+
     def changing(self) -> bool:
         return True  # a canvas's tokens are final once the canvas is
 
@@ -68,14 +77,20 @@ class UniformCanvasDecoder(Decoder):
         a, o, settings = self.adapter, self.options, self.options.family
         B, L = canvas.rows, end - start
         stop = StableConfidentStopping(settings["stability_threshold"], settings["confidence_threshold"])
-        noisy = uniform_canvas((B, L), a.vocab_size)
+        # Pinned positions (an infill suffix, a seeded canvas) hold their token in the noisy
+        # canvas and the draft at every step: they are never noised or re-decided.
+        free = canvas.unpinned(start, end)
+        seeded = canvas.tokens[:, start:end]
+        keep = (lambda x: x) if free is None else (lambda x: mx.where(free, x, seeded))  # noqa: E731
+        noisy = keep(uniform_canvas((B, L), a.vocab_size))
         stopped = mx.array(canvas.done)
-        argmax, kept = canvas.tokens[:, start:end], None
+        argmax, kept = seeded, None
         b = BlockState(start, end, confidence=mx.zeros((B, L)))
-        b.rule_state = o.rule.start_block(np.full(B, L), o.steps)
+        open_count = np.full(B, L) if free is None else np.array(free).sum(axis=1)
+        b.rule_state = o.rule.start_block(open_count, o.steps)
         for b.step in range(o.steps):
             noisy_canvas = mx.concatenate([canvas.tokens[:, :start], noisy, canvas.tokens[:, end:]], axis=1)
-            logits = self.process(canvas, a.predict(state, noisy_canvas, start, end), start)
+            logits = self.process((yield Forward(state, noisy_canvas, start, end)))
             canvas.forwards += 1
             temperature = linear_temperature(o.steps - b.step, o.steps, t_min=settings["t_min"],
                                              t_max=settings["t_max"])
@@ -86,16 +101,20 @@ class UniformCanvasDecoder(Decoder):
             sample = self._draw(z, logprobs)
             prob = mx.exp(mx.take_along_axis(logprobs, sample[..., None], axis=-1)[..., 0])
             rows = mx.broadcast_to(~stopped[:, None], (B, L))
+            entropy = stats.entropy
+            if free is not None:  # (a pinned position is no candidate and is certain)
+                rows, entropy = rows & free, mx.where(free, entropy, 0.0)
             accepted = o.rule.select(StepInputs(sample, prob, stats.entropy, logprobs, rows, b.step, o.steps),
                                      b.rule_state)
-            fresh = renoise(sample, accepted, uniform_canvas((B, L), a.vocab_size))
+            fresh = keep(renoise(sample, accepted, uniform_canvas((B, L), a.vocab_size)))
             frozen = stopped[:, None]
-            argmax = mx.where(frozen, argmax, stats.x0)
+            argmax = mx.where(frozen, argmax, keep(stats.x0))
             noisy = mx.where(frozen, noisy, fresh)
             b.confidence = mx.where(frozen, b.confidence, stats.prob)
             kept = logprobs if kept is None else mx.where(frozen[..., None], kept, logprobs)
-            stopped = stopped | stop(argmax, stats.entropy)
+            stopped = stopped | stop(argmax, entropy)
             canvas.tokens = mx.concatenate([canvas.tokens[:, :start], argmax, canvas.tokens[:, end:]], axis=1)
+            yield ReadBack((canvas.tokens, noisy, stopped, kept, b.confidence))
             mx.eval(canvas.tokens, noisy, stopped, kept, b.confidence)
             canvas.sync()
             yield queue(canvas, b, kept if self.keep_logprobs else None, False)

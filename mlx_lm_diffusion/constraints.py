@@ -1,0 +1,122 @@
+"""Constrained decoding: an allowed-token set, and left-to-right logits processors.
+
+Two kinds of constraint reach the decoders:
+
+- `allowed_tokens` (a set of ids): every other id gets -inf before any proposal, in
+  every decoder, so each generated token lies in the set. EOS ids are always allowed
+  (a decode must be able to end); the mask token never is.
+- mlx-lm logits processors, `processor(tokens, logits) -> logits`, called as mlx-lm's
+  generate_step calls them: `tokens` the 1-D prompt plus every generated token so far,
+  `logits` (1, V) for the next position. Many track a left-to-right state (outlines'
+  JSON-schema and regex processors advance their automaton by the last token of each
+  call; mlx-lm's repetition penalty reads the tokens), so they must be fed the canvas
+  in order, one committed token per call, and never a token that is later retracted.
+
+`LeftToRight.verify` keeps a masked-block step parallel under such processors, as a
+draft is verified in speculative decoding. The model proposes every masked position
+of the block at once and the commit rule selects the confident ones; then, per row,
+from the first masked position on, the processors are fed the committed prefix and
+score the next position: a proposal they accept is committed and fed, and the walk
+goes on to the next position while the rule selected it; the first proposal they
+reject is replaced by a token proposed from the processed logits (the correction,
+committed too) and the walk stops. The first masked position always commits, so a
+step commits at least one token per row, and commits only ever extend the
+left-to-right prefix, so every token the processors were fed stays.
+
+Accepting: greedy decoding accepts a proposal that is the processed argmax (the
+output is then what left-to-right greedy decoding with the processors picks from the
+same logits); sampled decoding accepts a proposal the processors allow (a finite
+processed logit): exact for processors that only mask ids (grammars, allowed sets),
+while a processor that reweights without masking (a repetition penalty) then shapes
+only the corrections.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .decoders.base import Canvas, log_softmax
+
+
+def allowed_bias(allowed: Optional[Sequence[int]], adapter: Any) -> Optional[mx.array]:
+    """(V,) 0 at the allowed ids and the EOS ids, -inf elsewhere (the mask id included);
+    None when `allowed` is None. Raises ValueError for ids outside the vocabulary or the
+    mask token."""
+    if allowed is None:
+        return None
+    V = adapter.vocab_size
+    ids = sorted({int(t) for t in allowed})
+    bad = [t for t in ids if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"allowed_tokens holds ids outside the vocabulary [0, {V}): {bad[:5]}")
+    if adapter.mask_id is not None and adapter.mask_id in ids:
+        raise ValueError(f"allowed_tokens holds the mask token (id {adapter.mask_id}); it is never generated")
+    keep = set(ids) | {t for t in adapter.eos_ids if 0 <= t < V}
+    bias = np.full((V,), -np.inf, dtype=np.float32)
+    bias[sorted(keep)] = 0.0
+    return mx.array(bias)
+
+
+class LeftToRight:
+    """Feeds mlx-lm logits processors one committed position at a time (see the module
+    docstring); `propose(logprobs (1, 1, V)) -> (1, 1)` draws a correction the way the
+    decoder proposes tokens, `greedy` says whether it is an argmax."""
+
+    def __init__(self, processors: Sequence[Callable], eos_ids: frozenset, greedy: bool):
+        self.processors = tuple(processors)
+        self.eos_ids = eos_ids
+        self.greedy = greedy
+
+    def apply(self, history: np.ndarray, logits: mx.array) -> mx.array:
+        """(1, V) processed logits of the position after `history` (prompt + committed)."""
+        tokens = mx.array(history.astype(np.int32))
+        for processor in self.processors:
+            logits = processor(tokens, logits)
+        return logits
+
+    def seed(self, canvas: Canvas, logits: mx.array, position: int, live: np.ndarray) -> mx.array:
+        """(B, 1, V) processed logits for `position` in the rows that commit it (`live`):
+        a block's first token proposed by an earlier causal pass (Adapter.block_seed)."""
+        host = canvas.sync()
+        rows = [self.apply(host[r, :position], logits[r, :1]) if live[r] else logits[r, :1]
+                for r in range(logits.shape[0])]
+        return mx.stack(rows)
+
+    def verify(self, canvas: Canvas, start: int, commit: mx.array, x0: mx.array, logits: mx.array,
+               logprobs: mx.array, propose: Callable[[mx.array], mx.array], mask_id: int):
+        """The step's commits under the processors: (commit, tokens, logprobs) with the
+        accepted proposals and corrections (their log-probs the processed ones)."""
+        host = canvas.sync()
+        selected, proposals = np.array(commit), np.array(x0)
+        out_commit = np.zeros_like(selected)
+        tokens = proposals.copy()
+        for row in np.flatnonzero(~canvas.done):
+            masked = np.flatnonzero(host[row, start : start + selected.shape[1]] == mask_id)
+            if masked.size == 0:
+                continue
+            history = list(host[row, : start + masked[0]])
+            for k in range(masked[0], selected.shape[1]):
+                if k > masked[0] and (not selected[row, k] or host[row, start + k] != mask_id):
+                    break  # the rule left it masked: the walk stops before feeding anything
+                processed = log_softmax(self.apply(np.array(history), logits[row, k][None]))
+                token, accepted = self._accept(processed, int(proposals[row, k]), propose)
+                logprobs[row, k] = processed[0]
+                tokens[row, k], out_commit[row, k] = token, True
+                history.append(token)
+                if not accepted or token in self.eos_ids:
+                    break
+        return mx.array(out_commit), mx.array(tokens), logprobs
+
+    def _accept(self, processed: mx.array, proposal: int, propose: Callable) -> tuple[int, bool]:
+        if self.greedy:
+            best = int(mx.argmax(processed[0]).item())
+            return best, best == proposal
+        if bool(mx.isfinite(processed[0, proposal]).item()):
+            return proposal, True
+        return int(propose(processed[None])[0, 0].item()), False
+
+
+__all__ = ["allowed_bias", "LeftToRight"]

@@ -1,0 +1,289 @@
+"""Continuous batching for the server: one running batch per compatible group.
+
+mlx_lm.server's generation thread hands each diffusion request to `Scheduler.submit`
+(the server's `_serve_single` hook) instead of decoding it there; the scheduler's own
+thread keeps one `RunningBatch` per group of requests that can share a forward (the
+same family options: `batch.family_key`; generic options such as block_length, steps,
+max_tokens, sampler or seed differ freely per row). Each turn:
+
+1. queued requests join their group's batch (FIFO, at most `max_rows` rows a batch:
+   `--decode-concurrency`); a request whose batch is full waits for a row to leave;
+2. the next group in turn (round robin: groups take turns, none starves) drops the rows
+   whose client left or whose request was cancelled, then runs one step (one model
+   forward for all its rows) under the server's decode lock, which the step-schedule
+   protocol endpoint and the serial path also take;
+3. every row's new final tokens go to its client as mlx_lm.server `Response`s (its own
+   detokenizer, stop words, logprobs); a row that finished (EOS, max_tokens, a stop
+   word) leaves at once and its client gets the end of its stream.
+
+A row decodes exactly as the request alone would (mlx_lm_diffusion.batch). The token
+prompt cache is kept as mlx_lm.server keeps it (fetched for `cached_tokens`, stored under
+prompt + tokens sent once a request ends); the decode re-reads its whole prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from queue import Queue
+from typing import Any, Callable, Optional
+
+from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _make_logits_processors, _make_sampler
+
+from model_adapters import adapter_for
+
+from .batch import RowEvent, RunningBatch, family_key
+from .compat import check_decode_fields, fit_max_tokens
+from .engine import Step
+from .options import DecodeOptions, ResolvedOptions, named_options, resolve
+
+
+@dataclass
+class Job:
+    """One request in the scheduler: where its responses go and how to make them."""
+
+    rqueue: Queue
+    ctx: GenerationContext
+    prompt: list
+    options: ResolvedOptions
+    check: Callable[[], None]  # raises when the request was cancelled or its client left
+    drafts: Optional[Callable[[Step], None]]
+    stop_matcher: Any
+    top_logprobs: int
+    detokenizer: Any
+    cache_entry: Optional[Callable[[list], None]] = None  # stores prompt + tokens in the prompt cache
+    tokens: list = field(default_factory=list)  # the tokens sent
+    emitted: int = 0
+    ended: bool = False
+    row: Any = None
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def group(self) -> tuple:
+        return family_key(self.options)
+
+
+def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
+    """mlx_lm.server's `_serve_single` up to the decode: tokenize, context (sent to the
+    client's queue), sampler, logits processors, stop words; the decode's options.
+    A request that cannot be served gets its error on its queue (None returned)."""
+    rqueue, req, args = request
+    try:
+        tokenizer = generator.model_provider.tokenizer
+        model = generator.model_provider.model
+        prompt, _, _, initial_state, vision = generator._tokenize(tokenizer, req, args)
+        if vision is not None:
+            raise ValueError("images are not supported for diffusion models")
+        stop_sequences, text_sm = generator._make_state_machine(
+            generator.model_provider.model_key, tokenizer, args.stop_words)
+        ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+                                tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
+                                prompt=prompt)
+        ctx.prompt_cache_count = _cached_prefix(generator, prompt)
+        adapter = adapter_for(model, tokenizer)
+        fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
+        decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
+                               sampler=_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
+                               seed=args.seed, **fields)
+        options = resolve(decode, adapter, len(prompt))
+        drafts = generator._draft_sender(rqueue) if getattr(req, "drafts", False) else None
+        job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
+                  args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator))
+    except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
+        rqueue.put(e)
+        return None
+    rqueue.put(ctx)
+    return job
+
+
+def _sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
+    """mlx_lm.server's sampler; None (the decoder's own argmax) at temperature 0, where
+    mlx-lm's is an argmax too, so that a greedy row reads nothing back to check it."""
+    return None if args.sampling.temperature == 0 else _make_sampler(args, tokenizer)
+
+
+_cache_lock = threading.Lock()  # the prompt cache is read on the generation thread, written here
+
+
+def _cached_prefix(generator: Any, prompt: list) -> int:
+    """How many prompt tokens the prompt cache already held (the usage's cached_tokens)."""
+    with _cache_lock:
+        _, rest = generator.prompt_cache.fetch_nearest_cache(generator.model_provider.model_key, list(prompt))
+    return len(prompt) - len(rest)
+
+
+def _cache_writer(generator: Any) -> Callable[[list], None]:
+    key = generator.model_provider.model_key
+
+    def write(tokens: list) -> None:
+        from .prompt_cache import TokenCache
+
+        with _cache_lock:
+            generator.prompt_cache.insert_cache(key, list(tokens), [TokenCache(tokens)])
+
+    return write
+
+
+class Scheduler:
+    """Runs the server's diffusion requests in running batches on its own thread."""
+
+    def __init__(self, model: Any, tokenizer: Any, decode_lock: threading.Lock, max_rows: int = 32):
+        if max_rows < 1:
+            raise ValueError(f"--decode-concurrency must be at least 1, got {max_rows}")
+        self.model, self.tokenizer = model, tokenizer
+        self.decode_lock = decode_lock
+        self.max_rows = max_rows
+        self.queued: deque = deque()  # jobs not in a batch yet, FIFO
+        self.batches: dict = {}  # group -> RunningBatch
+        self.turns: deque = deque()  # groups with rows, in the order they step
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="diffusion-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- any thread
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self.queued.append(job)
+            self._cond.notify()
+
+    def stats(self) -> dict:
+        """Running rows and queued requests (what /v1/stats reports)."""
+        with self._cond:
+            running = sum(len(b) for b in self.batches.values())
+            return {"running_rows": running, "queued_requests": len(self.queued), "groups": len(self.batches),
+                    "max_rows": self.max_rows}
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # -- the scheduler's thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.queued and not self.turns:
+                    self._cond.wait(0.5)
+                if self._stop:
+                    break
+                self._admit()
+                group = self._next_group()
+            if group is not None:
+                try:
+                    self._step(group)
+                except Exception as e:  # noqa: BLE001 (a broken batch fails its requests, not the server)
+                    self._fail_group(group, e)
+        self._cancel_all()
+
+    def _admit(self) -> None:
+        """Queued jobs join their group's batch in FIFO order while it has room."""
+        waiting = deque()
+        while self.queued:
+            job = self.queued.popleft()
+            batch = self.batches.get(job.group)
+            if batch is None:
+                batch = self.batches[job.group] = RunningBatch(adapter_for(self.model, self.tokenizer),
+                                                              keep_logprobs=True)
+            if len(batch) >= self.max_rows:
+                waiting.append(job)
+                continue
+            job.row = batch.add(job.prompt, job.options, payload=job)
+            if job.group not in self.turns:
+                self.turns.append(job.group)
+        self.queued = waiting
+
+    def _next_group(self) -> Optional[tuple]:
+        while self.turns:
+            group = self.turns[0]
+            self.turns.rotate(-1)
+            if len(self.batches.get(group) or ()):
+                return group
+            self.turns.remove(group)
+            self.batches.pop(group, None)
+        return None
+
+    def _step(self, group: tuple) -> None:
+        batch = self.batches[group]
+        for row in list(batch.rows.values()):  # a client that left frees its row now
+            try:
+                row.payload.check()
+            except Exception as e:  # noqa: BLE001 (the client's error; the batch goes on)
+                self._end(batch, row.payload, e)
+        if not len(batch):
+            return
+        with self.decode_lock:  # (reading tokens and log-probs back is MLX work too)
+            for event in batch.step():
+                try:
+                    self._dispatch(batch, event)
+                except Exception as e:  # noqa: BLE001 (that request fails; the others go on)
+                    if not event.row.payload.ended:
+                        self._end(batch, event.row.payload, e)
+
+    def _dispatch(self, batch: RunningBatch, event: RowEvent) -> None:
+        job: Job = event.row.payload
+        if job.ended:
+            return
+        if event.error is not None:
+            self._end(batch, job, event.error)
+            return
+        step = event.step
+        if step is not None:
+            if job.drafts is not None and step.ran_forward:
+                job.drafts(step)
+            self._emit(batch, job, step)
+        if event.finished and not job.ended:
+            self._end(batch, job, None)
+
+    def _emit(self, batch: RunningBatch, job: Job, step: Step) -> None:
+        """The row's newly final tokens, one Response each (as stream_generate yields them)."""
+        P, eos = len(job.prompt), batch.adapter.eos_ids
+        while job.emitted < step.final[0]:
+            position = P + job.emitted
+            token = int(step.canvas[0, position])
+            logprobs = step.logprobs(0, position)
+            job.emitted += 1
+            stop = token in eos
+            finish = "stop" if stop else ("length" if job.emitted == job.options.max_tokens else None)
+            if not stop:
+                job.detokenizer.add_token(token)
+            if finish is not None:
+                job.detokenizer.finalize()
+            if job.stop_matcher.advance(token):
+                finish = "stop"
+            logprob = logprobs[token].item() if logprobs is not None else 0.0
+            top = _format_top_logprobs(logprobs, job.top_logprobs, self.tokenizer) if logprobs is not None else ()
+            job.tokens.append(token)
+            job.rqueue.put(Response(job.detokenizer.last_segment, token, logprob, finish, top))
+            if finish is not None or job.ctx._should_stop:
+                self._end(batch, job, None)
+                return
+
+    def _end(self, batch: RunningBatch, job: Job, error: Optional[BaseException]) -> None:
+        job.ended = True
+        batch.remove(job.row)
+        job.rqueue.put(error)  # None: the end of the stream
+        if error is None and job.cache_entry is not None:
+            job.cache_entry(job.prompt + job.tokens)
+
+    def _fail_group(self, group: tuple, error: BaseException) -> None:
+        batch = self.batches.pop(group, None)
+        for row in list(batch.rows.values()) if batch is not None else ():
+            if not row.payload.ended:
+                self._end(batch, row.payload, error)
+
+    def _cancel_all(self) -> None:
+        from .server import Cancelled
+
+        with self._cond:
+            jobs = list(self.queued) + [r.payload for b in self.batches.values() for r in b.rows.values()]
+            self.queued.clear()
+        for job in jobs:
+            if not job.ended:
+                job.ended = True
+                job.rqueue.put(Cancelled())

@@ -1,0 +1,183 @@
+"""Batched forwards: the forward requests of many single-row decodes answered by one model call.
+
+Each row of a running batch (mlx_lm_diffusion.batch) is its own decode: its own canvas,
+prompt length, blocks and cache. Only the model forward is shared. These functions take
+the rows' `Forward` requests (state, canvas (1, T_i), start_i, end_i) and return, per row,
+the logits its own `Adapter.predict` would return:
+
+- `bidirectional_batch` (LLaDA, Dream without a cache): the canvases right-padded to
+  one width, padding keys masked out; positions start at 0 in every row, so RoPE needs
+  no offsets. Canvases of very different widths go to separate calls (`width_groups`):
+  every row of a call costs the widest row's full-canvas forward.
+- `block_causal_batch` (SDAR, LLaDA2 with or without the prefix cache): each row's
+  window (cached prefix to the end of its attention block) left-padded to one width,
+  RoPE rotated from each row's own offset (mlx-lm's attention takes `cache.offset` as a
+  per-row array, as mlx-lm's BatchKVCache does), keys = each row's cached prefix
+  (left-padded) then the window, masked block-causally on each row's absolute
+  positions. The rows' own KVCaches are then updated as `predict` would leave them.
+
+Widths are rounded up (canvases and cached prefixes to a multiple of `BUCKET`, windows
+to one of the attention block), so that the shapes MLX builds kernels for stay few
+while rows join and leave.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+BUCKET = 16  # padded widths are multiples of this
+WIDTH_SPREAD = 1.5  # canvases batched into one call differ in width by at most this factor
+
+
+def bucketed(width: int) -> int:
+    return -(-width // BUCKET) * BUCKET
+
+
+def width_groups(widths: Sequence[int], spread: float = WIDTH_SPREAD) -> list:
+    """Indices of `widths` in groups whose widest is at most `spread` times the narrowest:
+    a short canvas padded to a long one would cost the long one's forward."""
+    order = sorted(range(len(widths)), key=lambda i: widths[i])
+    groups: list = []
+    for i in order:
+        if groups and widths[i] <= spread * widths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int) -> list:
+    """Full-canvas bidirectional forwards: one model call per group of similar widths."""
+    out: list = [None] * len(requests)
+    for group in width_groups([r.canvas.shape[1] for r in requests]):
+        for i, logits in zip(group, _bidirectional_call(adapter, [requests[i] for i in group], shift)):
+            out[i] = logits
+    return out
+
+
+def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> list:
+    lengths = [r.canvas.shape[1] for r in requests]
+    width = max(lengths)
+    if len(set(lengths)) > 1:
+        width = bucketed(width)
+    rows = [_pad_right(r.canvas, width) for r in requests]
+    mask = None
+    if min(lengths) < width:  # (B, 1, 1, K): each row attends to its own tokens only
+        valid = np.arange(width)[None, :] < np.array(lengths)[:, None]
+        mask = mx.array(valid)[:, None, None, :]
+    hidden = adapter.model.backbone(mx.concatenate(rows, axis=0), mask)
+    return [adapter.model.head(hidden[i : i + 1, r.start - shift : r.end - shift]) for i, r in enumerate(requests)]
+
+
+def _pad_right(canvas: mx.array, width: int) -> mx.array:
+    missing = width - canvas.shape[1]
+    return canvas if not missing else mx.concatenate([canvas, mx.zeros((1, missing), canvas.dtype)], axis=1)
+
+
+def _pad_left(x: mx.array, width: int, axis: int) -> mx.array:
+    missing = width - x.shape[axis]
+    if not missing:
+        return x
+    shape = list(x.shape)
+    shape[axis] = missing
+    return mx.concatenate([mx.zeros(shape, x.dtype), x], axis=axis)
+
+
+class _BatchLayerView:
+    """One layer's keys and values for a batched block-causal window: every row's cached
+    prefix (left-padded to `stored`) before the window's own keys; RoPE from `offset`
+    (B,). The window's keys and values are kept for the rows' caches."""
+
+    def __init__(self, offset: mx.array, prefix: Optional[tuple]):
+        self.offset = offset
+        self.prefix = prefix
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+        if self.prefix is None:
+            return keys, values
+        k, v = self.prefix
+        return mx.concatenate([k, keys], axis=2), mx.concatenate([v, values], axis=2)
+
+
+def block_causal_batch(adapter: Any, requests: Sequence[Any]) -> list:
+    """Block-causal window forwards of every row at once (BlockCausalAdapter.predict's)."""
+    block, layers = adapter.attention_block, len(adapter.model.layers)
+    plans = [_window_plan(r, block) for r in requests]  # (offset, stop) per row
+    # (windows span one or two attention blocks: a block multiple keeps the shapes few)
+    width = -(-max(stop - offset for offset, stop in plans) // block) * block
+    stored = max(offset for offset, _ in plans)
+    stored = bucketed(stored) if stored else 0
+    tokens = mx.concatenate(
+        [_pad_left(r.canvas[:, offset:stop], width, axis=1) for r, (offset, stop) in zip(requests, plans)], axis=0
+    )
+    first = np.array([offset - (width - (stop - offset)) for offset, stop in plans])  # position of column 0
+    views = [_BatchLayerView(mx.array(first), _stacked_prefix(requests, i, stored)) for i in range(layers)]
+    hidden = adapter.model.backbone(tokens, _block_causal_mask(plans, first, width, stored, block), views)
+    out = []
+    for row, (r, (offset, stop)) in enumerate(zip(requests, plans)):
+        column = width - (stop - offset) - offset  # canvas position p sits at column p + column
+        out.append(adapter.model.head(hidden[row : row + 1, r.start + column : r.end + column]))
+        if r.state is not None and r.state.layers:
+            _store(r.state, views, row, offset, stop, column, block)
+    return out
+
+
+def _window_plan(request: Any, block: int) -> tuple[int, int]:
+    state = request.state
+    stop = min(-(-request.end // block) * block, request.canvas.shape[1])
+    offset = state.stored if state is not None and state.layers else 0
+    return offset, stop
+
+
+def _stacked_prefix(requests: Sequence[Any], layer: int, stored: int) -> Optional[tuple]:
+    """(B, H, stored, D) keys and values of every row's cached prefix, left-padded."""
+    if not stored:
+        return None
+    keys, values = [], []
+    for r in requests:
+        cache = r.state.layers[layer] if r.state is not None and r.state.layers else None
+        if cache is None or not cache.offset:
+            keys.append(None)
+            values.append(None)
+            continue
+        keys.append(_pad_left(cache.keys[..., : cache.offset, :], stored, axis=2))
+        values.append(_pad_left(cache.values[..., : cache.offset, :], stored, axis=2))
+    like = next((k for k in keys if k is not None), None)
+    if like is None:
+        return None
+    zeros = mx.zeros(like.shape, like.dtype)
+    return (mx.concatenate([zeros if k is None else k for k in keys], axis=0),
+            mx.concatenate([zeros if v is None else v for v in values], axis=0))
+
+
+def _block_causal_mask(plans, first: np.ndarray, width: int, stored: int, block: int) -> mx.array:
+    """(B, 1, width, stored + width) boolean: a query attends to a real key whose block is
+    not after its own (absolute positions per row); padded queries attend to themselves."""
+    B = len(plans)
+    offsets = np.array([offset for offset, _ in plans])
+    query_pos = first[:, None] + np.arange(width)[None, :]  # (B, W)
+    query_real = query_pos >= offsets[:, None]
+    cached_pos = offsets[:, None] - stored + np.arange(stored)[None, :]  # (B, S)
+    key_pos = np.concatenate([cached_pos, query_pos], axis=1)
+    key_real = np.concatenate([cached_pos >= 0, query_real], axis=1)
+    allowed = key_real[:, None, :] & (key_pos[:, None, :] // block <= query_pos[:, :, None] // block)
+    own = np.zeros((B, width, stored + width), dtype=bool)
+    own[:, np.arange(width), stored + np.arange(width)] = True
+    allowed |= own & ~query_real[:, :, None]
+    return mx.array(allowed)[:, None]
+
+
+def _store(state: Any, views: list, row: int, offset: int, stop: int, column: int, block: int) -> None:
+    """Leave the row's cache as `predict` would: whole attention blocks of final tokens."""
+    keep = max(offset, min(state.final // block * block, stop))
+    if keep == offset:
+        return
+    lo, hi = offset + column, keep + column
+    for cache, view in zip(state.layers, views):
+        cache.update_and_fetch(view.keys[row : row + 1, :, lo:hi], view.values[row : row + 1, :, lo:hi])

@@ -1,0 +1,177 @@
+"""Ragged batches (issue 15, part 1): rows of different prompt lengths, each with its own
+stopping, max_tokens and seed, decode together with one forward per step, and each row
+gives exactly the tokens and forward count of its decode alone (Engine.run)."""
+
+import mlx.core as mx
+import pytest
+from checkpoints_ar import write_causal
+from checkpoints_block import write_llada2, write_sdar
+from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.batch import RunningBatch
+from mlx_lm_diffusion.engine import Engine
+from mlx_lm_diffusion.options import DecodeOptions, resolve
+from model_adapters import adapter_for
+
+PROMPTS = [[72, 101, 108], [5, 17, 99, 200, 31, 7, 64], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44]]
+
+
+def eos_after(history_len, eos):
+    """EOS once the committed tokens (prompt included) number `history_len` (mlx-lm's
+    processor call: the tokens so far, the next position's logits)."""
+
+    def processor(tokens, logits):
+        if tokens.size < history_len:
+            return logits
+        bias = mx.zeros(logits.shape)
+        bias[:, eos] = 1e4
+        return logits + bias
+
+    return processor
+
+
+def alone(adapter, prompt, options):
+    """(final tokens, forwards) of one prompt decoded alone, as stream_generate reads them."""
+    last = None
+    for last in Engine(adapter, options).run(mx.array([prompt])):
+        if last.done[0]:
+            break
+    return last.canvas[0, len(prompt) : len(prompt) + last.final[0]].tolist(), last.forwards
+
+
+def batched(adapter, prompts, options, join_late=()):
+    """(final tokens, forwards) per row of one running batch; rows in `join_late` join
+    after the batch's second step."""
+    batch, rows, results = RunningBatch(adapter), {}, {}
+    for i, (prompt, o) in enumerate(zip(prompts, options)):
+        if i not in join_late:
+            rows[batch.add(prompt, o).id] = i
+    for steps in range(10_000):  # (bounded: every row's decode is)
+        if steps == 2:
+            for i in join_late:
+                rows[batch.add(prompts[i], options[i]).id] = i
+        for event in batch.step():
+            assert event.error is None, event.error
+            if event.finished:
+                step, i = event.row.last, rows[event.row.id]
+                P = len(prompts[i])
+                results[i] = (step.canvas[0, P : P + step.final[0]].tolist(), step.forwards)
+        if not len(batch) and len(results) == len(prompts):
+            break
+    assert batch.forwards < sum(f for _, f in results.values()) or len(prompts) == 1
+    return [results[i] for i in range(len(prompts))]
+
+
+def check_ragged(model, tok, prompts=PROMPTS, max_tokens=(16, 16, 10), eos_row=0, eos_offset=2, join_late=(),
+                 **kw):
+    """Row `eos_row` ends at an EOS early (None: no such row), the last row at its max_tokens."""
+    adapter = adapter_for(model, tok)
+    eos = min(adapter.eos_ids)
+    options = []
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        row_kw = dict(kw)
+        if i == eos_row:
+            offset = eos_offset if eos_offset is not None else 3
+            row_kw["logits_processors"] = [eos_after(len(prompt) + offset, eos)]
+        if "seed" in kw:
+            row_kw["seed"] = kw["seed"] + i
+        options.append(resolve(DecodeOptions(max_tokens=n, **row_kw), adapter, len(prompt)))
+    expected = [alone(adapter, p, o) for p, o in zip(prompts, options)]
+    if eos_row is not None:
+        assert expected[eos_row][0][-1] == eos and len(expected[eos_row][0]) < max_tokens[eos_row]
+    assert len(expected[-1][0]) == max_tokens[-1]
+    assert batched(adapter, prompts, options, join_late) == expected
+    return expected
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    return mld.load(str(write_sdar(tmp_path_factory.mktemp("sdar"))))
+
+
+@pytest.fixture(scope="module")
+def llada2(tmp_path_factory):
+    return mld.load(str(write_llada2(tmp_path_factory.mktemp("llada2"))))
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    return mld.load(str(write_nemotron(tmp_path_factory.mktemp("nemotron"))))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return mld.load(str(write_diffusion_gemma(tmp_path_factory.mktemp("gemma"))))
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    return mld.load(str(write_causal(tmp_path_factory.mktemp("qwen3"), "qwen3")), autoregressive=True)
+
+
+def test_llada(llada):
+    check_ragged(*llada, block_length=8)
+
+
+def test_llada_rows_join_late(llada):
+    check_ragged(*llada, block_length=8, join_late=(2,))
+
+
+def test_dream(dream):
+    check_ragged(*dream, block_length=8)
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_fast_dllm_caches(llada, dream, cache):
+    check_ragged(*llada, block_length=8, cache=cache)
+    check_ragged(*dream, block_length=8, cache=cache)
+
+
+def test_sdar(sdar):
+    check_ragged(*sdar)
+    check_ragged(*sdar, join_late=(1,), threshold=0.5)
+
+
+def test_llada2(llada2):
+    check_ragged(*llada2, max_tokens=(40, 40, 20), eos_offset=5)
+
+
+def test_nemotron(nemotron):
+    check_ragged(*nemotron, block_length=8)
+
+
+def test_diffusion_gemma_seeded_rows(gemma):
+    # (DiffusionGemma refuses logits processors, the test's way to place an EOS: its canvas
+    # is final only as a whole; the rows stop at their own max_tokens)
+    check_ragged(*gemma, seed=3, steps=4, eos_row=None)
+
+
+def test_ar(causal):
+    check_ragged(*causal, eos_offset=None)
+
+
+def test_seeded_random_rows_do_not_depend_on_each_other(llada):
+    """A row's random draws come from its own key: alone, in a batch, or next to other rows."""
+    check_ragged(*llada, block_length=8, strategy="random", seed=11)
+
+
+def test_family_options_must_match(llada):
+    model, tok = llada
+    adapter = adapter_for(model, tok)
+    batch = RunningBatch(adapter)
+    batch.add(PROMPTS[0], resolve(DecodeOptions(max_tokens=8, cache="dual"), adapter, 3))
+    with pytest.raises(ValueError, match="cannot join"):
+        batch.add(PROMPTS[1], resolve(DecodeOptions(max_tokens=8), adapter, 7))
+
+
+def test_removed_row_frees_its_place(llada):
+    model, tok = llada
+    adapter = adapter_for(model, tok)
+    batch = RunningBatch(adapter)
+    rows = [batch.add(p, resolve(DecodeOptions(max_tokens=16, block_length=8), adapter, len(p))) for p in PROMPTS]
+    batch.step()
+    batch.remove(rows[1])
+    assert batch.stats()["running_rows"] == 2
+    while len(batch):
+        batch.step()

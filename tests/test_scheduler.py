@@ -1,0 +1,221 @@
+"""Continuous batching in the server (issue 15, part 3), with the openai client: many
+concurrent requests are all answered, each exactly as when sent alone; a client that
+leaves frees its row; incompatible groups both progress; --no-batch serves one at a time."""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import openai
+import pytest
+from checkpoints import EOS_ID, EOT_ID
+from serving import running_server
+
+TIMEOUT = 120  # seconds any client call may take
+CONCURRENCY = 8  # --decode-concurrency of the test server: 16 clients queue for 8 rows
+
+
+@pytest.fixture(scope="module")
+def served(llada_path, tmp_path_factory):
+    import huggingface_hub.constants as hf_constants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf") / "hub"))
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        argv = ["--model", str(llada_path), "--port", "0", "--decode-concurrency", str(CONCURRENCY)]
+        with running_server(argv) as served:
+            yield served
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    port = served[0].server_address[1]
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+def request(i):
+    """The i-th of 16 requests: prompt lengths, max_tokens, decoding fields and streaming all vary."""
+    fields = [{"block_length": 4}, {"block_length": 8, "threshold": 0.5}, {"steps": 2, "block_length": 4}, {}][i % 4]
+    return dict(
+        messages=[{"role": "user", "content": "Tell me " + "more " * (i % 5) + f"about {i}."}],
+        max_tokens=4 + i % 9, temperature=0.0, stream=i % 2 == 1, extra_body=fields,
+    )
+
+
+def ask(client, kw):
+    """(text, finish_reason) of one chat request, streamed or not."""
+    kw = dict(kw)
+    if kw["stream"]:
+        text, finish = "", None
+        for chunk in client.chat.completions.create(model="default_model", **kw):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+    out = client.chat.completions.create(model="default_model", **kw)
+    return out.choices[0].message.content, out.choices[0].finish_reason
+
+
+def concurrently(fn, args, workers=16):
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(fn, a) for a in args]
+        return [f.result(timeout=TIMEOUT) for f in futures]
+
+
+class RowWatch:
+    """The most rows the scheduler ran at once, sampled while a test runs."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.most, self._stop = scheduler, 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self):
+        while not self._stop.wait(0.005):
+            self.most = max(self.most, self.scheduler.stats()["running_rows"])
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def wait_for(condition, within=60.0):
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_sixteen_concurrent_clients_match_their_requests_alone(served, client, llada):
+    import mlx_lm_diffusion as mld
+
+    requests = [request(i) for i in range(16)]
+    alone = [ask(client, kw) for kw in requests]
+    scheduler = served[1].scheduler
+    with RowWatch(scheduler) as watch:
+        together = concurrently(lambda kw: ask(client, kw), requests)
+    assert together == alone
+    assert 1 < watch.most <= CONCURRENCY  # rows decoded together, never more than the bound
+    model, tok = llada  # and alone on the server is the library's decode
+    ids = tok.apply_chat_template(requests[0]["messages"], add_generation_prompt=True)
+    responses = list(mld.stream_generate(model, tok, ids, max_tokens=requests[0]["max_tokens"],
+                                         **requests[0]["extra_body"]))
+    keep = responses[:-1] if responses[-1].finish_reason == "stop" else responses
+    assert alone[0][0] == "".join(r.text for r in keep)
+    wait_for(lambda: scheduler.stats()["running_rows"] == 0)
+
+
+def long_stream(port, extra=None):
+    """A streaming request that cannot stop by itself, on a raw socket; returns it once its
+    first token arrived."""
+    body = {"messages": [{"role": "user", "content": "Go on."}], "stream": True, "max_tokens": 400,
+            "logit_bias": {str(EOS_ID): -1e9, str(EOT_ID): -1e9}, "block_length": 4, **(extra or {})}
+    sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    payload = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    received = b""
+    while b"data: " not in received:  # bounded by the socket timeout
+        chunk = sock.recv(4096)
+        assert chunk, "server closed the stream before the first token"
+        received += chunk
+    return sock
+
+
+def test_disconnected_client_frees_its_row(served, client):
+    scheduler, port = served[1].scheduler, served[0].server_address[1]
+    sock = long_stream(port)
+    assert scheduler.stats()["running_rows"] == 1
+    short = ask(client, request(0))  # joins the running batch and finishes first
+    assert short[1] in ("stop", "length") and scheduler.stats()["running_rows"] == 1
+    sock.close()
+    wait_for(lambda: scheduler.stats()["running_rows"] == 0)  # freed at the next step
+    assert ask(client, request(1))[1] in ("stop", "length")
+
+
+def test_incompatible_groups_both_progress(served, client):
+    """A request whose family options differ (Fast-dLLM's dual cache) decodes in its own
+    batch, taking turns with the running one: it finishes while the other still runs,
+    and the other keeps streaming."""
+    scheduler, port = served[1].scheduler, served[0].server_address[1]
+    sock = long_stream(port)
+    other = dict(request(2), extra_body={"cache": "dual", "block_length": 4})
+    text, finish = ask(client, other)
+    assert finish in ("stop", "length") and scheduler.stats()["running_rows"] == 1
+    before = scheduler.batches and next(iter(scheduler.batches.values())).rows
+    row = next(iter(before.values()))
+    emitted = row.last.final[0]
+    wait_for(lambda: row.last.final[0] > emitted)  # the first group still progresses
+    sock.close()
+    wait_for(lambda: scheduler.stats()["running_rows"] == 0)
+
+
+def test_no_batch_serves_one_at_a_time(llada_path, client):
+    port_kw = [request(i) for i in (0, 3, 5)]
+    batched = [ask(client, kw) for kw in port_kw]
+    with running_server(["--model", str(llada_path), "--port", "0", "--no-batch"]) as (httpd, generator):
+        assert generator.scheduler is None
+        serial = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
+                               max_retries=0, timeout=TIMEOUT)
+        assert concurrently(lambda kw: ask(serial, kw), port_kw) == batched
+
+
+def test_error_after_a_batched_stream_began_is_an_sse_event(served, monkeypatch):
+    """A request whose decode fails mid-stream ends with an SSE error event and [DONE];
+    the scheduler goes on serving."""
+    from mlx_lm_diffusion.scheduler import Scheduler
+
+    emit = Scheduler._emit
+
+    def failing(self, batch, job, step):
+        if job.emitted >= 2:
+            raise RuntimeError("the decode broke")
+        emit(self, batch, job, step)
+
+    monkeypatch.setattr(Scheduler, "_emit", failing)
+    port = served[0].server_address[1]
+    sock = long_stream(port)
+    data = b""
+    while b"[DONE]" not in data:  # bounded by the socket timeout
+        chunk = sock.recv(4096)
+        assert chunk, "the stream ended without [DONE]"
+        data += chunk
+    sock.close()
+    events = [line[len("data: "):] for line in data.decode().split("\n") if line.startswith("data: ")]
+    assert "the decode broke" in json.loads(events[-2])["error"]["message"]
+    monkeypatch.setattr(Scheduler, "_emit", emit)
+    wait_for(lambda: served[1].scheduler.stats()["running_rows"] == 0)
+
+
+def test_sigterm_finishes_running_rows_within_grace_cancels_the_rest(llada_path, tmp_path):
+    """Batched shutdown: a short row running when SIGTERM comes is answered in full, a row
+    still decoding when the grace period ends gets an SSE error and [DONE]; exit 0."""
+    import signal
+
+    from test_hardening import _events, _read_all, _start_server, _stop, request_bytes
+
+    grace = 15.0  # (the short row needs a few seconds on a loaded CPU; the long one a minute)
+    proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace))
+    try:
+        # (a mask schedule of 150 steps a block, most committing nothing: minutes of decode)
+        long = long_stream(port, {"schedule": "linear", "steps": 150})
+        short = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        short.sendall(request_bytes(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stream": True,
+                                                "max_tokens": 8, "block_length": 4}).encode()))
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        events = _events(_read_all(short))
+        assert events[-1] == "[DONE]" and all("choices" in json.loads(e) for e in events[:-1])
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+        events = _events(_read_all(long))
+        assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+        assert proc.wait(timeout=grace + 30) == 0
+        assert "Traceback" not in (tmp_path / "server.log").read_text()
+    finally:
+        long.close()
+        _stop(proc)

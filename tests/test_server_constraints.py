@@ -1,0 +1,123 @@
+"""The server's infill (`suffix`) and constraint fields (`allowed_tokens`,
+`response_format` json_schema / json_object), through the official openai client."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+import mlx_lm_diffusion as mld
+from checkpoints import MASK_ID
+from serving import running_server
+
+TIMEOUT = 120
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 50}, "ok": {"type": "boolean"}},
+    "required": ["n", "ok"],
+    "additionalProperties": False,
+}
+USER = [{"role": "user", "content": "Give me JSON"}]
+
+
+@pytest.fixture(scope="module")
+def client(llada_path, tmp_path_factory):
+    import huggingface_hub.constants as hf_constants
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf") / "hub"))
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        with running_server(["--model", str(llada_path), "--port", "0", "--max-tokens", "16"]) as (httpd, _):
+            port = httpd.server_address[1]
+            yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                timeout=TIMEOUT)
+
+
+def test_completion_suffix_is_an_infill(client, llada):
+    model, tok = llada
+    prompt, suffix = "def add(a, b):", "\n    return c"
+    r = client.completions.create(model="default_model", prompt=prompt, suffix=suffix, max_tokens=10,
+                                  extra_body={"block_length": 5})
+    responses = list(mld.stream_generate(model, tok, prompt, max_tokens=10, suffix=suffix, block_length=5))
+    keep = responses[:-1] if responses[-1].finish_reason == "stop" else responses
+    assert r.choices[0].text == "".join(x.text for x in keep)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_response_format_json_schema_parses(client, seed):
+    r = client.chat.completions.create(
+        model="default_model", messages=USER, max_tokens=48, temperature=1.0, seed=seed,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
+        extra_body={"threshold": 0.3, "block_length": 16},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+
+
+def test_response_format_json_object(client):
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model="default_model", messages=USER, max_tokens=48, temperature=1.0, seed=seed,
+            response_format={"type": "json_object"}, extra_body={"threshold": 0.3, "block_length": 16},
+        )
+        content = r.choices[0].message.content
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(content), dict)
+        else:  # cut by max_tokens: still a prefix of an object
+            assert content.startswith("{")
+
+
+def test_allowed_tokens_field(client, llada):
+    _, tok = llada
+    allowed = tok.encode("ab ", add_special_tokens=False)
+    r = client.completions.create(model="default_model", prompt="Hello", max_tokens=12, temperature=1.0, seed=1,
+                                  extra_body={"allowed_tokens": allowed})
+    assert set(r.choices[0].text) <= set("ab ")
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"suffix": 5}, "suffix"),
+    ({"response_format": "json"}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+    ({"allowed_tokens": [MASK_ID]}, "mask token"),
+    ({"allowed_tokens": "abc"}, "allowed_tokens"),
+])
+def test_bad_fields_get_400(client, fields, match):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="default_model", prompt="Hello", max_tokens=8, extra_body=fields)
+    assert match in e.value.body["message"]
+
+
+def test_missing_grammar_library_is_a_400(client, monkeypatch):
+    from mlx_lm_diffusion import grammar
+
+    def missing():
+        raise ValueError(f"grammar-constrained output needs llguidance: {grammar.INSTALL_HINT}")
+
+    monkeypatch.setattr(grammar, "_llguidance", missing)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default_model", messages=USER, max_tokens=8,
+                                       response_format={"type": "json_object"})
+    assert "mlx-lm-diffusion[constraints]" in e.value.body["message"]
+
+
+def test_an_autoregressive_model_refuses_the_fields(tmp_path):
+    """A plain mlx-lm model is decoded by mlx-lm's own loop, which would ignore them."""
+    import huggingface_hub.constants as hf_constants
+
+    from checkpoints_ar import write_causal
+
+    path = write_causal(tmp_path / "qwen3", "qwen3")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+        mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+        with running_server(["--model", str(path), "--port", "0", "--max-tokens", "4"]) as (httpd, _):
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
+                                   max_retries=0, timeout=TIMEOUT)
+            for fields in ({"suffix": " end"}, {"response_format": {"type": "json_object"}}):
+                with pytest.raises(openai.BadRequestError) as e:
+                    client.completions.create(model="default_model", prompt="Hello", max_tokens=4, extra_body=fields)
+                assert "diffusion models only" in e.value.body["message"]
+            assert client.completions.create(model="default_model", prompt="Hello", max_tokens=4).choices
