@@ -10,6 +10,7 @@ from model_adapters import FAMILIES, family_module, register
 
 register()  # mlx-lm resolves our model types from here on
 
+from . import generation_defaults  # noqa: E402
 from .engine import Engine, Step  # noqa: E402
 from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: E402
 from .install import install, uninstall  # noqa: E402
@@ -72,6 +73,10 @@ def load(
     With `autoregressive=True` any mlx-lm causal LM loads too and is decoded through
     the "ar" adapter (a degenerate diffusion model: model_adapters.ar).
 
+    The checkpoint's generation_config.json gives the decoding defaults for what a call
+    leaves unset (block_length, steps, strategy, max_new_tokens, ...), over the family's
+    reference defaults: mlx_lm_diffusion.generation_defaults.
+
     With `group` (an `mx.distributed.Group` of more than one process, e.g.
     `mx.distributed.init()` under mlx.launch) the weights are loaded lazily and only
     this rank's shard is read (tensor parallelism: mlx_lm_diffusion.distributed)."""
@@ -102,12 +107,14 @@ def load(
 
             shard_loaded(model, group)
         processor = _processor(model, model_path, config)
-        if processor is None:
-            return model, tokenizer
-        processor._mlx_lm_tokenizer = tokenizer  # the text doors keep mlx-lm's wrapper
-        return model, processor
     finally:
         hf_logging.set_verbosity(verbosity)
+    # the checkpoint's decoding defaults (generation_config.json), below explicit options
+    generation_defaults.attach(model, model_path)
+    if processor is None:
+        return model, tokenizer
+    processor._mlx_lm_tokenizer = tokenizer  # the text doors keep mlx-lm's wrapper
+    return model, processor
 
 
 def _processor(model: Any, model_path: Any, config: dict) -> Any:

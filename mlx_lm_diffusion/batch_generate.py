@@ -70,15 +70,17 @@ def generate_batch(
     return_prompt_caches: bool = False,
     return_token_ids: bool = False,
     return_logprobs: bool = False,
-    suffix: Optional[Union[str, Sequence[int]]] = None,
     **kwargs,
 ) -> DiffusionBatchResponse:
     """Decode prompts of any lengths together (mlx_lm.batch_generate's signature and
     return). Decoding options (keywords, as for stream_generate) apply to every row;
     `max_tokens` may be one per prompt. Each row's text excludes its EOS. `suffix`:
-    every row infills before it (as `stream_generate`)."""
+    every row infills before it (as `stream_generate`; a keyword, so that the signature
+    stays mlx_lm.batch_generate's)."""
     from .generation import check_prompt
     from .infill import encode_suffix, suffix_seed
+
+    suffix = kwargs.pop("suffix", None)
 
     if prompt_caches is not None:
         raise ValueError("a diffusion model keeps no prompt key/value cache to resume: pass prompt_caches=None")

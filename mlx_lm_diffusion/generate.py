@@ -98,9 +98,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
             action.help = ("The path to the local model directory or Hugging Face repo. "
                            "Without it, the embedded demo model (it adds two numbers) is used.")
         if action.dest == "max_tokens":
-            action.help = ("Maximum number of tokens to generate (default: 256, or the demo model's "
-                           "own length); more than the model's context holds is capped to it")
-    p.set_defaults(max_tokens=None)  # None: 256, or the embedded demo model's own length
+            action.help = ("Maximum number of tokens to generate (default: the model's "
+                           "generation_config.json max_new_tokens, else 256); more than the model's "
+                           "context holds is capped to it")
+    p.set_defaults(max_tokens=None)  # None: the checkpoint's max_new_tokens, else 256
     refuse_flags(p, REFUSED)
     verbose_flag(p)
     p.add_argument("--video", type=str, default=(), nargs="+",
@@ -201,14 +202,12 @@ def _main(argv: Optional[Sequence[str]], group=None) -> int:
         _template_kwargs(args)  # a bad --chat-template-config fails before loading
         from .canvas_view import CanvasView
 
-        if args.model is None:  # the embedded demo model, with its own generation length
-            from .demo import DEMO_MAX_TOKENS, DEMO_MODEL_PATH
+        if args.model is None:  # the embedded demo model
+            from .demo import DEMO_MODEL_PATH
 
             args.model = str(DEMO_MODEL_PATH)
-            args.max_tokens = DEMO_MAX_TOKENS if args.max_tokens is None else args.max_tokens
-            print(f"no --model given: using the embedded demo model (adds two numbers, "
-                  f"e.g. '357+468='), max_tokens {args.max_tokens}", file=sys.stderr)
-        args.max_tokens = 256 if args.max_tokens is None else args.max_tokens
+            print("no --model given: using the embedded demo model (adds two numbers, e.g. '357+468=')",
+                  file=sys.stderr)
         model, loaded = load_for_cli(args, group)
         tokenizer = text_tokenizer(loaded)  # (a processor's tokenizer, for the text)
         for eos_token in args.extra_eos_token:

@@ -51,7 +51,7 @@ def check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> Non
         raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
 
 
-def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, max_tokens: int, kwargs: dict):
+def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, max_tokens: Optional[int], kwargs: dict):
     adapter = adapter_for(model, tokenizer)
     options = DecodeOptions(max_tokens=max_tokens, **kwargs)  # (unknown names: TypeError)
     return adapter, resolve(options, adapter, prompt_len)
@@ -61,7 +61,7 @@ def stream_generate(
     model: nn.Module,
     tokenizer: Any,
     prompt: Union[str, Sequence[int], mx.array],
-    max_tokens: int = 256,
+    max_tokens: Optional[int] = None,
     draft_callback: Optional[Callable[[Step], None]] = None,
     suffix: Optional[Union[str, Sequence[int]]] = None,
     prompt_kv: Optional[PromptReuse] = None,
@@ -70,8 +70,9 @@ def stream_generate(
     """Yield one response per final token, strictly left to right (mlx-lm's contract).
 
     Options (keyword): sampler, logits_processors, allowed_tokens, block_length, steps,
-    threshold, strategy, factor, entropy_bound, alg_temp, seed; `None` takes the family
-    default. `draft_callback(step)` receives the whole draft canvas after every forward.
+    threshold, strategy, factor, entropy_bound, alg_temp, seed; `None` (max_tokens too)
+    takes the checkpoint's default (generation_config.json, read by `load`), else the
+    family's. `draft_callback(step)` receives the whole draft canvas after every forward.
     `suffix` (text or ids): infill the span between the prompt and it, at most
     max_tokens long (mlx_lm_diffusion.infill); the responses are the middle only.
     Images (mlx-vlm's convention, DiffusionGemma): pass the processor `load` returned
@@ -135,7 +136,7 @@ def generate(
     model: nn.Module,
     tokenizer: Any,
     prompt: Union[str, Sequence[int]],
-    max_tokens: int = 256,
+    max_tokens: Optional[int] = None,
     verbose: bool = False,
     **kwargs,
 ) -> str:

@@ -19,6 +19,7 @@ import mlx.core as mx
 from model_adapters import FAMILIES, Adapter, family_options
 from model_adapters.option import Option
 
+from . import generation_defaults
 from .constraints import allowed_bias
 from .commit_rules import RULES, THRESHOLD_RULES, CommitRule, make_rule
 from .decoders import decoder_class
@@ -87,15 +88,16 @@ def named_options() -> tuple[str, ...]:
 
 class DecodeOptions:
     """Options of one decode, by keyword (any name of `schema()`); an option left out
-    (or None) takes the family's default. Unknown names are a TypeError, as for any
-    Python call."""
+    (or None) takes the checkpoint's default (its generation_config.json), else the
+    family's (max_tokens: 256). Unknown names are a TypeError, as for any Python call."""
 
-    def __init__(self, max_tokens: int = 256, **values: Any):
+    def __init__(self, max_tokens: Optional[int] = None, **values: Any):
         known = schema()
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise TypeError(f"unexpected options {unknown}; known: {sorted(known)}")
-        self.values = {"max_tokens": max_tokens, **{k: v for k, v in values.items() if v is not None}}
+        values = {"max_tokens": max_tokens, **values}
+        self.values = {k: v for k, v in values.items() if v is not None}
 
     def get(self, name: str) -> Any:
         return self.values.get(name, schema()[name].default)
@@ -161,6 +163,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
     to change. Order: the family's preset fills what is unset, each value is checked by
     its Option, the decoder and the family refuse what does not apply to them."""
     values = _with_preset(dict(options.values), adapter)
+    values = generation_defaults.fill(values, getattr(adapter, "model", None))  # the checkpoint's own
     own = {o.name: o for o in adapter.options}
     for name, value in values.items():
         if name not in own and name not in GENERIC_NAMES:

@@ -35,14 +35,6 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 cli = importlib.import_module("mlx_lm_diffusion.generate")
 
-# Issue 12 part 1 is not done: the shipped demo answers right only on the canvas of 5
-# positions it was trained on (52.7 % held-out at max_tokens 8, ~1 % at 64), so every
-# newcomer path below that does not ask for exactly 5 tokens fails today. Strict: once a
-# retrained demo passes, these XPASS and fail until the marker is removed.
-DEMO_CANVAS_ONLY = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="issue 12 part 1: the demo only knows its trained canvas of 5 positions")
-
 
 @pytest.fixture(scope="module")
 def demo_path():
@@ -117,7 +109,6 @@ def run_cli(*flags):
     return rc, out.getvalue(), err.getvalue()
 
 
-@DEMO_CANVAS_ONLY
 @pytest.mark.parametrize("rule", [[], ["--threshold", "0.9"]], ids=["defaults", "threshold-0.9"])
 @pytest.mark.parametrize("max_tokens", [None, 100, 8, 64, 256, 512, 100000])
 def test_model_named_explicitly_at_any_max_tokens(demo_path, max_tokens, rule):
@@ -129,7 +120,6 @@ def test_model_named_explicitly_at_any_max_tokens(demo_path, max_tokens, rule):
     assert answer_lines(out) == [ANSWER], (max_tokens, out)
 
 
-@DEMO_CANVAS_ONLY
 def test_python_api_and_stock_mlx_lm_at_their_defaults(demo):
     import mlx_lm
 
@@ -152,7 +142,6 @@ def test_python_api_and_stock_mlx_lm_at_their_defaults(demo):
 # ----------------------------------------------------------------------------- the chat REPL
 
 
-@DEMO_CANVAS_ONLY
 def test_chat_repl_on_a_terminal(demo_path):
     code, out, _ = run_in_pty([str(BIN / "mlx_lm_diffusion.chat"), "--model", demo_path],
                               [PROMPT, "r", PROMPT, b"\x04"], timeout=TIMEOUT, wait_for="\u203a")
@@ -163,7 +152,6 @@ def test_chat_repl_on_a_terminal(demo_path):
     assert "bye" in out
 
 
-@DEMO_CANVAS_ONLY
 def test_stock_mlx_lm_chat_after_install_on_a_terminal(demo_path):
     script = ("import sys, mlx_lm_diffusion as mld; mld.install(); import mlx_lm.chat as c; "
               "sys.argv = ['mlx_lm.chat', '--model', sys.argv[1]]; c.main()")
@@ -188,7 +176,6 @@ def client(demo_path, tmp_path_factory):
                             timeout=TIMEOUT)
 
 
-@DEMO_CANVAS_ONLY
 @pytest.mark.parametrize("max_tokens", [None, 8, 64, 512])
 def test_server_chat(client, max_tokens):
     extra = {} if max_tokens is None else {"max_tokens": max_tokens}
@@ -198,7 +185,6 @@ def test_server_chat(client, max_tokens):
     assert r.choices[0].finish_reason == "stop"
 
 
-@DEMO_CANVAS_ONLY
 def test_server_chat_streamed(client):
     chunks = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": PROMPT}],
                                             stream=True)
@@ -206,7 +192,6 @@ def test_server_chat_streamed(client):
     assert text.strip() == ANSWER
 
 
-@DEMO_CANVAS_ONLY
 @pytest.mark.parametrize("max_tokens", [None, 8, 512])
 def test_server_completions(client, max_tokens):
     extra = {} if max_tokens is None else {"max_tokens": max_tokens}

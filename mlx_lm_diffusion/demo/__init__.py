@@ -1,15 +1,18 @@
-"""The embedded demo model: a small LLaDA-architecture model that adds 3-digit numbers.
+"""The embedded demo model: a small LLaDA-architecture model that adds two numbers.
 
 It was trained in this repository (`python -m mlx_lm_diffusion.demo.train`, see
 model/recipe.json for the exact command, seed and metrics) on problems such as
-"357+468=" -> "825" (two operands of three digits), and ships inside the package so the
-CLI, the tests and the benchmarks run offline:
+"357+468=" -> "825" (operands of 1 to 4 digits, 0-9999), and ships inside the package so
+the CLI, the tests and the benchmarks run offline:
 
     model, tokenizer = mlx_lm_diffusion.load(DEMO_MODEL_PATH)
-    mlx_lm_diffusion.generate(model, tokenizer, "357+468=", max_tokens=DEMO_MAX_TOKENS)
+    mlx_lm_diffusion.generate(model, tokenizer, "357+468=")   # "825", then EOS
 
-Its default decoding is the LLaDA family default (low_confidence, one token per step)
-over a canvas of DEMO_MAX_TOKENS positions: the answer, then EOS padding, as trained.
+It behaves like an instruct dLLM: every training answer was followed by EOS and EOS
+padding over canvases of varied lengths, so any max_tokens from 5 (the answer's slots:
+blanks, whose text is empty, then the digits; model/RECIPE.md) up to the context gives
+the same answer and stops at EOS; its tokenizer has a chat template (the last user
+message as is) and its generation_config.json the decoding defaults that `load` reads.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from .problems import GEN_LENGTH, answer_text, held_out_problems, is_held_out, prompt_text
 
 DEMO_MODEL_PATH = Path(__file__).resolve().parent / "model"
-DEMO_MAX_TOKENS = GEN_LENGTH  # generated positions per prompt: answer + EOS padding
+DEMO_MAX_TOKENS = GEN_LENGTH  # a small canvas that holds any answer (5 slots), its EOS and padding
 
 
 def load_demo():

@@ -1,7 +1,7 @@
 """Exact-match decoding of addition problems through the shared engine.
 
     python -m mlx_lm_diffusion.demo.evaluate [--model DIR] [--problems N]
-        [--max-tokens 5 ...] [--threshold 0.9] [--json FILE]
+        [--max-tokens 8 64 512] [--threshold 0.9] [--json FILE]
 
 Problems are decoded in batches of equal prompt length. Per row it records the
 forwards the row needed (the forward at which its final prefix reached EOS) and the
@@ -29,9 +29,9 @@ from model_adapters import adapter_for
 from ..engine import Engine
 from ..options import DecodeOptions, resolve
 from .problems import GEN_LENGTH, answer_text, group_by_prompt_length
-from .vocab import decode
+from .vocab import ANSWER_WIDTH, decode
 
-MAX_TOKENS = (GEN_LENGTH,)  # the canvas lengths the shipped figures are measured at
+MAX_TOKENS = (8, 64, 512)  # the max_tokens the shipped figures are measured at (512: capped to the context)
 DECODING_KEYS = ("block_length", "steps", "strategy")  # generation_config.json keys read here
 
 
@@ -51,6 +51,17 @@ class Evaluation:
     @property
     def accuracy(self) -> float:
         return float(self.correct.mean())
+
+    @property
+    def slot_accuracy(self) -> list:
+        """Per answer slot (most significant first), the share of problems whose decoded
+        answer, right-aligned, has the right character there (blank or digit)."""
+        def slots(text: str) -> str:
+            return text[-ANSWER_WIDTH:].rjust(ANSWER_WIDTH)
+
+        truth = [slots(answer_text(a, b)) for a, b in self.pairs]
+        got = [slots(ans) for ans in self.answers]
+        return [float(np.mean([t[i] == g[i] for t, g in zip(truth, got)])) for i in range(ANSWER_WIDTH)]
 
     @property
     def tokens_per_forward(self) -> float:
@@ -73,7 +84,7 @@ def generation_defaults(path) -> dict:
 def evaluate(model, tokenizer, pairs, max_tokens: int = GEN_LENGTH, batch_size: Optional[int] = None,
              **options) -> Evaluation:
     """Decode every `a+b=` prompt with `options` (DecodeOptions fields; `None` or absent
-    takes the family default) and compare with the true sum. batch_size: rows per
+    takes the checkpoint's default, when `load` read one, else the family's) and compare with the true sum. batch_size: rows per
     decode (default: as many as keep a batch near 32k canvas positions)."""
     adapter = adapter_for(model, tokenizer)
     result = Evaluation()

@@ -3,18 +3,21 @@
     python -m mlx_lm_diffusion.demo.train --out DIR [--steps N] [--seed S] ...
 
 Masked-diffusion objective as in LLaDA's SFT: per sequence a mask ratio t ~ U(0, 1),
-generated positions (answer and EOS padding; never the prompt) masked at that ratio,
-cross-entropy on the masked positions weighted by 1/t, summed and divided by the
-generated length, averaged over the batch (`mask_batch` has the two masking variants).
-Problems are generated on the fly from a seeded stream that never yields a held-out
-pair. Training is deterministic for a seed: the same command gives the same loss curve.
+generated positions (answer, EOS and the EOS padding to the end of the canvas; never
+the prompt) masked at that ratio, cross-entropy on the masked positions
+(`mask_batch` has the masking variants and the weights). Every step draws a canvas
+length (problems.CANVAS_LENGTHS: mostly short, some up to the model's context) and as
+many rows as fit a token budget. Problems are generated on the fly from a seeded stream
+that never yields a held-out pair. Training is deterministic for a seed: the same
+command gives the same loss curve.
 
 The checkpoint is written in the Hugging Face LLaDA layout (`model.transformer.*`,
 config model_type "llada") with a character-level tokenizer, so `load()` reads it
 like any other LLaDA checkpoint; recipe.json beside it records the command, seed,
 configuration, wall time and final metrics; generation_config.json carries the model's
 decoding defaults (block_length, steps per block, strategy, max_new_tokens) and
-tokenizer_config.json a chat template that renders the last user message as is.
+tokenizer_config.json a chat template that renders the last user message as is, so a
+chat prompt equals the raw prompt "357+468=".
 """
 
 from __future__ import annotations
@@ -36,19 +39,22 @@ from mlx.utils import tree_flatten
 
 from model_adapters import llada
 
-from .problems import GEN_LENGTH, held_out_problems, training_batch
+from .problems import (CANVAS_LENGTHS, CANVAS_WEIGHTS, CONTEXT, GEN_LENGTH, TRAIN_MAX_CANVAS, canvas_batch,
+                       held_out_problems)
 from .vocab import EOS_ID, MASK_ID, VOCAB_SIZE, write_tokenizer
 
 MASK_EPS = 1e-3  # LLaDA's minimum mask probability
+
+
 # The decoding defaults written to generation_config.json (DecodeOptions field names;
-# steps are denoising steps per block; max_new_tokens is the length when none is asked:
-# the trained canvas, the only length this model answers right at).
-GENERATION_DEFAULTS = {"block_length": GEN_LENGTH, "steps": GEN_LENGTH, "strategy": "low_confidence",
-                       "max_new_tokens": GEN_LENGTH}
+# steps are denoising steps per block; max_new_tokens is the length when none is asked).
+# Blocks of 8 (the 5 answer slots and EOS fit the first), one token per step; with EOS in
+# the final prefix the decode stops, so a long max_tokens costs no extra forwards.
+GENERATION_DEFAULTS = {"block_length": 8, "steps": 8, "strategy": "low_confidence", "max_new_tokens": 32}
 
 
 def model_config(d_model: int, n_layers: int, n_heads: int, mlp: int, rope_theta: float = 10000.0,
-                 max_len: int = 512) -> dict:
+                 max_len: int = CONTEXT) -> dict:
     """config.json of the demo model, in the Hugging Face LLaDA format."""
     return {
         "architectures": ["LLaDAModelLM"],
@@ -78,39 +84,58 @@ def build_model(config: dict) -> llada.Model:
     return model
 
 
-def mask_batch(rng: np.random.Generator, prompts: np.ndarray, targets: np.ndarray,
-               masking: str = "count"):
-    """Noised inputs (B, P + L), the masked positions (B, L) and their 1/t weights (B,).
+def mask_batch(rng: np.random.Generator, batch, masking: str = "count", suffix: float = 0.5,
+               suffix_span: int = 16, pad_weight: int = 32):
+    """Noised inputs (B, T), targets (B, T) and per-position loss weights (B, T).
 
-    t is uniform per sequence, stratified over the batch (MDLM's low-discrepancy
-    sampler). "bernoulli" (LLaDA): each generated position is masked with probability
-    p = (1 - eps) t + eps, weight 1/p. "count": exactly k = max(1, ceil(t L)) positions
-    are masked, weight L/k (one over the ratio actually masked): no row without a mask,
-    no rare row with a huge weight."""
-    B, L = targets.shape
+    Only generated positions (after each row's prompt) are masked. t is uniform per
+    sequence, stratified over the batch (MDLM's low-discrepancy sampler). "bernoulli"
+    (LLaDA): each generated position is masked with probability p = (1 - eps) t + eps.
+    "count": exactly k = max(1, ceil(t L)) of the L generated positions are masked: no
+    row without a mask, no rare row with a huge weight. With probability `suffix` a row
+    is instead masked as a semi-autoregressive decode sees it: every position from a cut
+    c (uniform in 0..suffix_span) on is masked, and ceil(t c) of those before it.
+
+    Weights: a row's masked positions share weight 1 (the loss is the mean cross-entropy
+    over them; for "count" that is LLaDA's 1/t weighting over L), except that the EOS
+    padding after the answer's own EOS counts for at most `pad_weight` positions in all,
+    so that a long canvas does not drown the digits in padding."""
+    tokens, P = batch.tokens, batch.prompt_len
+    B, T = tokens.shape
+    pos = np.arange(T)[None, :] - P[:, None]  # position in the generated region (< 0: prompt)
+    gen = pos >= 0
+    L = (T - P).astype(np.float64)
     t = rng.permutation((rng.random() + np.arange(B) / B) % 1.0)
+    keys = np.where(gen, rng.random((B, T)), np.inf)
     if masking == "count":
         k = np.maximum(1, np.ceil(t * L)).astype(np.int64)
-        ranks = rng.random((B, L)).argsort(axis=1).argsort(axis=1)
+        ranks = keys.argsort(axis=1).argsort(axis=1)
         masked = ranks < k[:, None]
-        p = k / L
     elif masking == "bernoulli":
         p = (1 - MASK_EPS) * t + MASK_EPS
-        masked = rng.random((B, L)) < p[:, None]
+        masked = gen & (keys < p[:, None])
     else:
         raise ValueError(f"masking must be 'bernoulli' or 'count', got {masking!r}")
-    noised = np.where(masked, MASK_ID, targets)
-    inputs = np.concatenate([prompts, noised], axis=1).astype(np.int32)
-    return inputs, masked, (1.0 / p).astype(np.float32)
+    if suffix > 0:
+        cut = rng.integers(0, suffix_span + 1, size=B)
+        before = gen & (pos < cut[:, None])
+        kb = np.ceil(t * np.minimum(cut, L)).astype(np.int64)
+        ranks_b = np.where(before, keys, np.inf).argsort(axis=1).argsort(axis=1)
+        semi = (gen & (pos >= cut[:, None])) | (before & (ranks_b < kb[:, None]))
+        semi |= gen & (pos == L.astype(np.int64)[:, None] - 1)  # never an empty mask
+        masked = np.where((rng.random(B) < suffix)[:, None], semi, masked)
+    padding = pos >= batch.answer_len[:, None]
+    n_pad = np.maximum(1, (masked & padding).sum(axis=1))
+    w = np.where(padding, np.minimum(1.0, pad_weight / n_pad)[:, None], 1.0) * masked
+    w = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-9) / B
+    inputs = np.where(masked, MASK_ID, tokens).astype(np.int32)
+    return inputs, tokens, w.astype(np.float32)
 
 
-def diffusion_loss(model: nn.Module, inputs, targets, masked, weights) -> mx.array:
-    """Masked-diffusion loss: weighted CE on masked generated positions / generated length."""
-    L = targets.shape[1]
-    logits = model(inputs)[:, -L:]
-    ce = nn.losses.cross_entropy(logits, targets, reduction="none")
-    per_row = mx.sum(ce * masked, axis=1) * weights / L
-    return mx.mean(per_row)
+def diffusion_loss(model: nn.Module, inputs, targets, weights) -> mx.array:
+    """Masked-diffusion loss: cross-entropy at the masked positions, weighted (see mask_batch)."""
+    ce = nn.losses.cross_entropy(model(inputs), targets, reduction="none")
+    return mx.sum(ce * weights)
 
 
 def hf_weights(model: nn.Module) -> dict:
@@ -137,14 +162,10 @@ def save_checkpoint(model: nn.Module, config: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), hf_weights(model), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_generation_config(out)
-    write_tokenizer(out)
-
-
-def write_generation_config(out: Path) -> None:
-    """generation_config.json: the model's decoding defaults and its special token ids."""
-    generation = {**GENERATION_DEFAULTS, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "mask_token_id": MASK_ID}
+    generation = {**GENERATION_DEFAULTS, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID,
+                  "mask_token_id": MASK_ID}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_tokenizer(out, model_max_length=config["max_sequence_length"])
 
 
 def lr_schedule(lr: float, steps: int, warmup: int):
@@ -186,71 +207,100 @@ def _clock(seconds: float) -> str:
     return f"{m:d}:{s:02d}"
 
 
+def canvas_schedule(rng: np.random.Generator, steps: int, lengths=CANVAS_LENGTHS, weights=CANVAS_WEIGHTS):
+    """The canvas length of every step: drawn with `weights`, fixed by the seed."""
+    p = np.asarray(weights, np.float64)
+    return rng.choice(np.asarray(lengths), size=steps, p=p / p.sum())
+
+
 def train(
     out: Optional[Path],
-    steps: int = 5000,
+    steps: int = 3000,
     seed: int = 0,
-    batch_size: int = 128,
+    batch_tokens: int = 2048,
     lr: float = 3e-3,
     warmup: int = 100,
     weight_decay: float = 0.01,
     clip: float = 1.0,
     masking: str = "count",
+    suffix: float = 0.5,
+    pad_weight: int = 32,
     d_model: int = 64,
     n_layers: int = 4,
     n_heads: int = 4,
     mlp: int = 256,
-    rope_theta: float = 100.0,
+    rope_theta: float = 500.0,
+    max_canvas: int = TRAIN_MAX_CANVAS,
     log_every: int = 50,
     eval_every: int = 0,
     eval_size: int = 256,
+    init: Optional[Path] = None,
     command: Optional[str] = None,
 ) -> dict:
-    """Train and (when `out` is given) save; returns the run's record (recipe.json)."""
+    """Train and (when `out` is given) save; returns the run's record (recipe.json).
+
+    Each step draws a canvas length T (`canvas_schedule`, lengths up to `max_canvas`) and
+    batch_tokens // T rows (at least 8)."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     config = model_config(d_model, n_layers, n_heads, mlp, rope_theta)
     model = build_model(config)
+    if init is not None:  # continue from a checkpoint of the same shape (a second stage)
+        weights = mx.load(str(Path(init) / "model.safetensors"))
+        model.load_weights(list(model.sanitize(weights).items()))
+        mx.eval(model.parameters())
     optimizer = optim.AdamW(learning_rate=lr_schedule(lr, steps, warmup), weight_decay=weight_decay)
     loss_and_grad = nn.value_and_grad(model, diffusion_loss)
     state = [model.state, optimizer.state]
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def step_fn(inputs, targets, masked, weights):
-        loss, grads = loss_and_grad(model, inputs, targets, masked, weights)
-        if clip:  # the 1/p weights make rare, very large gradients
+    def step_fn(inputs, targets, weights):
+        loss, grads = loss_and_grad(model, inputs, targets, weights)
+        if clip:
             grads, _ = optim.clip_grad_norm(grads, clip)
         optimizer.update(model, grads)
         return loss
 
+    keep = [i for i, n in enumerate(CANVAS_LENGTHS) if n <= max_canvas]
+    lengths = canvas_schedule(rng, steps, [CANVAS_LENGTHS[i] for i in keep], [CANVAS_WEIGHTS[i] for i in keep])
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    print(f"demo model: {n_params / 1e6:.2f}M parameters, {steps} steps of {batch_size}, seed {seed}",
+    print(f"demo model: {n_params / 1e6:.2f}M parameters, {steps} steps of ~{batch_tokens} tokens, seed {seed}",
           file=sys.stderr, flush=True)
     progress = Progress(steps, log_every)
     losses = []
     for step in range(1, steps + 1):
-        batch = training_batch(rng, batch_size)
-        inputs, masked, weights = mask_batch(rng, batch.prompts, batch.targets, masking)
-        loss = step_fn(mx.array(inputs), mx.array(batch.targets), mx.array(masked), mx.array(weights))
+        T = int(lengths[step - 1])
+        batch = canvas_batch(rng, max(8, batch_tokens // T), T)
+        inputs, targets, weights = mask_batch(rng, batch, masking, suffix=suffix, pad_weight=pad_weight)
+        loss = step_fn(mx.array(inputs), mx.array(targets), mx.array(weights))
         mx.eval(state, loss)
         losses.append(loss.item())
         progress.update(step, losses[-1], inputs.size)
         if eval_every and step % eval_every == 0 and step < steps:
-            print(f"  held-out exact match ({eval_size}): {_accuracy(model, eval_size):.3f}",
-                  file=sys.stderr, flush=True)
+            if out is not None:  # a snapshot to look at (and to fall back on) while training runs
+                save_checkpoint(model, config, out / "snapshots" / f"step{step}")
+            for n in (GEN_LENGTH, 64):
+                exact, slots = _accuracy(model, eval_size, n)
+                print(f"  held-out exact match ({eval_size}, max_tokens {n}): {exact:.3f}  per answer slot: "
+                      + " ".join(f"{x:.2f}" for x in slots), file=sys.stderr, flush=True)
     wall = time.perf_counter() - progress.start
     cpu = time.process_time() - progress.cpu_start
 
     record = {
         "command": command,
+        "init": None if init is None else str(init),
         "seed": seed,
         "steps": steps,
-        "batch_size": batch_size,
+        "batch_tokens": batch_tokens,
+        "canvas_lengths": [CANVAS_LENGTHS[i] for i in keep],
+        "canvas_weights": [CANVAS_WEIGHTS[i] for i in keep],
         "lr": lr,
         "warmup": warmup,
         "weight_decay": weight_decay,
         "clip": clip,
         "masking": masking,
+        "suffix": suffix,
+        "pad_weight": pad_weight,
         "parameters": n_params,
         "train_wall_seconds": round(wall, 1),
         "train_cpu_seconds": round(cpu, 1),  # all threads; > wall when both cores work
@@ -261,33 +311,46 @@ def train(
     return {"record": record, "model": model, "losses": losses}
 
 
-def _accuracy(model: nn.Module, n: int) -> float:
+def _accuracy(model: nn.Module, n: int, max_tokens: int = GEN_LENGTH) -> tuple:
+    """Held-out exact match and per-slot accuracy at the demo's default decoding."""
     from .evaluate import evaluate
 
-    return evaluate(model, None, held_out_problems(n)).accuracy  # EOS comes from the config
+    # EOS comes from the config; the decoding as generation_config.json will say
+    r = evaluate(model, None, held_out_problems(n), max_tokens=max_tokens,
+                 block_length=GENERATION_DEFAULTS["block_length"], steps=GENERATION_DEFAULTS["steps"])
+    return r.accuracy, r.slot_accuracy
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="Checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=5000)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-tokens", type=int, default=2048,
+                   help="Tokens per step: batch_tokens // canvas length rows (at least 8)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="Gradient-norm clip (0: off)")
     p.add_argument("--masking", choices=("bernoulli", "count"), default="count",
                    help="Per-position masks with probability t, or exactly ceil(t L) masks")
+    p.add_argument("--suffix", type=float, default=0.5,
+                   help="Share of rows masked as a block decode sees them: all from a cut on")
+    p.add_argument("--pad-weight", type=int, default=32,
+                   help="The EOS padding of a row counts for at most this many positions")
+    p.add_argument("--max-canvas", type=int, default=TRAIN_MAX_CANVAS, help="Longest training canvas")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--mlp", type=int, default=256)
-    p.add_argument("--rope-theta", type=float, default=100.0,
-                   help="RoPE base: small, so that positions a few tokens apart are told apart")
+    p.add_argument("--rope-theta", type=float, default=500.0,
+                   help="RoPE base: small, so that positions a few tokens apart are told apart, "
+                        "yet the slowest rotation spans the whole context")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=0, help="Held-out check every N steps (0: off)")
     p.add_argument("--eval-size", type=int, default=512, help="Held-out problems for the final metrics")
+    p.add_argument("--init", type=Path, help="Start from this checkpoint's weights (same shape)")
+    p.add_argument("--no-final-metrics", action="store_true", help="Skip the final held-out evaluation")
     return p.parse_args(argv)
 
 
@@ -296,36 +359,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = "python -m mlx_lm_diffusion.demo.train " + shlex.join(argv)
     run = train(
-        args.out, steps=args.steps, seed=args.seed, batch_size=args.batch_size, lr=args.lr,
-        warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, masking=args.masking, d_model=args.d_model,
+        args.out, steps=args.steps, seed=args.seed, batch_tokens=args.batch_tokens, lr=args.lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, masking=args.masking,
+        suffix=args.suffix, pad_weight=args.pad_weight, max_canvas=args.max_canvas, d_model=args.d_model,
         n_layers=args.n_layers, n_heads=args.n_heads, mlp=args.mlp, rope_theta=args.rope_theta, log_every=args.log_every,
-        eval_every=args.eval_every, command=command,
+        eval_every=args.eval_every, init=args.init, command=command,
     )
     record = run["record"]
-    record.update(final_metrics(args.out, args.eval_size))
+    if not args.no_final_metrics:
+        record.update(final_metrics(args.out, args.eval_size))
     (args.out / "recipe.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record, indent=2))
     return 0
 
 
 def final_metrics(path: Path, n: int) -> dict:
-    """Held-out exact match of the saved checkpoint at the demo defaults and at threshold 0.9."""
-    from .. import load
-    from .evaluate import evaluate
+    """Held-out exact match of the saved checkpoint at its defaults and at threshold 0.9,
+    at max_tokens 8, 64 and 512 (`evaluate.metrics`)."""
+    from .evaluate import metrics
 
-    model, tokenizer = load(str(path))
-    pairs = held_out_problems(n)
-    default = evaluate(model, tokenizer, pairs)
-    fast = evaluate(model, tokenizer, pairs, threshold=0.9)
-    return {
-        "held_out_problems": n,
-        "default_decoding": {"max_tokens": GEN_LENGTH, "block_length": GEN_LENGTH,
-                             "steps": GEN_LENGTH, "strategy": "low_confidence"},
-        "held_out_exact_match": round(default.accuracy, 4),
-        "held_out_tokens_per_forward": round(default.tokens_per_forward, 3),
-        "threshold_0.9_exact_match": round(fast.accuracy, 4),
-        "threshold_0.9_tokens_per_forward": round(fast.tokens_per_forward, 3),
-    }
+    return metrics(path, n)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,15 @@
 """The demo's character-level vocabulary and its Hugging Face tokenizer.
 
-One token per character of "0123456789+=", then EOS, the mask token and an unknown
-token; whitespace is dropped by the normalizer, so "357 + 468 =" reads as "357+468=".
+One token per character of "0123456789+=", then EOS, the mask token, an unknown token
+and BLANK, a filler whose text is empty. The normalizer drops whitespace and writes
+every number with at least NUMBER_WIDTH (4) digits, zeros in front, so "357 + 468 ="
+reads as "0357+0468=": the operands of every prompt stand in the same columns (a
+fixed-width number format, as a tokenizer may choose). The model writes its answer in
+ANSWER_WIDTH (5) slots, right-aligned, BLANK in the slots before the first digit
+("825" is BLANK BLANK 8 2 5): every place value has its own slot, so the units digit is
+always the fifth generated token whatever the answer's length. The tokenizer's decoder
+turns BLANK into nothing, so the text read is "825" (a regular vocabulary token, not a
+special one, so that decoding never needs skip_special_tokens).
 The tokenizer is a `tokenizers` BPE with single-character tokens and no merges, saved
 with transformers so that `AutoTokenizer` (and therefore `mlx_lm.load`) reads it offline.
 Its chat template (`CHAT_TEMPLATE`, in tokenizer_config.json) renders the last user
@@ -12,18 +20,23 @@ the model knows no roles, and any chat door answers what the raw prompt answers.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 CHARS = "0123456789+="
 EOS = "<eos>"
 MASK = "<|mdm_mask|>"
 UNK = "<unk>"
-TOKENS: tuple[str, ...] = tuple(CHARS) + (EOS, MASK, UNK)
+BLANK = "<blank>"
+TOKENS: tuple[str, ...] = tuple(CHARS) + (EOS, MASK, UNK, BLANK)
 ID = {t: i for i, t in enumerate(TOKENS)}
 EOS_ID = ID[EOS]
 MASK_ID = ID[MASK]
 UNK_ID = ID[UNK]
+BLANK_ID = ID[BLANK]
 VOCAB_SIZE = len(TOKENS)
+NUMBER_WIDTH = 4  # the normalizer pads every number to at least this many digits
+ANSWER_WIDTH = 5  # answer slots: the largest sum, 9999 + 9999 = 19998, has 5 digits
 
 # The last user message's content (a string, or OpenAI-style parts whose text is joined),
 # then nothing else: the generation prompt is empty and there are no role markers.
@@ -42,31 +55,54 @@ CHAT_TEMPLATE = (
 )
 
 
+def normalize(text: str) -> str:
+    """What the tokenizer's normalizer makes of `text`: no whitespace, numbers zero-padded."""
+    text = re.sub(r"\s", "", text)
+    return re.sub(r"[0-9]+", lambda m: m.group().zfill(NUMBER_WIDTH), text)
+
+
 def encode(text: str) -> list[int]:
-    """Token ids of a string over CHARS (the tokenizer's result, without loading it)."""
+    """Token ids of a prompt (the tokenizer's result, without loading it)."""
+    return encode_chars(normalize(text))
+
+
+def encode_chars(text: str) -> list[int]:
+    """Token ids of `text` character by character."""
     return [ID.get(c, UNK_ID) for c in text if not c.isspace()]
 
 
+def encode_answer(text: str) -> list[int]:
+    """The answer's ANSWER_WIDTH slots as the model writes them: BLANK, then the digits."""
+    digits = encode_chars(text)
+    return [BLANK_ID] * (ANSWER_WIDTH - len(digits)) + digits
+
+
 def decode(ids) -> str:
-    """Text of token ids, stopping at the first EOS (mask shown as '_')."""
+    """Text of token ids, stopping at the first EOS (BLANK is empty, mask shown as '_')."""
     out = []
     for i in ids:
         i = int(i)
         if i == EOS_ID:
             break
-        out.append("_" if i == MASK_ID else TOKENS[i] if i < len(CHARS) else "?")
+        if i != BLANK_ID:
+            out.append("_" if i == MASK_ID else TOKENS[i] if i < len(CHARS) else "?")
     return "".join(out)
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, model_max_length: int | None = None) -> None:
     """Save the tokenizer files (tokenizer.json, tokenizer_config.json, ...) under `path`."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(TOKENS)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.normalizer = normalizers.Replace(Regex(r"\s"), "")
-    tok.decoder = decoders.Fuse()
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Replace(Regex(r"\s"), ""),
+         normalizers.Replace(Regex(r"(?<![0-9])(?=[0-9])"), "0" * (NUMBER_WIDTH - 1))]
+        # then drop the zeros in front of numbers that were already NUMBER_WIDTH long or longer
+        + [normalizers.Replace(Regex(r"(?<![0-9])0(?=[0-9]{%d})" % NUMBER_WIDTH), "")] * (NUMBER_WIDTH - 1)
+    )
+    tok.decoder = decoders.Sequence([decoders.Replace(BLANK, ""), decoders.Fuse()])
     tok.add_special_tokens([EOS, MASK, UNK])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -75,17 +111,14 @@ def write_tokenizer(path: Path) -> None:
         mask_token=MASK,
         unk_token=UNK,
         clean_up_tokenization_spaces=False,
+        **({} if model_max_length is None else {"model_max_length": model_max_length}),
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(path))
     # the template lives in tokenizer_config.json (what every transformers version reads),
     # not in a separate chat_template.jinja
-    add_chat_template(Path(path) / "tokenizer_config.json")
-    (Path(path) / "chat_template.jinja").unlink(missing_ok=True)
-
-
-def add_chat_template(config_path: Path) -> None:
-    """Write CHAT_TEMPLATE into a tokenizer_config.json."""
+    config_path = Path(path) / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    (Path(path) / "chat_template.jinja").unlink(missing_ok=True)
