@@ -413,7 +413,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
 
     def _start_scheduler(self) -> None:
         model, cli = self.model_provider.model, self.cli_args
-        if is_diffusion_model(model) and not getattr(cli, "no_batch", False):
+        # (under mlx.launch every rank follows mlx_lm.server's own loop, request by request:
+        # a batch's rows would be stepped on rank 0 alone)
+        if is_diffusion_model(model) and not getattr(cli, "no_batch", False) and self.group is None:
             self.scheduler = Scheduler(model, self.model_provider.tokenizer, self.decode_lock,
                                        getattr(cli, "decode_concurrency", 32))
 
