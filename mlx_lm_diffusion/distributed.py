@@ -71,8 +71,10 @@ def sync_random_state(group: mx.distributed.Group) -> None:
     mx.random.seed(seed)
 
 
-def parameter_bytes(model: nn.Module) -> int:
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+def parameter_bytes(model: nn.Module, vision: bool = True) -> int:
+    """Bytes of the model's parameters (vision=False: without a vision tower and its
+    projector, which stay whole on every rank)."""
+    return sum(v.nbytes for k, v in tree_flatten(model.parameters()) if vision or "vision" not in k)
 
 
 def share_object(group: Optional[mx.distributed.Group], obj: Any = None) -> Any:

@@ -41,7 +41,7 @@ def decode_cases(group, cases: list) -> dict:
         sampler = make_sampler(0.8)
         sampled, _ = engine_decode(model, tokenizer, case["prompt"], **{**case["options"], "sampler": sampler})
         check_agreement(group, sampled)  # ... or their draws
-        out[case["name"]] = {"tokens": tokens, "forwards": forwards, "bytes": parameter_bytes(model),
+        out[case["name"]] = {"tokens": tokens, "forwards": forwards, "bytes": parameter_bytes(model, vision=False),
                              "sampled": sampled}
     return out
 
