@@ -32,6 +32,7 @@ from model_adapters import Adapter
 
 from .decoders import Forward, ReadBack
 from .engine import Engine, Step
+from .fused_commit import FusedForward, commit_rows
 from .options import ResolvedOptions
 
 
@@ -76,6 +77,7 @@ class RunningBatch:
     rows: dict = field(default_factory=dict)  # id -> BatchRow, in joining order
     family: Optional[tuple] = None
     forwards: int = 0  # batched forward calls so far
+    fuse_commits: bool = True  # commit the rows' plain steps together (mlx_lm_diffusion.fused_commit)
     _next_id: int = 0
 
     def __len__(self) -> int:
@@ -97,6 +99,7 @@ class RunningBatch:
             self.family = family_key(options)
         engine = Engine(self.adapter, options, keep_logprobs=self.keep_logprobs, pipeline=False)
         engine.decoder.queue_eagerly = False  # every row's step is evaluated at once (_settle)
+        engine.decoder.fuse_commits = self.fuse_commits  # plain steps are committed by the batch
         key = mx.random.key(options.seed) if options.seed is not None else None
         row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(mx.array([list(prompt)]), seed), key,
                        payload=payload)
@@ -131,9 +134,23 @@ class RunningBatch:
                 self._fail(row, error, events)
             return events
         self.forwards += 1
-        for row, row_logits in zip(waiting, logits):
+        replies = list(logits)
+        fused = [i for i, row in enumerate(waiting) if isinstance(row.pending, FusedForward)]
+        if fused:  # their commits, all at once
+            try:
+                committed = commit_rows([waiting[i].pending.commit for i in fused], [replies[i] for i in fused])
+            except Exception as error:  # noqa: BLE001 (as a failed forward: those rows fail)
+                for i in fused:
+                    self._fail(waiting[i], error, events)
+                committed = []
+                waiting = [row for i, row in enumerate(waiting) if i not in set(fused)]
+                replies = [r for i, r in enumerate(replies) if i not in set(fused)]
+            else:
+                for i, reply in zip(fused, committed):
+                    replies[i] = reply
+        for row, reply in zip(waiting, replies):
             row.pending = None
-            self._advance(row, row_logits, events)
+            self._advance(row, reply, events)
         self._settle(events)
         return events
 
