@@ -29,10 +29,12 @@ import mlx.core as mx
 import numpy as np
 
 from model_adapters import Adapter
+from model_adapters.prefix_kv import PrefixKV
 
 from .decoders import Forward, ReadBack
 from .engine import Engine, Step
 from .fused_commit import FusedForward, commit_rows
+from .kv_reuse import PromptReuse
 from .options import ResolvedOptions
 
 
@@ -49,6 +51,7 @@ class BatchRow:
     reading: Optional[ReadBack] = None  # the arrays it reads back next, evaluated with the others
     last: Optional[Step] = None
     payload: Any = None  # the caller's (a server request)
+    prompt_kv: Optional[PromptReuse] = None  # the prompt KV it reused, and the KV it leaves
     error: Optional[BaseException] = None
 
 
@@ -87,9 +90,12 @@ class RunningBatch:
         return not self.rows or family_key(options) == self.family
 
     def add(self, prompt: Sequence[int], options: ResolvedOptions, payload: Any = None,
-            seed: Optional[np.ndarray] = None) -> BatchRow:
+            seed: Optional[np.ndarray] = None, prefix: Optional[PrefixKV] = None) -> BatchRow:
         """A new row; it first advances at the next `step()`. `seed` (1, W): its canvas's
-        pinned tokens (an infill's suffix; Engine.run)."""
+        pinned tokens (an infill's suffix; Engine.run). `prefix`: the KV of leading prompt
+        tokens from an earlier decode (a prompt cache's), which the row starts from where
+        the family's KV is exact (`row.prompt_kv.reused` positions; kv_reuse.PromptReuse);
+        `row.prompt_kv.export(tokens)` is the KV the row leaves."""
         if not self.accepts(options):
             raise ValueError(
                 f"a row with the family options {dict(family_key(options))} cannot join a batch decoding "
@@ -101,8 +107,11 @@ class RunningBatch:
         engine.decoder.queue_eagerly = False  # every row's step is evaluated at once (_settle)
         engine.decoder.fuse_commits = self.fuse_commits  # plain steps are committed by the batch
         key = mx.random.key(options.seed) if options.seed is not None else None
-        row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(mx.array([list(prompt)]), seed), key,
-                       payload=payload)
+        ids = mx.array([list(prompt)])
+        prompt_kv = PromptReuse(prefix)
+        reuse = prompt_kv.plan(self.adapter, engine, ids)  # (after the engine configured the adapter)
+        row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(ids, seed, reuse), key,
+                       payload=payload, prompt_kv=prompt_kv)
         self._next_id += 1
         self.rows[row.id] = row
         return row
@@ -138,7 +147,10 @@ class RunningBatch:
         fused = [i for i, row in enumerate(waiting) if isinstance(row.pending, FusedForward)]
         if fused:  # their commits, all at once
             try:
-                committed = commit_rows([waiting[i].pending.commit for i in fused], [replies[i] for i in fused])
+                source = getattr(logits, "source", None)  # (one head call for every row)
+                origins = [(source, i) if source is not None else None for i in fused]
+                committed = commit_rows([waiting[i].pending.commit for i in fused], [replies[i] for i in fused],
+                                        origins)
             except Exception as error:  # noqa: BLE001 (as a failed forward: those rows fail)
                 for i in fused:
                     self._fail(waiting[i], error, events)

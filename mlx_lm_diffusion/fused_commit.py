@@ -131,25 +131,39 @@ def _bias(decoder: Any) -> Optional[mx.array]:
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
-def commit_rows(plans: Sequence[RowCommit], logits: Sequence[mx.array]) -> list:
+def commit_rows(plans: Sequence[RowCommit], logits: Sequence[mx.array], origins: Optional[Sequence] = None) -> list:
     """Every fused row's Committed, from its plan and its logits (1, W_i, V). Rows of
-    one block width are stacked and committed together."""
+    one block width are stacked and committed together. `origins`, optional: per row,
+    (stacked, index) when its logits are stacked[index : index + 1, :W_i] (one head call
+    for the batch, model_adapters.batched.RowLogits), so the stack is taken, not rebuilt."""
     out: list = [None] * len(plans)
     groups: dict = {}
     for i, plan in enumerate(plans):
         groups.setdefault(plan.block.shape[1], []).append(i)
     for rows in groups.values():
-        for i, result in zip(rows, _commit_group([plans[i] for i in rows], [logits[i] for i in rows])):
+        stacked = _from_origin([origins[i] for i in rows], plans[rows[0]].block.shape[1]) if origins else None
+        if stacked is None:
+            stacked = _stack([logits[i] for i in rows])
+        for i, result in zip(rows, _commit_group([plans[i] for i in rows], stacked)):
             out[i] = result
     return out
+
+
+def _from_origin(origins: list, width: int) -> Optional[mx.array]:
+    """The rows' logits (R, width, V) read off their common stacked array, or None."""
+    if any(o is None for o in origins) or any(o[0] is not origins[0][0] for o in origins):
+        return None
+    source, index = origins[0][0], [o[1] for o in origins]
+    if index != list(range(source.shape[0])):
+        source = mx.take(source, mx.array(index), axis=0)
+    return source if source.shape[1] == width else source[:, :width]
 
 
 def _stack(arrays: list) -> mx.array:
     return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=0)
 
 
-def _commit_group(plans: list, logits: list) -> list:
-    stacked = _stack(logits)
+def _commit_group(plans: list, stacked: mx.array) -> list:
     if stacked.dtype != mx.float32:
         stacked = stacked.astype(mx.float32)
     biases = [p.bias for p in plans]

@@ -16,13 +16,17 @@ max_tokens, sampler or seed differ freely per row). Each turn:
    detokenizer, stop words, logprobs); a row that finished (EOS, max_tokens, a stop
    word) leaves at once and its client gets the end of its stream.
 
-A row decodes exactly as the request alone would (mlx_lm_diffusion.batch). The token
-prompt cache is kept as mlx_lm.server keeps it (fetched for `cached_tokens`, stored under
-prompt + tokens sent once a request ends); the decode re-reads its whole prompt.
+A row decodes exactly as the request alone would (mlx_lm_diffusion.batch). The prompt
+cache is used as the serial path uses it (mlx_lm_diffusion.compat, kv_reuse): a request
+takes the nearest cached prefix when it is prepared; for the families whose prompt KV is
+exact its row starts from that prefix's keys and values (usage's cached_tokens: the
+positions it took), and a request that ends leaves prompt + tokens sent, with the KV its
+row vouches for, in the cache before its client hears the end.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from queue import Queue
 from typing import Any, Callable, Optional
 
+import mlx.core as mx
 from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _make_logits_processors, _make_sampler
 
 from model_adapters import adapter_for
@@ -53,7 +58,10 @@ class Job:
     stop_matcher: Any
     top_logprobs: int
     detokenizer: Any
-    cache_entry: Optional[Callable[[list], None]] = None  # stores prompt + tokens in the prompt cache
+    cache_entry: Optional[Callable[..., None]] = None  # stores prompt + tokens (and their KV) in the prompt cache
+    cache_lookup: Optional[Callable[[list], Any]] = None  # the prompt cache's KV of a prompt's prefix
+    prefix: Any = None  # ... this prompt's (a PrefixKV, or None), once looked up
+    looked_up: bool = False
     tokens: list = field(default_factory=list)  # the tokens sent
     emitted: int = 0
     ended: bool = False
@@ -81,7 +89,7 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
                                 tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
                                 prompt=prompt)
-        ctx.prompt_cache_count = 0  # usage's cached_tokens: a batch row re-reads its whole prompt
+        ctx.prompt_cache_count = 0  # usage's cached_tokens: set when the row starts (the KV it reused)
         adapter = adapter_for(model, tokenizer)
         fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
         decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
@@ -90,7 +98,8 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         options = resolve(decode, adapter, len(prompt))
         drafts = generator._draft_sender(rqueue) if getattr(req, "drafts", False) else None
         job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
-                  args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator))
+                  args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator),
+                  cache_lookup=_cache_reader(generator))
     except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
         rqueue.put(e)
         return None
@@ -107,16 +116,43 @@ def _sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
 _cache_lock = threading.Lock()  # the prompt cache is read on the generation thread, written here
 
 
-def _cache_writer(generator: Any) -> Callable[[list], None]:
+def _cache_writer(generator: Any) -> Callable[..., None]:
     key = generator.model_provider.model_key
 
-    def write(tokens: list) -> None:
+    def write(tokens: list, kv_source: Optional[Callable] = None) -> None:
+        """`kv_source(tokens)`: the KV of their leading positions (PromptReuse.export)."""
         from .prompt_cache import TokenCache
 
+        cache = TokenCache(tokens)
+        if kv_source is not None:
+            cache.hold_kv(kv_source)
+            kv = cache.kv  # (evaluated here: a lazy array would name this thread's stream, which the
+            if kv is not None:  # serial path's thread cannot run)
+                mx.eval(kv.keys, kv.values)
         with _cache_lock:
-            generator.prompt_cache.insert_cache(key, list(tokens), [TokenCache(tokens)])
+            generator.prompt_cache.insert_cache(key, list(tokens), [cache])
 
     return write
+
+
+def _cache_reader(generator: Any) -> Callable[[list], Any]:
+    """`lookup(prompt)`: the KV of the longest cached prefix of `prompt` (mlx-lm's
+    fetch_nearest_cache, as the serial path fetches it), or None. Called on the
+    scheduler's thread under the decode lock: reading a cache's KV may run MLX work (an
+    export, a trim), which must run on the thread whose stream decodes the rows and not
+    overlap a serial decode."""
+    from .prompt_cache import TokenCache
+
+    key = generator.model_provider.model_key
+
+    def lookup(prompt: list) -> Any:
+        with _cache_lock:
+            cache, _ = generator.prompt_cache.fetch_nearest_cache(key, list(prompt))
+            if not cache or not isinstance(cache[0], TokenCache):
+                return None
+            return cache[0].kv
+
+    return lookup
 
 
 class Scheduler:
@@ -165,6 +201,9 @@ class Scheduler:
                     self._cond.wait(0.5)
                 if self._stop:
                     break
+                new = [job for job in self.queued if not job.looked_up]
+            self._look_up(new)  # (outside the condition: it waits for the decode lock)
+            with self._cond:
                 self._admit()
                 group = self._next_group()
             if group is not None:
@@ -174,11 +213,29 @@ class Scheduler:
                     self._fail_group(group, e)
         self._cancel_all()
 
+    def _look_up(self, jobs: list) -> None:
+        """Each new job's cached prompt prefix (the KV its row may start from)."""
+        if not jobs:
+            return
+        with self.decode_lock:
+            for job in jobs:
+                job.looked_up = True
+                if job.cache_lookup is None:
+                    continue
+                try:
+                    job.prefix = job.cache_lookup(job.prompt)
+                except Exception as e:  # noqa: BLE001 (a cache that cannot be read: a cold prefill)
+                    logging.warning("prompt cache lookup failed, prefilling the whole prompt: %r", e)
+                    job.prefix = None
+
     def _admit(self) -> None:
         """Queued jobs join their group's batch in FIFO order while it has room."""
         waiting = deque()
         while self.queued:
             job = self.queued.popleft()
+            if not job.looked_up:  # (submitted after this turn's look-ups: it joins at the next)
+                waiting.append(job)
+                continue
             batch = self.batches.get(job.group)
             if batch is None:
                 batch = self.batches[job.group] = RunningBatch(adapter_for(self.model, self.tokenizer),
@@ -186,7 +243,9 @@ class Scheduler:
             if len(batch) >= self.max_rows:
                 waiting.append(job)
                 continue
-            job.row = batch.add(job.prompt, job.options, payload=job)
+            job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix)
+            job.prefix = None
+            job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
             if job.group not in self.turns:
                 self.turns.append(job.group)
         self.queued = waiting
@@ -260,9 +319,9 @@ class Scheduler:
     def _end(self, batch: RunningBatch, job: Job, error: Optional[BaseException]) -> None:
         job.ended = True
         batch.remove(job.row)
+        if error is None and job.cache_entry is not None:  # (before the client can send its next turn)
+            job.cache_entry(job.prompt + job.tokens, job.row.prompt_kv.export if job.row is not None else None)
         job.rqueue.put(error)  # None: the end of the stream
-        if error is None and job.cache_entry is not None:
-            job.cache_entry(job.prompt + job.tokens)
 
     def _fail_group(self, group: tuple, error: BaseException) -> None:
         batch = self.batches.pop(group, None)

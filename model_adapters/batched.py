@@ -51,8 +51,11 @@ def width_groups(widths: Sequence[int], spread: float = WIDTH_SPREAD) -> list:
 
 def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int) -> list:
     """Full-canvas bidirectional forwards: one model call per group of similar widths."""
+    groups = width_groups([r.canvas.shape[1] for r in requests])
+    if len(groups) == 1 and groups[0] == list(range(len(requests))):
+        return _bidirectional_call(adapter, requests, shift)  # (its RowLogits: one stacked head)
     out: list = [None] * len(requests)
-    for group in width_groups([r.canvas.shape[1] for r in requests]):
+    for group in groups:
         for i, logits in zip(group, _bidirectional_call(adapter, [requests[i] for i in group], shift)):
             out[i] = logits
     return out
@@ -69,7 +72,31 @@ def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> li
         valid = np.arange(width)[None, :] < np.array(lengths)[:, None]
         mask = mx.array(valid)[:, None, None, :]
     hidden = adapter.model.backbone(mx.concatenate(rows, axis=0), mask)
-    return [adapter.model.head(hidden[i : i + 1, r.start - shift : r.end - shift]) for i, r in enumerate(requests)]
+    return stacked_head(adapter, hidden, [(r.start - shift, r.end - r.start) for r in requests])
+
+
+class RowLogits(list):
+    """Per-row logits (1, W_i, V) that are slices of one stacked array (`source`, (B, W, V),
+    row i's at source[i, :W_i]): a fused commit (mlx_lm_diffusion.fused_commit) reads the
+    stacked array instead of stacking the slices again."""
+
+    source: Optional[mx.array] = None
+
+
+def stacked_head(adapter: Any, hidden: mx.array, reads: Sequence[tuple]) -> RowLogits:
+    """The LM head at each row's read positions (column, width) of `hidden` (B, T, H), in
+    one call: the columns are gathered first (padded to the widest read by repeating the
+    row's last column), so the head's cost does not grow with the number of rows."""
+    width = max(w for _, w in reads)
+    columns = np.array([[c + min(j, w - 1) for j in range(width)] for c, w in reads], dtype=np.int32)
+    if (columns == columns[0]).all() and (np.diff(columns[0]) == 1).all():
+        gathered = hidden[:, int(columns[0, 0]) : int(columns[0, 0]) + width]
+    else:
+        gathered = mx.take_along_axis(hidden, mx.array(columns)[..., None], axis=1)
+    source = adapter.model.head(gathered)
+    out = RowLogits(source[i : i + 1, :w] for i, (_, w) in enumerate(reads))
+    out.source = source
+    return out
 
 
 def _pad_right(canvas: mx.array, width: int) -> mx.array:
@@ -119,13 +146,13 @@ def block_causal_batch(adapter: Any, requests: Sequence[Any]) -> list:
     first = np.array([offset - (width - (stop - offset)) for offset, stop in plans])  # position of column 0
     views = [_BatchLayerView(mx.array(first), _stacked_prefix(requests, i, stored)) for i in range(layers)]
     hidden = adapter.model.backbone(tokens, _block_causal_mask(plans, first, width, stored, block), views)
-    out = []
+    reads = []
     for row, (r, (offset, stop)) in enumerate(zip(requests, plans)):
         column = width - (stop - offset) - offset  # canvas position p sits at column p + column
-        out.append(adapter.model.head(hidden[row : row + 1, r.start + column : r.end + column]))
+        reads.append((r.start + column, r.end - r.start))
         if r.state is not None and r.state.layers:
             _store(r.state, views, row, offset, stop, column, block)
-    return out
+    return stacked_head(adapter, hidden, reads)
 
 
 def _window_plan(request: Any, block: int) -> tuple[int, int]:
