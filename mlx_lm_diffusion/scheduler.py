@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from concurrent.futures import Future
 from queue import Queue
 from typing import Any, Callable, Optional
 
@@ -71,6 +72,45 @@ class Job:
     @property
     def group(self) -> tuple:
         return family_key(self.options)
+
+
+@dataclass
+class ProtocolJob:
+    """A step-schedule protocol request (mlx_lm_diffusion.protocol) in the scheduler: its
+    row decodes in a batch of protocol rows (their adapter ignores EOS), its steps are
+    kept, and `future` gets the InferenceResponse (or the error) once it ends."""
+
+    decode: Any  # protocol.ProtocolDecode
+    check: Callable[[], None]  # raises when the request was cancelled
+    future: Future = field(default_factory=Future)
+    steps: list = field(default_factory=list)
+    ended: bool = False
+    row: Any = None
+    looked_up: bool = True  # (no prompt cache: the protocol's requests neither read nor write it)
+    prefix: Any = None
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def prompt(self) -> list:
+        return self.decode.prompt
+
+    @property
+    def options(self) -> ResolvedOptions:
+        return self.decode.options
+
+    @property
+    def group(self) -> tuple:
+        return ("step-schedule protocol", family_key(self.options))
+
+    def end(self, error: Optional[BaseException]) -> None:
+        self.ended = True
+        if error is not None:
+            self.future.set_exception(error)
+            return
+        try:
+            self.future.set_result(self.decode.response(self.steps))
+        except Exception as e:  # noqa: BLE001 (the response could not be built: the request's error)
+            self.future.set_exception(e)
 
 
 def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
@@ -179,6 +219,13 @@ class Scheduler:
             self.queued.append(job)
             self._cond.notify()
 
+    def submit_protocol(self, decode: Any, check: Callable[[], None]) -> Future:
+        """A step-schedule protocol request (protocol.prepare_request's decode): its
+        InferenceResponse arrives on the returned future."""
+        job = ProtocolJob(decode, check)
+        self.submit(job)
+        return job.future
+
     def stats(self) -> dict:
         """Running rows and queued requests (what /v1/stats reports)."""
         with self._cond:
@@ -238,14 +285,18 @@ class Scheduler:
                 continue
             batch = self.batches.get(job.group)
             if batch is None:
-                batch = self.batches[job.group] = RunningBatch(adapter_for(self.model, self.tokenizer),
-                                                              keep_logprobs=True)
+                protocol = isinstance(job, ProtocolJob)  # (its adapter ignores EOS)
+                adapter = job.decode.adapter if protocol else adapter_for(self.model, self.tokenizer)
+                batch = self.batches[job.group] = RunningBatch(adapter, keep_logprobs=not protocol)
             if len(batch) >= self.max_rows:
                 waiting.append(job)
                 continue
-            job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix)
-            job.prefix = None
-            job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
+            if isinstance(job, ProtocolJob):
+                job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
+            else:
+                job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix)
+                job.prefix = None
+                job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
             if job.group not in self.turns:
                 self.turns.append(job.group)
         self.queued = waiting
@@ -284,6 +335,13 @@ class Scheduler:
         if event.error is not None:
             self._end(batch, job, event.error)
             return
+        if isinstance(job, ProtocolJob):  # its steps make its response, at its end
+            if event.step is not None:
+                job.steps.append(event.step)
+                job.check()  # (a cancelled request stops at its next step, as alone)
+            if event.finished:
+                self._end(batch, job, None)
+            return
         step = event.step
         if step is not None:
             if job.drafts is not None and step.ran_forward:
@@ -319,6 +377,9 @@ class Scheduler:
     def _end(self, batch: RunningBatch, job: Job, error: Optional[BaseException]) -> None:
         job.ended = True
         batch.remove(job.row)
+        if isinstance(job, ProtocolJob):
+            job.end(error)
+            return
         if error is None and job.cache_entry is not None:  # (before the client can send its next turn)
             job.cache_entry(job.prompt + job.tokens, job.row.prompt_kv.export if job.row is not None else None)
         job.rqueue.put(error)  # None: the end of the stream
@@ -337,5 +398,8 @@ class Scheduler:
             self.queued.clear()
         for job in jobs:
             if not job.ended:
+                if isinstance(job, ProtocolJob):
+                    job.end(Cancelled())
+                    continue
                 job.ended = True
                 job.rqueue.put(Cancelled())
