@@ -208,3 +208,36 @@ def test_fused_and_unfused_batches_agree(llada):
                 break
         results.append([out[row.id] for row in rows])
     assert results[0] == results[1]
+
+
+class CountingModel:
+    """The adapter's model, counting model calls (an mlx-lm model's own call, a backbone)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def backbone(self, *args, **kwargs):
+        self.calls += 1
+        return self.model.backbone(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["nemotron", "causal"])
+def test_rows_share_model_calls(request, family):
+    """Nemotron's block passes (over each row's causal cache) and the ar adapter's
+    next-token feeds run as one model call for all rows (model_adapters.batched)."""
+    model, tok = request.getfixturevalue(family)
+    adapter = adapter_for(model, tok)
+    adapter.model = counting = CountingModel(model)
+    options = [resolve(DecodeOptions(max_tokens=12, block_length=8 if family == "nemotron" else None), adapter, len(p))
+               for p in PROMPTS]
+    expected = [alone(adapter, p, o) for p, o in zip(PROMPTS, options)]
+    calls_alone, counting.calls = counting.calls, 0
+    assert batched(adapter, PROMPTS, options) == expected
+    assert counting.calls < calls_alone * 0.7, (counting.calls, calls_alone)
