@@ -70,6 +70,7 @@ import math
 import os
 import re
 import resource
+import secrets
 import select
 import signal
 import socket
@@ -126,6 +127,16 @@ MAX_JSON_DEPTH = 64
 LOG_EXCERPT = 200  # characters of a request body a log line may quote
 SEED_MAX = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 CONTEXT_SIZE_MAX = 1 << 20
+
+
+
+def request_seed() -> int:
+    """The seed of a request that names none. Every request draws from its own key
+    (isolation: no request's draws depend on another's, or on a global random state a
+    failed request left behind). Drawn here, on the HTTP thread before the request is
+    queued, so under mlx.launch rank 0's choice travels with the request to every rank."""
+    return secrets.randbits(64)
+
 
 # mlx_lm.server flags that cannot apply to a diffusion model: refused at start
 INAPPLICABLE_FLAGS = {
@@ -343,6 +354,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
             if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
                 raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
+            if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
+                body = {**body, "seed": request_seed()}
             return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
                                on_step=lambda step: self._check_cancel(cancel))
 
@@ -1001,6 +1014,8 @@ class DiffusionAPIHandler(APIHandler):
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX
         ):
             raise RequestError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}", param="seed")
+        if self.seed is None:
+            self.seed = request_seed()
         if self.stream_options is not None:
             if not isinstance(self.stream_options, dict):
                 raise RequestError("stream_options must be an object", param="stream_options")
