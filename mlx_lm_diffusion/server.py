@@ -130,6 +130,24 @@ CONTEXT_SIZE_MAX = 1 << 20
 
 
 
+def check_sampling_against_vocabulary(args: Any, vocab_size: int) -> None:
+    """The sampling fields that name token ids, against the model that will decode them
+    (known on the generation thread only): an id outside the vocabulary would index past
+    the logits (a logit_bias key of 100000 on a 16-token vocabulary is a segfault), and
+    mlx-lm's top-k raises mid-decode for top_k >= the vocabulary."""
+    top_k = args.sampling.top_k
+    if top_k >= vocab_size:
+        raise RequestError(f"top_k must be below the vocabulary size ({vocab_size}), got {top_k}; "
+                           "0 keeps every token", param="top_k")
+    for token, bias in (args.logits.logit_bias or {}).items():
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias key {token} is not a token id (0 to {vocab_size - 1})",
+                               param="logit_bias")
+        if not math.isfinite(bias):
+            raise RequestError(f"logit_bias values must be finite numbers, got {bias!r} for {token}",
+                               param="logit_bias")
+
+
 def request_seed() -> int:
     """The seed of a request that names none. Every request draws from its own key
     (isolation: no request's draws depend on another's, or on a global random state a
@@ -457,6 +475,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         except Exception as e:
             raise RequestError(f"cannot build a prompt from this request: {e}") from e
         model = self.model_provider.model
+        check_sampling_against_vocabulary(args, adapter_for(model, tokenizer).vocab_size)
         if is_diffusion_model(model):
             try:
                 compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request),

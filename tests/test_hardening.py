@@ -210,6 +210,9 @@ BAD_FIELDS = [
     ("top_logprobs", True), ("top_logprobs", "3"), ("top_logprobs", 1.5), ("top_logprobs", 100),
     ("stream_options", "yes"), ("stream_options", []), ("stream_options", {"include_usage": "yes"}),
     ("max_tokens", True), ("max_tokens", 2.5), ("top_k", True), ("stop", 5), ("stop", [1]),
+    # token ids against the served model's vocabulary (288): past it was a segfault or a 500
+    ("top_k", 288), ("top_k", 10**6), ("logit_bias", {"288": 1}), ("logit_bias", {"100000": 5}),
+    ("logit_bias", {"-1": 1}), ("logit_bias", {"x": 1}),
     ("chat_template_kwargs", []), ("chat_template_kwargs", {"chat_template": "{% for i in range(9**9) %}{% endfor %}"}),
     ("model", 5),
     ("draft_model", "/tmp"), ("adapters", "/tmp"), ("num_draft_tokens", 3),
@@ -227,6 +230,8 @@ def test_bad_fields_get_a_400_naming_the_field(port, name, value):
 
 def test_fields_at_their_bounds_are_served(client, reference):
     assert answer(client, seed=2**64 - 1) == reference
+    assert answer(client, extra_body={"top_k": 287}) == reference
+    assert answer(client, logit_bias={"0": -1.0, "287": -1.0})  # (a processor: decoded in order)
     assert answer(client, seed=0, presence_penalty=0.0, top_p=1, extra_body={"min_p": 0}) == reference
     # a stream_options without include_usage (mlx_lm.server indexes it unchecked)
     chunks = list(client.chat.completions.create(
