@@ -33,7 +33,7 @@ from model_adapters.prefix_kv import PrefixKV
 
 from .decoders import Forward, ReadBack
 from .engine import Engine, Step
-from .fused_commit import FusedForward, commit_rows
+from .fused_commit import FusedForward, commit_rows, deterministic_rule
 from .kv_reuse import PromptReuse
 from .options import ResolvedOptions
 
@@ -106,7 +106,8 @@ class RunningBatch:
         engine = Engine(self.adapter, options, keep_logprobs=self.keep_logprobs, pipeline=False)
         engine.decoder.queue_eagerly = False  # every row's step is evaluated at once (_settle)
         engine.decoder.fuse_commits = self.fuse_commits  # plain steps are committed by the batch
-        key = mx.random.key(options.seed) if options.seed is not None else None
+        # (a decode that draws nothing needs no key: swapping one in costs a read-back per resume)
+        key = mx.random.key(options.seed) if options.seed is not None and draws(engine.decoder) else None
         ids = mx.array([list(prompt)])
         prompt_kv = PromptReuse(prefix)
         reuse = prompt_kv.plan(self.adapter, engine, ids)  # (after the engine configured the adapter)
@@ -221,6 +222,14 @@ class RunningBatch:
         row.error = error
         self.remove(row)
         events.append(RowEvent(row, error=error, finished=True))
+
+
+def draws(decoder) -> bool:
+    """Whether a decode may draw random numbers: anything but a masked-block decode with a
+    greedy proposal and a rule that draws none (fused_commit's plain steps)."""
+    o = decoder.options
+    return not (decoder.name == "masked_block" and o.sampler is None and o.temperature_schedule is None
+                and deterministic_rule(o.rule))
 
 
 def _use_key(key: mx.array) -> None:

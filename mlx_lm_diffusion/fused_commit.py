@@ -87,10 +87,10 @@ def fusable(decoder: Any) -> bool:
     """Whether the decoder's steps are plain enough to be committed by the batch."""
     o = decoder.options
     return (o.sampler is None and o.temperature_schedule is None and decoder.ordered is None
-            and not decoder.editing and _deterministic(o.rule))
+            and not decoder.editing and deterministic_rule(o.rule))
 
 
-def _deterministic(rule: Any) -> bool:
+def deterministic_rule(rule: Any) -> bool:
     """Rules that draw no random numbers: a row's draws come from its own key, which only
     its own code holds (mlx_lm_diffusion.batch)."""
     if _joint(rule):

@@ -366,6 +366,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         scheduler's batches when batching (a batch of protocol rows), else here."""
         scheduler = self.scheduler
         if scheduler is not None and self.model_provider.model is scheduler.model:
+            if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
+                body = {**body, "seed": request_seed()}
             with self.decode_lock:  # (validated and resolved as alone; the decode is the scheduler's)
                 self._check_cancel(cancel)
                 decode = prepare_request(scheduler.model, scheduler.tokenizer, body, max_forwards=self.max_forwards)
