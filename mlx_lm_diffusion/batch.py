@@ -4,7 +4,9 @@ Each row is its own single-row decode (`Engine.row_steps`): its own prompt lengt
 canvas, blocks, cache, options (max_tokens, steps, commit rule, sampler, seed) and
 stopping. Only the model forwards are shared: every `step()` advances each live row to
 its next forward request and answers all of them with one `Adapter.predict_batch` call
-(model_adapters.batched: padded to a common width, per-row masks and positions). A row
+(model_adapters.batched: padded to a common width, per-row masks and positions), and the
+rows whose steps are plain get their commits from one call too (mlx_lm_diffusion.fused_commit:
+the log-softmax, proposal and rule selection of every such row over the stacked logits). A row
 therefore gives exactly the tokens and forward count of its decode alone (greedy; up to
 the floating-point effect of padding on the attention's reduction order).
 
@@ -155,9 +157,9 @@ class RunningBatch:
             except Exception as error:  # noqa: BLE001 (as a failed forward: those rows fail)
                 for i in fused:
                     self._fail(waiting[i], error, events)
-                committed = []
-                waiting = [row for i, row in enumerate(waiting) if i not in set(fused)]
-                replies = [r for i, r in enumerate(replies) if i not in set(fused)]
+                failed = set(fused)
+                waiting = [row for i, row in enumerate(waiting) if i not in failed]
+                replies = [r for i, r in enumerate(replies) if i not in failed]
             else:
                 for i, reply in zip(fused, committed):
                     replies[i] = reply
