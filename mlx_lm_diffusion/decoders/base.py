@@ -118,6 +118,9 @@ class Forward:
     canvas: mx.array
     start: int
     end: int
+    # (B, K) block positions (start-relative) whose logits the step reads: the reply is then
+    # (B, K, V), `Adapter.predict_rows`; None: every position, `Adapter.predict`.
+    rows: Optional[mx.array] = None
 
 
 @dataclass
@@ -173,6 +176,9 @@ class Decoder:
         # Queue each step's arrays as soon as they are built (one decode); a batch of
         # decodes evaluates all rows' at once instead (mlx_lm_diffusion.batch).
         self.queue_eagerly = True
+        # Ask for the logits of the positions a step reads only (Forward.rows): set by a
+        # driver that answers such requests (Engine.run); a batch driver leaves it off.
+        self.gather_rows = False
 
     @classmethod
     def check_options(cls, values: dict, adapter: Any) -> None:
