@@ -28,6 +28,7 @@ from .base import (
     Queued,
     ReadBack,
     greedy_proposal,
+    greedy_stats,
     log_softmax,
     normalized_entropy,
     queue,
@@ -127,7 +128,7 @@ class MaskedBlockDecoder(Decoder):
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
         candidates = self._candidates(canvas, b)
         rows = self._rows_read(b, candidates, has_mask)
-        x0, prob, logprobs, logits = yield from self._predict(state, canvas, b, rows)
+        x0, prob, logprobs, logits, entropy = yield from self._predict(state, canvas, b, rows)
         # Under processors a block may outlast the rule's schedule (one commit per step at
         # least): past it the rule selects nothing and the walk commits the next token.
         past_rule = self.ordered is not None and b.step >= rule.step_bound(o.steps, b.end - b.start)
@@ -145,7 +146,8 @@ class MaskedBlockDecoder(Decoder):
             elif takes_all:
                 commit = candidates  # every candidate commits: no ranking can change that
             else:
-                entropy = spread_filled(normalized_entropy(logprobs), rows, b.end - b.start)
+                entropy = normalized_entropy(logprobs) if entropy is None else entropy
+                entropy = spread_filled(entropy, rows, b.end - b.start)
                 inputs = StepInputs(x0, prob, entropy, logprobs, candidates, b.step, o.steps, b.masked, rows)
                 commit = rule.select(inputs, b.rule_state)
             if self.ordered is not None and has_mask:
@@ -217,19 +219,21 @@ class MaskedBlockDecoder(Decoder):
     def _predict(self, state: Any, canvas: Canvas, b: BlockState, rows: Optional[mx.array] = None):
         """The step's (x0, prob) per block position, its log-probs and logits (per row of
         `rows` when given: the proposal of an unread position is its current token, at
-        probability 0)."""
+        probability 0) and, for a greedy proposal, the entropy per row (else None)."""
         logits = yield Forward(state, canvas.tokens, b.start, b.end, rows)  # the driver answers it
         canvas.forwards += 1
         logits = self._suppressed(self.process(logits))
-        logprobs = log_softmax(logits)
         temperature = self._temperature(b)
-        if rows is not None:  # (greedy: _rows_read gathers nothing else)
-            x0, prob = greedy_proposal(logprobs)
-            block = canvas.tokens[:, b.start : b.end]
-            return spread(x0, rows, block), spread_filled(prob, rows, b.end - b.start), logprobs, logits
+        if self.options.sampler is None and (temperature is None or temperature < MIN_TEMPERATURE):
+            x0, prob, entropy, logprobs = greedy_stats(logits)
+            if rows is not None:
+                x0 = spread(x0, rows, canvas.tokens[:, b.start : b.end])
+                prob = spread_filled(prob, rows, b.end - b.start)
+            return x0, prob, logprobs, logits, entropy
+        logprobs = log_softmax(logits)  # (_rows_read gathers under a greedy proposal only)
         if temperature is not None:
-            return (*self._propose_tempered(logprobs, temperature), logprobs, logits)
-        return (*self._propose(logprobs), logprobs, logits)
+            return (*self._propose_tempered(logprobs, temperature), logprobs, logits, None)
+        return (*self._propose(logprobs), logprobs, logits, None)
 
     def _temperature(self, b: BlockState) -> Optional[float]:
         temperatures = self.options.temperature_schedule
