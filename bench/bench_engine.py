@@ -8,7 +8,7 @@ engine adds to its forwards: log-softmax, proposals, entropy, the commit rule, t
 log-probs, the host. `vs block fwd` divides the decode by forwards x one forward whose
 head covers the whole block (the definition before the head ran over gathered rows, when
 Dream's whole-canvas step cost 2.14x it at a 16k vocabulary): below 1 where a step reads
-fewer rows than its block. Side by side in one run; the median of 5 pairs.
+fewer rows than its block. Side by side in one run; the median of 5 pairs (--repeats).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
         python bench/bench_engine.py [--vocabs 288 32768]
@@ -98,13 +98,13 @@ def decode(model, tok, **options):
     return time.perf_counter() - tic, len(out), out[-1].forwards
 
 
-def measure(name, model, tok, options, block):
+def measure(name, model, tok, options, block, repeats=5):
     adapter = adapter_for(model, tok)
     decode(model, tok, **options)  # warm up
     # pairs measured back to back (a decode, then its forwards bare); the median pair is
     # reported: the machine is noisy and drifts
     runs = []
-    for _ in range(5):
+    for _ in range(repeats):
         with Recorder(type(adapter)) as recorder:
             wall, tokens, forwards = decode(model, tok, **options)
         bare = recorder.bare_seconds()
@@ -117,6 +117,7 @@ def measure(name, model, tok, options, block):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[288, 32768])
+    parser.add_argument("--repeats", type=int, default=5, help="decode / bare pairs per case (the median is shown)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +128,7 @@ def main():
             }
             loaded = {name: mld.load(str(path)) for name, path in paths.items()}
             for name, options, block in CASES:
-                ratio, whole, wall, tokens, forwards, gathered = measure(name, *loaded[name], options, block)
+                ratio, whole, wall, tokens, forwards, gathered = measure(name, *loaded[name], options, block, args.repeats)
                 rows.append((vocab, name, options, tokens, forwards, gathered, wall, ratio, whole))
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
