@@ -267,3 +267,20 @@ def test_protocol_schedules(llada, causal, monkeypatch, schedule, temperatures):
         np.testing.assert_allclose(on.pop("confidence"), off.pop("confidence"), atol=1e-5)
         assert on == off
         assert any(rows is not None for rows in gathered)
+
+
+@pytest.mark.parametrize("cache", [None, "prefix", "dual"])
+def test_predict_rows_is_predict_at_those_rows(dream, cache):
+    """The head over gathered hidden states gives predict's logits at those positions,
+    Dream's shift included (the block's first position from the kept hidden state)."""
+    model, tok = dream
+    adapter = adapter_for(model, tok)
+    adapter.configure(resolve(DecodeOptions(max_tokens=16, block_length=8, cache=cache), adapter, 5))
+    canvas = mx.array([PROMPT[:5] + [adapter.mask_id] * 16])
+    whole, gathered = adapter.start(canvas[:, :5]), adapter.start(canvas[:, :5])
+    rows = mx.array([[0, 3, 5, 6]])
+    for _ in range(2):  # the block's first forward, then (a token committed) a cached step
+        full = adapter.predict(whole, canvas, 5, 13)
+        some = adapter.predict_rows(gathered, canvas, 5, 13, rows)
+        np.testing.assert_allclose(np.array(some), np.array(take_rows(full, rows)), atol=1e-4)
+        canvas[0, 6] = 42
