@@ -11,7 +11,7 @@ Dream's whole-canvas step cost 2.14x it at a 16k vocabulary): below 1 where a st
 fewer rows than its block. Side by side in one run; the median of 5 pairs (--repeats).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_engine.py [--vocabs 288 32768]
+        python bench/bench_engine.py [--vocabs 288 32768] [--repeats 5] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -38,6 +38,13 @@ CASES = [
     ("Dream", dict(), GEN),
     ("Dream", dict(block_length=32), 32),
 ]
+
+
+def set_tokens(tokens: int) -> None:
+    """Decode `tokens` per case (Dream's whole-canvas block is the canvas)."""
+    global GEN
+    GEN = tokens
+    CASES[2] = ("Dream", dict(), tokens)
 
 
 class Recorder:
@@ -118,7 +125,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--vocabs", type=int, nargs="+", default=[288, 32768])
     parser.add_argument("--repeats", type=int, default=5, help="decode / bare pairs per case (the median is shown)")
+    parser.add_argument("--tokens", type=int, default=GEN, help="tokens per decode (Dream's whole canvas)")
     args = parser.parse_args()
+    if args.tokens != GEN:
+        set_tokens(args.tokens)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for vocab in args.vocabs:
