@@ -8,7 +8,8 @@ engine adds to its forwards: log-softmax, proposals, entropy, the commit rule, t
 log-probs, the host. `vs block fwd` divides the decode by forwards x one forward whose
 head covers the whole block (the definition before the head ran over gathered rows, when
 Dream's whole-canvas step cost 2.14x it at a 16k vocabulary): below 1 where a step reads
-fewer rows than its block. Side by side in one run; the median of 5 pairs (--repeats).
+fewer rows than its block. Side by side in one run, interleaved; the best of 5 (--repeats)
+of each (a shared machine's load only ever adds time).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
         python bench/bench_engine.py [--vocabs 288 32768] [--repeats 5] [--tokens 128]
@@ -106,19 +107,21 @@ def decode(model, tok, **options):
 
 
 def measure(name, model, tok, options, block, repeats=5):
+    """(overhead, vs block fwd, wall, tokens, forwards, gathered forwards): decodes, their
+    bare replays and the whole-block forward interleaved, each timed `repeats` times; the
+    best of each is used (on a shared, loaded machine the minimum is the stable figure)."""
     adapter = adapter_for(model, tok)
     decode(model, tok, **options)  # warm up
-    # pairs measured back to back (a decode, then its forwards bare); the median pair is
-    # reported: the machine is noisy and drifts
-    runs = []
+    walls, bares, wholes = [], [], []
     for _ in range(repeats):
         with Recorder(type(adapter)) as recorder:
             wall, tokens, forwards = decode(model, tok, **options)
-        bare = recorder.bare_seconds()
-        whole = forwards * block_forward_seconds(adapter, block, min(forwards, 16))
-        gathered = sum(rows is not None for *_, rows in recorder.calls)
-        runs.append((wall / bare, wall / whole, wall, tokens, forwards, gathered))
-    return sorted(runs)[len(runs) // 2]
+        walls.append(wall)
+        bares.append(recorder.bare_seconds())
+        wholes.append(forwards * block_forward_seconds(adapter, block, min(forwards, 16)))
+    gathered = sum(rows is not None for *_, rows in recorder.calls)
+    wall = min(walls)
+    return wall / min(bares), wall / min(wholes), wall, tokens, forwards, gathered
 
 
 def main():
