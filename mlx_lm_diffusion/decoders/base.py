@@ -199,6 +199,8 @@ class Decoder:
         # Ask for the logits of the positions a step reads only (Forward.rows): set by a
         # driver that answers such requests (Engine.run); a batch driver leaves it off.
         self.gather_rows = False
+        # A running batch commits plain steps of all its rows at once (mlx_lm_diffusion.fused_commit).
+        self.fuse_commits = False
 
     @classmethod
     def check_options(cls, values: dict, adapter: Any) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from mlx_arsenal.diffusion import edit_transfer
 from mlx_lm.sample_utils import apply_top_p
 
+from .. import fused_commit
 from ..commit_rules import StepInputs
 from ..constraints import LeftToRight
 from .gathered_rows import bucket, read_positions, spread, spread_filled, take_rows
@@ -125,6 +126,8 @@ class MaskedBlockDecoder(Decoder):
     def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool):
         """One forward and its commits (a generator: it yields the forward it needs);
         returns whether a committed token was edited."""
+        if self.fuse_commits and has_mask and fused_commit.fusable(self):  # a running batch commits it
+            return (yield from fused_commit.row_step(self, state, canvas, b))
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
         candidates = self._candidates(canvas, b)
         rows = self._rows_read(b, candidates, has_mask)
