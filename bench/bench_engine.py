@@ -1,14 +1,23 @@
-"""Engine overhead on LLaDA and Dream micro models (a benchmark, not a test).
+"""Engine overhead on LLaDA and Dream micro models, at a small and a realistic vocabulary
+(a benchmark, not a test).
 
-overhead = decode wall time / (forwards x wall time of one bare forward of the same
-shape), measured side by side in one run. Also forwards per token and tokens/s.
+overhead = decode wall time (stream_generate) / wall time of the same decode's model
+forwards run bare: every `predict` / `predict_rows` call the decode made, replayed with
+the same canvas, block and gathered rows, each evaluated, nothing else. It is what the
+engine adds to its forwards: log-softmax, proposals, entropy, the commit rule, the kept
+log-probs, the host. `vs block fwd` divides the decode by forwards x one forward whose
+head covers the whole block (the definition before the head ran over gathered rows, when
+Dream's whole-canvas step cost 2.14x it at a 16k vocabulary): below 1 where a step reads
+fewer rows than its block. Side by side in one run, interleaved; the best of 5 (--repeats)
+of each (a shared machine's load only ever adds time).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_engine.py
+        python bench/bench_engine.py [--vocabs 288 32768] [--repeats 5] [--tokens 128]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -24,16 +33,69 @@ from model_adapters import adapter_for  # noqa: E402
 
 GEN, PROMPT = 128, list(range(40, 72))
 SIZE = dict(n_layers=4, n_heads=8, n_kv_heads=4)
+CASES = [
+    ("LLaDA", dict(block_length=32), 32),
+    ("LLaDA", dict(block_length=32, threshold=0.9), 32),
+    ("Dream", dict(), GEN),
+    ("Dream", dict(block_length=32), 32),
+]
 
 
-def bare_forward_seconds(adapter, block, repeats=20):
+def set_tokens(tokens: int) -> None:
+    """Decode `tokens` per case (Dream's whole-canvas block is the canvas)."""
+    global GEN
+    GEN = tokens
+    CASES[2] = ("Dream", dict(), tokens)
+
+
+class Recorder:
+    """Records the forwards of the decodes of one adapter class (its predict and
+    predict_rows calls, arguments evaluated), while active."""
+
+    def __init__(self, cls):
+        self.cls, self.calls = cls, []
+
+    def __enter__(self):
+        self.saved = self.cls.predict, self.cls.predict_rows
+        predict, predict_rows = self.saved
+
+        def recorded_predict(adapter, state, canvas, start, end):
+            self.calls.append((adapter, canvas, start, end, None))
+            return predict(adapter, state, canvas, start, end)
+
+        def recorded_rows(adapter, state, canvas, start, end, rows):
+            self.calls.append((adapter, canvas, start, end, rows))
+            return predict_rows(adapter, state, canvas, start, end, rows)
+
+        self.cls.predict, self.cls.predict_rows = recorded_predict, recorded_rows
+        return self
+
+    def __exit__(self, *exc):
+        del self.cls.predict, self.cls.predict_rows
+        for name, method in zip(("predict", "predict_rows"), self.saved):
+            if getattr(self.cls, name) is not method:  # (defined on the class itself)
+                setattr(self.cls, name, method)
+
+    def bare_seconds(self) -> float:
+        """The recorded forwards replayed bare (no cache state: these decodes keep none)."""
+        mx.eval([(canvas, rows) for _, canvas, _, _, rows in self.calls])
+        tic = time.perf_counter()
+        for adapter, canvas, start, end, rows in self.calls:
+            if rows is None:
+                mx.eval(adapter.predict(None, canvas, start, end))
+            else:
+                mx.eval(adapter.predict_rows(None, canvas, start, end, rows))
+        return time.perf_counter() - tic
+
+
+def block_forward_seconds(adapter, block, repeats):
+    """One forward whose head covers the whole block (the earlier bare forward)."""
     canvas = mx.array([PROMPT + [adapter.mask_id] * GEN])
     start = len(PROMPT)
-    end = start + block
-    mx.eval(adapter.predict(None, canvas, start, end))
+    mx.eval(adapter.predict(None, canvas, start, start + block))
     tic = time.perf_counter()
     for _ in range(repeats):
-        mx.eval(adapter.predict(None, canvas, start, end))
+        mx.eval(adapter.predict(None, canvas, start, start + block))
     return (time.perf_counter() - tic) / repeats
 
 
@@ -44,33 +106,50 @@ def decode(model, tok, **options):
     return time.perf_counter() - tic, len(out), out[-1].forwards
 
 
+def measure(name, model, tok, options, block, repeats=5):
+    """(overhead, vs block fwd, wall, tokens, forwards, gathered forwards): decodes, their
+    bare replays and the whole-block forward interleaved, each timed `repeats` times; the
+    best of each is used (on a shared, loaded machine the minimum is the stable figure)."""
+    adapter = adapter_for(model, tok)
+    decode(model, tok, **options)  # warm up
+    walls, bares, wholes = [], [], []
+    for _ in range(repeats):
+        with Recorder(type(adapter)) as recorder:
+            wall, tokens, forwards = decode(model, tok, **options)
+        walls.append(wall)
+        bares.append(recorder.bare_seconds())
+        wholes.append(forwards * block_forward_seconds(adapter, block, min(forwards, 16)))
+    gathered = sum(rows is not None for *_, rows in recorder.calls)
+    wall = min(walls)
+    return wall / min(bares), wall / min(wholes), wall, tokens, forwards, gathered
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocabs", type=int, nargs="+", default=[288, 32768])
+    parser.add_argument("--repeats", type=int, default=5, help="decode / bare pairs per case (the median is shown)")
+    parser.add_argument("--tokens", type=int, default=GEN, help="tokens per decode (Dream's whole canvas)")
+    args = parser.parse_args()
+    if args.tokens != GEN:
+        set_tokens(args.tokens)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        llada = write_llada(Path(tmp) / "llada", d_model=256, mlp=512, **SIZE)
-        dream = write_dream(Path(tmp) / "dream", hidden=256, inter=512, **SIZE)
-        cases = [
-            ("LLaDA", llada, dict(block_length=32), 32),
-            ("LLaDA", llada, dict(block_length=32, threshold=0.9), 32),
-            ("Dream", dream, dict(), GEN),
-            ("Dream", dream, dict(block_length=32), 32),
-        ]
-        for name, path, options, block in cases:
-            model, tok = mld.load(str(path))
-            adapter = adapter_for(model, tok)
-            decode(model, tok, **options)  # warm up
-            # pairs measured back to back (a decode, then its forwards bare); the median
-            # pair is reported: the machine is noisy and drifts
-            runs = []
-            for _ in range(5):
-                wall, tokens, forwards = decode(model, tok, **options)
-                runs.append((wall / (forwards * bare_forward_seconds(adapter, block, forwards)),
-                             wall, tokens, forwards))
-            ratio, wall, tokens, forwards = sorted(runs)[len(runs) // 2]
-            rows.append((name, options, tokens, forwards, wall, ratio))
-    print(f"{'model':6} {'options':44} {'tokens':>6} {'fwd/tok':>8} {'tok/s':>8} {'overhead':>8}")
-    for name, options, tokens, forwards, wall, ratio in rows:
-        print(f"{name:6} {str(options):44} {tokens:6d} {forwards / tokens:8.2f} {tokens / wall:8.1f} {ratio:8.3f}")
+        for vocab in args.vocabs:
+            paths = {
+                "LLaDA": write_llada(Path(tmp) / f"llada{vocab}", d_model=256, mlp=512, vocab=vocab, **SIZE),
+                "Dream": write_dream(Path(tmp) / f"dream{vocab}", hidden=256, inter=512, vocab=vocab, **SIZE),
+            }
+            loaded = {name: mld.load(str(path)) for name, path in paths.items()}
+            for name, options, block in CASES:
+                ratio, whole, wall, tokens, forwards, gathered = measure(name, *loaded[name], options, block, args.repeats)
+                rows.append((vocab, name, options, tokens, forwards, gathered, wall, ratio, whole))
+                print(".", end="", flush=True, file=sys.stderr)
+    print(file=sys.stderr)
+    print(f"{'vocab':>6} {'model':6} {'options':36} {'tokens':>6} {'fwd/tok':>8} {'gathered':>8} {'tok/s':>8}"
+          f" {'overhead':>8} {'vs block fwd':>12}")
+    for vocab, name, options, tokens, forwards, gathered, wall, ratio, whole in rows:
+        print(f"{vocab:6d} {name:6} {str(options):36} {tokens:6d} {forwards / tokens:8.2f} {gathered:8d}"
+              f" {tokens / wall:8.1f} {ratio:8.3f} {whole:12.3f}")
 
 
 if __name__ == "__main__":

@@ -34,11 +34,22 @@ class StepInputs:
     x0: mx.array  # proposed tokens
     prob: mx.array  # probability of x0 under the temperature-1 softmax
     entropy: mx.array  # entropy of the temperature-1 softmax
-    logprobs: mx.array  # (B, Lb, V) log-softmax of the processed logits
+    logprobs: mx.array  # (B, Lb, V) log-softmax of the processed logits; (B, K, V) with `rows`
     candidates: mx.array  # bool: masked positions of unfinished rows
     step: int  # index of this step within the block
     steps: int  # the block's step budget
     masked: Optional[np.ndarray] = None  # (B,) host count of candidates per row, when known
+    # Block positions of `logprobs`' rows (B, K) when the step gathered the positions it
+    # reads (mlx_lm_diffusion.decoders.gathered_rows); None: one row per block position.
+    rows: Optional[mx.array] = None
+
+    def per_position(self, values: mx.array) -> mx.array:
+        """(B, Lb) of `values` computed per row of `logprobs` (B, K): 0 where not gathered
+        (never a candidate)."""
+        if self.rows is None:
+            return values
+        base = mx.zeros((values.shape[0], self.candidates.shape[1]), dtype=values.dtype)
+        return mx.put_along_axis(base, self.rows, values, axis=1)
 
 
 class CommitRule:
@@ -309,7 +320,7 @@ class DreamTopkMargin(DreamConfidence):
     def confidence(self, s: StepInputs) -> mx.array:
         top2 = mx.topk(s.logprobs, 2, axis=-1)  # unordered pair of the two largest
         p = mx.exp(top2.astype(mx.float32))
-        return mx.abs(p[..., 0] - p[..., 1])
+        return s.per_position(mx.abs(p[..., 0] - p[..., 1]))
 
 
 @dataclass

@@ -101,12 +101,16 @@ class Engine:
     """Runs one resolved decode through an adapter; iterate `run()` for the steps."""
 
     def __init__(
-        self, adapter: Adapter, options: ResolvedOptions, keep_logprobs: bool = True, pipeline: bool = True
+        self, adapter: Adapter, options: ResolvedOptions, keep_logprobs: bool = True, pipeline: bool = True,
+        gather_rows: bool = True,
     ):
         self.adapter = adapter
         self.options = options
         self.decoder = decoder_class(adapter)(adapter, options, keep_logprobs)
         self.pipeline = pipeline  # False: read every step back before building the next
+        # True: a step asks for the logits of the positions it reads only (Forward.rows,
+        # answered by Adapter.predict_rows); False: the whole block at every step.
+        self.gather_rows = gather_rows
         self.state: Any = None  # the adapter's state of the latest run
         self.canvas: Optional[Canvas] = None  # ... and its canvas
         adapter.configure(options)  # the family's own switches (its options)
@@ -126,8 +130,8 @@ class Engine:
         # (reuse passed only when given: adapters written before it take the prompt alone)
         state = self.adapter.start(prompt) if reuse is None else self.adapter.start(prompt, reuse=reuse)
         self.state, self.canvas = state, canvas
-        predict = lambda f: self.adapter.predict(f.state, f.canvas, f.start, f.end)  # noqa: E731
-        queued = answered(self._blocks(state, canvas), predict)
+        self.decoder.gather_rows = self.gather_rows
+        queued = answered(self._blocks(state, canvas), self._predict)
         land = lambda q: self._land(canvas, q)  # noqa: E731
         # A queued step runs ahead of the host only where a stale `done` cannot change it:
         # one row (its decode ends when it is done) and a decoder that reads nothing back.
@@ -146,6 +150,7 @@ class Engine:
         if prompt.ndim != 2 or prompt.shape != (1, prompt.shape[1]) or prompt.shape[1] < 1:
             raise ValueError("a batch row's prompt must be a (1, P) array of token ids with P >= 1")
         canvas = Canvas(prompt, self.decoder.canvas_length(prompt.shape[1]), self.decoder.fill, seed)
+        self.decoder.gather_rows = False  # (the batch driver answers whole blocks: predict_batch)
         state = self.adapter.start(prompt) if reuse is None else self.adapter.start(prompt, reuse=reuse)
         self.state, self.canvas = state, canvas
         requests = self._blocks(state, canvas)
@@ -161,6 +166,11 @@ class Engine:
                 reply = None
                 yield ReadBack(tuple(a for a in (item.tokens, item.kept, item.confidence) if a is not None))
                 yield self._land(canvas, item)
+
+    def _predict(self, f: Forward) -> mx.array:
+        if f.rows is None:
+            return self.adapter.predict(f.state, f.canvas, f.start, f.end)
+        return self.adapter.predict_rows(f.state, f.canvas, f.start, f.end, f.rows)
 
     def _blocks(self, state, canvas: Canvas) -> Iterator[Queued]:
         a, o = self.adapter, self.options

@@ -294,6 +294,23 @@ class Adapter:
         hidden = self.model.backbone(canvas)
         return self.model.head(hidden[:, start:end])
 
+    def block_hidden(self, state: Any, canvas: mx.array, start: int, end: int) -> Optional[mx.array]:
+        """Final hidden states (B, end - start, H) whose `model.head` gives `predict`'s
+        logits (the same call: it advances caches as `predict` does), or None where the
+        family's logits are not a head over hidden states it can hand out."""
+        return None
+
+    def predict_rows(self, state: Any, canvas: mx.array, start: int, end: int, rows: mx.array) -> mx.array:
+        """Head over selected rows: the logits (B, K, V) `predict` gives at the block
+        positions `rows` (B, K) (start-relative, distinct within a row), in that order. With
+        `block_hidden` the hidden states are gathered before the head, so the output layer
+        runs over K rows instead of the block's; without it, `predict`'s rows are gathered."""
+        index = rows[..., None]
+        hidden = self.block_hidden(state, canvas, start, end)
+        if hidden is None:
+            return mx.take_along_axis(self.predict(state, canvas, start, end), index, axis=1)
+        return self.model.head(mx.take_along_axis(hidden, index, axis=1))
+
     def finish_block(self, state: Any, canvas: mx.array, start: int, end: int) -> None:
         """Called once positions [start, end) are final (a cache may store them)."""
 

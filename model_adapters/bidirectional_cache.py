@@ -25,7 +25,8 @@ Dream's logit shift (position i is predicted from the hidden state at i - 1): th
 block's first position needs the hidden state at `start - 1`, which is outside the
 block. As in Fast-dLLM's Dream loop, it comes from the block's first full forward
 (row `start - 1`, which Fast-dLLM uses to commit the block's first token) and is not
-recomputed: those logits feed the block's first position at every step of the block.
+recomputed: that hidden state (kept, and put through the head only at the steps that
+read the position) feeds the block's first position at every step of the block.
 Every other position i of the block reads the cached window's row i - 1 (Fast-dLLM's
 `cat([logits[:, :1], logits[:, :-1]])` over the window, whose first row it never reads).
 Deviation from Fast-dLLM's Dream loop: there the first full forward commits exactly the
@@ -101,7 +102,7 @@ class CacheState:
     mode: str
     start: Optional[int] = None  # the kept block's start; None before the first block
     layers: list = field(default_factory=list)  # a FrozenCache per layer
-    first_row: Optional[mx.array] = None  # Dream: (B, 1, V) logits of the block's first position
+    first_hidden: Optional[mx.array] = None  # Dream: (B, 1, H) the hidden state predicting the block's first position
 
 
 class BidirectionalCacheAdapter(_BaseAdapter):
@@ -123,11 +124,15 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         return CacheState(self.cache_mode) if self.cache_mode else None
 
     def predict(self, state: Optional[CacheState], canvas: mx.array, start: int, end: int) -> mx.array:
+        return self.model.head(self.block_hidden(state, canvas, start, end))
+
+    def block_hidden(self, state: Optional[CacheState], canvas: mx.array, start: int, end: int) -> mx.array:
+        """The hidden states whose head predicts positions [start, end) (Dream: rows shifted by one)."""
         if start < self.shift:
             raise ValueError(f"{self.family} needs at least one prompt token before the canvas")
         if state is None:  # no cache: the whole canvas at every step
             hidden = self.model.backbone(canvas)
-            return self.model.head(hidden[:, start - self.shift : end - self.shift])
+            return hidden[:, start - self.shift : end - self.shift]
         if state.start != start:
             return self._open_block(state, canvas, start, end)
         return self._cached_step(state, canvas, start, end)
@@ -144,8 +149,7 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         """The block's first step: the whole canvas, keeping the keys and values outside
         the block (prefix: before it only)."""
         captured = [CaptureCache() for _ in self.model.layers]
-        hidden = self.model.backbone(canvas, None, captured)
-        logits = self.model.head(hidden[:, start - self.shift : end - self.shift])
+        hidden = self.model.backbone(canvas, None, captured)[:, start - self.shift : end - self.shift]
         dual = state.mode == "dual" and end < canvas.shape[1]
         state.layers = [
             FrozenCache(
@@ -156,8 +160,8 @@ class BidirectionalCacheAdapter(_BaseAdapter):
             for c in captured
         ]
         state.start = start
-        state.first_row = logits[:, :1] if self.shift else None
-        return logits
+        state.first_hidden = hidden[:, :1] if self.shift else None
+        return hidden
 
     def _cached_step(self, state: CacheState, canvas: mx.array, start: int, end: int) -> mx.array:
         """A later step: the window (block, plus everything after it for prefix) over the
@@ -165,9 +169,9 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         stop = end if state.mode == "dual" else canvas.shape[1]
         hidden = self.model.backbone(canvas[:, start:stop], None, state.layers)
         if not self.shift:
-            return self.model.head(hidden[:, : end - start])
-        rest = self.model.head(hidden[:, : end - start - 1])  # positions start + 1 ... end - 1
-        return mx.concatenate([state.first_row.astype(rest.dtype), rest], axis=1)
+            return hidden[:, : end - start]
+        # positions start + 1 ... end - 1 from the window, `start` from the block's first forward
+        return mx.concatenate([state.first_hidden.astype(hidden.dtype), hidden[:, : end - start - 1]], axis=1)
 
 
 __all__ = ["BidirectionalCacheAdapter", "CACHE_MODES", "CACHE_OPTION", "CaptureCache", "FrozenCache", "FAST_PRESET"]

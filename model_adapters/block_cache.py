@@ -123,6 +123,9 @@ class BlockCausalAdapter(_BaseAdapter):
         return PrefixKV.of(state.layers, min(length, state.stored), block_causal(block), block)
 
     def predict(self, state: Optional[PrefixCache], canvas: mx.array, start: int, end: int) -> mx.array:
+        return self.model.head(self.block_hidden(state, canvas, start, end))
+
+    def block_hidden(self, state: Optional[PrefixCache], canvas: mx.array, start: int, end: int) -> mx.array:
         block = self.attention_block
         # Rows [start, end) see every position up to the end of end's attention block.
         stop = min(-(-end // block) * block, canvas.shape[1])
@@ -135,7 +138,7 @@ class BlockCausalAdapter(_BaseAdapter):
             keep = max(offset, min(state.final // block * block, stop))
             for layer_cache in cache:
                 layer_cache.trim(stop - keep)
-        return self.model.head(hidden[:, start - offset : end - offset])
+        return hidden[:, start - offset : end - offset]
 
     def predict_batch(self, requests: list) -> list:
         if len(requests) == 1:

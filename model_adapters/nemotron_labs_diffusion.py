@@ -179,13 +179,16 @@ class Adapter(_BaseAdapter):
         return state.seed
 
     def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
+        return self.model.head(self.block_hidden(state, canvas, start, end))
+
+    def block_hidden(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
         self._flush(state, canvas)
         if state.offset != start:
             raise RuntimeError(f"cache holds {state.offset} positions, block starts at {start}")
         hidden = self.model.backbone(canvas[:, start:end], None, state.cache)
         for c in state.cache:  # attend to the prefix without storing the block
             c.trim(end - start)
-        return self.model.head(hidden)
+        return hidden
 
     def predict_batch(self, requests: list) -> list:
         """Many rows' block passes in one call (model_adapters.batched.causal_prefix_batch);

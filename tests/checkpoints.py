@@ -74,15 +74,16 @@ def _norm(rng, dim):
 
 
 def write_llada(path: Path, seed: int = 0, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                mlp=128, max_len=512) -> Path:
-    """LLaDA 1.x layout: model.transformer.{wte, blocks.N.*, ln_f, ff_out}."""
+                mlp=128, max_len=512, vocab=VOCAB) -> Path:
+    """LLaDA 1.x layout: model.transformer.{wte, blocks.N.*, ln_f, ff_out}. (`vocab` >
+    VOCAB: benchmarks at a realistic vocabulary; the tokenizer still uses ids < 261.)"""
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     hd = d_model // n_heads
     w = {
-        "model.transformer.wte.weight": rng.standard_normal((VOCAB, d_model)).astype(np.float32),
+        "model.transformer.wte.weight": rng.standard_normal((vocab, d_model)).astype(np.float32),
         "model.transformer.ln_f.weight": _norm(rng, d_model),
-        "model.transformer.ff_out.weight": _linear(rng, VOCAB, d_model, 4.0),
+        "model.transformer.ff_out.weight": _linear(rng, vocab, d_model, 4.0),
     }
     for i in range(n_layers):
         b = f"model.transformer.blocks.{i}."
@@ -105,8 +106,8 @@ def write_llada(path: Path, seed: int = 0, d_model=64, n_layers=2, n_heads=4, n_
         "n_kv_heads": n_kv_heads,
         "mlp_hidden_size": mlp,
         "mlp_ratio": 2,
-        "vocab_size": VOCAB,
-        "embedding_size": VOCAB,
+        "vocab_size": vocab,
+        "embedding_size": vocab,
         "rope_theta": 500000.0,
         "rms_norm_eps": 1e-5,
         "max_sequence_length": max_len,
@@ -123,15 +124,15 @@ def write_llada(path: Path, seed: int = 0, d_model=64, n_layers=2, n_heads=4, n_
 
 
 def write_dream(path: Path, seed: int = 1, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                inter=128, max_len=512) -> Path:
+                inter=128, max_len=512, vocab=VOCAB) -> Path:
     """Dream layout: Qwen2 names with q/k/v biases and an untied lm_head."""
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     hd = hidden // n_heads
     w = {
-        "model.embed_tokens.weight": rng.standard_normal((VOCAB, hidden)).astype(np.float32),
+        "model.embed_tokens.weight": rng.standard_normal((vocab, hidden)).astype(np.float32),
         "model.norm.weight": _norm(rng, hidden),
-        "lm_head.weight": _linear(rng, VOCAB, hidden, 4.0),
+        "lm_head.weight": _linear(rng, vocab, hidden, 4.0),
     }
     for i in range(n_layers):
         b = f"model.layers.{i}."
@@ -155,7 +156,7 @@ def write_dream(path: Path, seed: int = 1, hidden=64, n_layers=2, n_heads=4, n_k
         "num_hidden_layers": n_layers,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        "vocab_size": VOCAB,
+        "vocab_size": vocab,
         "tie_word_embeddings": False,
         "max_position_embeddings": max_len,
         "mask_token_id": MASK_ID,

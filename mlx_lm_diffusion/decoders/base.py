@@ -118,6 +118,9 @@ class Forward:
     canvas: mx.array
     start: int
     end: int
+    # (B, K) block positions (start-relative) whose logits the step reads: the reply is then
+    # (B, K, V), `Adapter.predict_rows`; None: every position, `Adapter.predict`.
+    rows: Optional[mx.array] = None
 
 
 @dataclass
@@ -156,6 +159,26 @@ def normalized_entropy(logprobs: mx.array) -> mx.array:
     return -mx.sum(mx.where(p > 0, p * logprobs, 0.0), axis=-1)
 
 
+def greedy_stats(logits: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """(x0, prob, entropy, logprobs) of processed logits: the argmax proposal, its
+    temperature-1 probability, the softmax's entropy and the log-softmax, from one shared
+    max / exp / sum over the vocabulary. On CPU an exp pass over the vocabulary costs as
+    much as a small model's head matmul, so the entropy reuses the softmax's exponentials
+    (H = log S - sum(e z) / S, z = logits - max, e = exp(z), S = sum(e)) instead of taking
+    exp of the log-probs again; prob = exp(max logprob) = 1 / S. Lazy: what no rule reads
+    (the entropy, the log-probs when none are kept) is never computed."""
+    top = mx.max(logits, axis=-1, keepdims=True)
+    shifted = logits - top
+    e = mx.exp(shifted)
+    total = mx.sum(e, axis=-1, keepdims=True)
+    log_total = mx.log(total)
+    x0 = mx.argmax(logits, axis=-1).astype(mx.int32)
+    prob = 1.0 / total[..., 0]
+    # (e = 0 where a logit is -inf: a suppressed id adds nothing, not 0 * -inf)
+    entropy = log_total[..., 0] - mx.sum(mx.where(e > 0, e * shifted, 0.0), axis=-1) / total[..., 0]
+    return x0, prob, entropy, shifted - log_total
+
+
 def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
@@ -173,6 +196,9 @@ class Decoder:
         # Queue each step's arrays as soon as they are built (one decode); a batch of
         # decodes evaluates all rows' at once instead (mlx_lm_diffusion.batch).
         self.queue_eagerly = True
+        # Ask for the logits of the positions a step reads only (Forward.rows): set by a
+        # driver that answers such requests (Engine.run); a batch driver leaves it off.
+        self.gather_rows = False
         # A running batch commits plain steps of all its rows at once (mlx_lm_diffusion.fused_commit).
         self.fuse_commits = False
 

@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import apply_top_p
 from .. import fused_commit
 from ..commit_rules import StepInputs
 from ..constraints import LeftToRight
+from .gathered_rows import bucket, read_positions, spread, spread_filled, take_rows
 from .base import (
     BlockState,
     Canvas,
@@ -28,6 +29,7 @@ from .base import (
     Queued,
     ReadBack,
     greedy_proposal,
+    greedy_stats,
     log_softmax,
     normalized_entropy,
     queue,
@@ -127,7 +129,9 @@ class MaskedBlockDecoder(Decoder):
         if self.fuse_commits and has_mask and fused_commit.fusable(self):  # a running batch commits it
             return (yield from fused_commit.row_step(self, state, canvas, b))
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
-        x0, prob, logprobs, logits = yield from self._predict(state, canvas, b)
+        candidates = self._candidates(canvas, b)
+        rows = self._rows_read(b, candidates, has_mask)
+        x0, prob, logprobs, logits, entropy = yield from self._predict(state, canvas, b, rows)
         # Under processors a block may outlast the rule's schedule (one commit per step at
         # least): past it the rule selects nothing and the walk commits the next token.
         past_rule = self.ordered is not None and b.step >= rule.step_bound(o.steps, b.end - b.start)
@@ -140,17 +144,14 @@ class MaskedBlockDecoder(Decoder):
             # the step fills the whole block (at block length 1, every step): it is the proposal
             self._apply(canvas, b, None, x0, prob, logprobs)
         else:
-            if b.step == 0:  # (the host copy of the block is current until its first commit)
-                candidates = mx.array(b.first_open)
-            else:
-                candidates = (canvas.tokens[:, b.start : b.end] == mask_id) & canvas.live_rows()
             if not has_mask or past_rule:
                 commit = mx.zeros(candidates.shape, dtype=mx.bool_)
             elif takes_all:
                 commit = candidates  # every candidate commits: no ranking can change that
             else:
-                inputs = StepInputs(x0, prob, normalized_entropy(logprobs), logprobs, candidates, b.step,
-                                    o.steps, b.masked)
+                entropy = normalized_entropy(logprobs) if entropy is None else entropy
+                entropy = spread_filled(entropy, rows, b.end - b.start)
+                inputs = StepInputs(x0, prob, entropy, logprobs, candidates, b.step, o.steps, b.masked, rows)
                 commit = rule.select(inputs, b.rule_state)
             if self.ordered is not None and has_mask:
                 commit, x0, logprobs = self.ordered.verify(canvas, b.start, commit, x0, logits, logprobs,
@@ -165,7 +166,7 @@ class MaskedBlockDecoder(Decoder):
                 edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
                 commit = commit | edit
                 edited = bool(mx.any(edit).item())
-            self._apply(canvas, b, commit, x0, prob, logprobs)
+            self._apply(canvas, b, commit, x0, prob, logprobs, rows)
         if committed is None:  # this step's tokens decide: read them back
             yield ReadBack((canvas.tokens,))
             canvas.sync()
@@ -195,15 +196,47 @@ class MaskedBlockDecoder(Decoder):
         mx.eval(canvas.tokens, b.kept, b.confidence)
         canvas.sync()
 
-    def _predict(self, state: Any, canvas: Canvas, b: BlockState):
-        logits = yield Forward(state, canvas.tokens, b.start, b.end)  # the driver answers it
+    def _candidates(self, canvas: Canvas, b: BlockState) -> mx.array:
+        """(B, width) the masked positions of the rows still decoding."""
+        if b.step == 0:  # (the host copy of the block is current until its first commit)
+            return mx.array(b.first_open)
+        return (canvas.tokens[:, b.start : b.end] == self.adapter.mask_id) & canvas.live_rows()
+
+    def _rows_read(self, b: BlockState, candidates: mx.array, has_mask: bool) -> Optional[mx.array]:
+        """(B, K) the block positions this step reads, padded to a bucket (gathered_rows),
+        or None: every position. Only the candidates are read, unless editing (committed
+        tokens are revised too) or logits processors (fed logits per position) run, or the
+        proposal is drawn at random (the draw's shape, hence its random stream, would
+        change); and gathering pays only below the block's width."""
+        if not (self.gather_rows and has_mask) or self.editing or self.ordered is not None:
+            return None
+        temperature = self._temperature(b)
+        if self.options.sampler is not None or (temperature is not None and temperature >= MIN_TEMPERATURE):
+            return None
+        width = b.end - b.start
+        # the most candidates a row has, from the host (at the first step: the block's masks)
+        count = b.first_open.sum(axis=1).max() if b.step == 0 else b.masked.max()
+        size = bucket(int(count), width)
+        return None if size >= width else read_positions(candidates, size)
+
+    def _predict(self, state: Any, canvas: Canvas, b: BlockState, rows: Optional[mx.array] = None):
+        """The step's (x0, prob) per block position, its log-probs and logits (per row of
+        `rows` when given: the proposal of an unread position is its current token, at
+        probability 0) and, for a greedy proposal, the entropy per row (else None)."""
+        logits = yield Forward(state, canvas.tokens, b.start, b.end, rows)  # the driver answers it
         canvas.forwards += 1
         logits = self._suppressed(self.process(logits))
-        logprobs = log_softmax(logits)
         temperature = self._temperature(b)
+        if self.options.sampler is None and (temperature is None or temperature < MIN_TEMPERATURE):
+            x0, prob, entropy, logprobs = greedy_stats(logits)
+            if rows is not None:
+                x0 = spread(x0, rows, canvas.tokens[:, b.start : b.end])
+                prob = spread_filled(prob, rows, b.end - b.start)
+            return x0, prob, logprobs, logits, entropy
+        logprobs = log_softmax(logits)  # (_rows_read gathers under a greedy proposal only)
         if temperature is not None:
-            return (*self._propose_tempered(logprobs, temperature), logprobs, logits)
-        return (*self._propose(logprobs), logprobs, logits)
+            return (*self._propose_tempered(logprobs, temperature), logprobs, logits, None)
+        return (*self._propose(logprobs), logprobs, logits, None)
 
     def _temperature(self, b: BlockState) -> Optional[float]:
         temperatures = self.options.temperature_schedule
@@ -216,15 +249,20 @@ class MaskedBlockDecoder(Decoder):
             return lambda logprobs: self._propose_tempered(logprobs, temperature)[0]
         return lambda logprobs: self._propose(logprobs)[0]
 
-    def _apply(self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob, logprobs) -> None:
-        """Write the committed proposals into the canvas (commit None: the whole block)."""
+    def _apply(self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob, logprobs,
+               rows: Optional[mx.array] = None) -> None:
+        """Write the committed proposals into the canvas (commit None: the whole block);
+        `logprobs` has a row per position of `rows` when given."""
         if commit is None:
             block, b.confidence = x0, prob
             b.kept = None if b.kept is None else logprobs
         else:
             block = mx.where(commit, x0, canvas.tokens[:, b.start : b.end])
-            if b.kept is not None:
+            if b.kept is not None and rows is None:
                 b.kept = mx.where(commit[..., None], logprobs, b.kept)
+            elif b.kept is not None:  # only read positions commit: update those rows
+                kept = mx.where(take_rows(commit, rows)[..., None], logprobs, take_rows(b.kept, rows))
+                b.kept = spread(kept, rows, b.kept)
             b.confidence = mx.where(commit, prob, b.confidence)
         canvas.write(block, b.start)
         if self.queue_eagerly:
