@@ -55,6 +55,7 @@ REQUEST_SCHEMA: dict = {
         "confidence_threshold": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},
         "seed": schema()["seed"].json_schema(),  # extension fields, from the options schema
         "cache": schema()["cache"].json_schema(),  # (LLaDA and Dream: Fast-dLLM's caches)
+        "self_spec": schema()["self_spec"].json_schema(),  # (Nemotron: refused below, it has no schedule)
         "seed_canvas": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     },
     "required": [
@@ -151,6 +152,9 @@ def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = N
     could take more than `max_forwards` forwards is refused (ValueError) before it runs;
     `on_step` sees every step and may raise to stop the decode (a server's cancellation)."""
     validate_request(request)
+    if request.get("self_spec"):
+        raise ValueError("self_spec decodes greedily by its own windows, not by a mask schedule: the "
+                         "step-schedule protocol cannot drive it; use the completions endpoints")
     adapter = adapter_for(model, tokenizer)
     if adapter.mask_id is None:
         raise ValueError(f"{adapter.family} has no mask token; the step-schedule protocol needs one")
