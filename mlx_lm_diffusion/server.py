@@ -98,7 +98,7 @@ from mlx_lm.utils import _parse_size
 from model_adapters import adapter_for, is_diffusion_model
 
 from . import compat, distributed, distributed_server, images, request_constraints
-from .decoders.self_spec import check_greedy
+from .decoders.speculative import check_greedy
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install

@@ -132,7 +132,7 @@ class Adapter(_BaseAdapter):
                "each block's first token from it (default on)", default=True),
         Option("self_spec", bool, "Nemotron-Labs Diffusion: self-speculative greedy decoding (a bidirectional "
                "draft and a causal verify pass per window, block_length the longest window): the tokens of "
-               "autoregressive greedy decoding (mlx_lm_diffusion.decoders.self_spec)", default=False),
+               "autoregressive greedy decoding (mlx_lm_diffusion.decoders.speculative)", default=False),
     )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
@@ -141,7 +141,7 @@ class Adapter(_BaseAdapter):
 
     def decoder_for(self, family: Any) -> str:
         """Self-speculation (`self_spec`) has its own decoder; otherwise the masked blocks."""
-        return "self_spec" if family.get("self_spec") else self.decoder
+        return "speculative" if family.get("self_spec") else self.decoder
 
     def check_options(self, family: dict, values: dict) -> None:
         if family.get("self_spec") and not family.get("causal_context", True):

@@ -1,4 +1,4 @@
-"""Nemotron-Labs Diffusion self-speculation (`self_spec`, mlx_lm_diffusion.decoders.self_spec).
+"""Nemotron-Labs Diffusion self-speculation (`self_spec`, mlx_lm_diffusion.decoders.speculative).
 
 Checked against an independent oracle (greedy autoregressive decoding written here: one full
 causal forward per token, no cache), against the engine's own autoregressive decode (block

@@ -6,10 +6,12 @@ from typing import Any, Mapping, Optional
 
 from .base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack
 from .masked_block import MaskedBlockDecoder
-from .self_spec import SelfSpecDecoder
+from .speculative import SpeculativeDecoder
 from .uniform_canvas import UniformCanvasDecoder
 
-DECODERS: dict[str, type[Decoder]] = {d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SelfSpecDecoder)}
+DECODERS: dict[str, type[Decoder]] = {
+    d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SpeculativeDecoder)
+}
 
 
 def decoder_class(adapter: Any, family: Optional[Mapping] = None) -> type[Decoder]:

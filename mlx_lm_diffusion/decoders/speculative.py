@@ -71,8 +71,8 @@ def check_greedy(temperature: float, logits_processors: bool) -> None:
                          "frequency penalties): drop them or self_spec")
 
 
-class SelfSpecDecoder(Decoder):
-    name = "self_spec"
+class SpeculativeDecoder(Decoder):
+    name = "speculative"
 
     def __init__(self, adapter: Any, options: Any, keep_logprobs: bool = True):
         if adapter.mask_id is None:
