@@ -134,7 +134,7 @@ class SpeculativeDecoder(Decoder):
 
     def _seed(self, state: Any, canvas: Canvas, start: int) -> Queued:
         """The first token: the causal pass over the prompt proposes it."""
-        logprobs = self._logprobs(self.adapter.block_seed(state, canvas.tokens, start)[:, None])
+        logprobs = log_softmax(self._scores(self.adapter.block_seed(state, canvas.tokens, start)[:, None]))
         token, prob = greedy_proposal(logprobs)
         canvas.write(token, start)
         return Queued(canvas.tokens, logprobs if self.keep_logprobs else None, prob, canvas.forwards,
@@ -149,11 +149,16 @@ class SpeculativeDecoder(Decoder):
         if width > 1:  # the draft: one bidirectional forward over [latest token, masks...]
             logits = yield Forward(state, canvas.tokens, position, position + width)
             canvas.forwards += 1
-            drafted, _ = greedy_proposal(self._logprobs(logits))
+            drafted = mx.argmax(self._scores(logits), axis=-1).astype(mx.int32)  # (no softmax: argmax only)
             window = mx.concatenate([window[:, :1], drafted[:, 1:]], axis=1)
-        logprobs = self._logprobs(a.verify(state, window))  # row i: the token after position + i
+        scores = self._scores(a.verify(state, window))  # row i: the token after position + i
         canvas.forwards += 1
-        proposed, prob = greedy_proposal(logprobs)
+        if self.keep_logprobs:  # (the streamed tokens' log-probs and confidences)
+            logprobs = log_softmax(scores)
+            proposed, prob = greedy_proposal(logprobs)
+        else:
+            logprobs = prob = None
+            proposed = mx.argmax(scores, axis=-1).astype(mx.int32)
         yield ReadBack((window, proposed))
         drafts, verified = np.array(window)[0], np.array(proposed)[0]
         block = (position + 1, position + 1 + width)
@@ -170,9 +175,9 @@ class SpeculativeDecoder(Decoder):
             tokens = tokens[: stops[0] + 1]
         canvas.write(mx.array(tokens[None].astype(np.int32)), position + 1)
         a.keep(state, position + accepted)  # the accepted positions' keys and values stay
-        kept = logprobs if self.keep_logprobs else None
-        yield Queued(canvas.tokens, kept, prob, canvas.forwards, block, step + (width > 1), True, True)
+        yield Queued(canvas.tokens, logprobs, prob, canvas.forwards, block, step + (width > 1), True, True)
         return accepted
 
-    def _logprobs(self, logits: mx.array) -> mx.array:
-        return log_softmax(self.process(logits) + self.suppress)
+    def _scores(self, logits: mx.array) -> mx.array:
+        """float32 logits with the allowed-token bias and the mask token suppressed."""
+        return self.process(logits) + self.suppress
