@@ -15,7 +15,11 @@ self-conditioning) exact against top-k, and the token agreement of whole seeded 
 with the exact path (positions equal, decodes equal) over many seeds.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_vs_mlx_vlm.py [--gemma-only] [--quick]
+        python bench/bench_vs_mlx_vlm.py [--gemma-only] [--self-spec-only] [--quick]
+
+Nemotron self-speculation (`self_spec`): tokens per forward and tok/s against our
+block-length-1 autoregressive decode and mlx-vlm's `linear_spec_generate`, on a micro
+Nemotron with random, partly and wholly predictable weights (--self-spec-only: just that).
 """
 
 from __future__ import annotations
@@ -95,6 +99,59 @@ def nemotron_rows(tmp: Path):
             name = f"Nemotron {'threshold 0.9' if threshold else 'quota'}, vlm parity={parity}"
             rows.append((name, a == b, NEMOTRON_GEN, fa, fb, t_ours, t_theirs))
     return rows
+
+
+SPEC_GEN = 128
+SPEC_DIMS = dict(hidden=512, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=64, inter=1536)
+
+
+def self_spec_rows(tmp: Path):
+    """Self-speculation (`self_spec`, block 32) against our block-length-1 autoregressive
+    decode and mlx-vlm's linear_spec_generate, on a micro Nemotron three ways: random weights
+    (drafts almost never accepted: the worst case, two forwards per token), and made partly
+    and wholly predictable (tests/checkpoints_self_spec.py). Forwards exclude the prompt's
+    causal pass on every side (mlx-vlm's nfe counts it: shown less one)."""
+    from checkpoints_self_spec import write_speculable_nemotron
+    from mlx_vlm.models import nemotron_labs_diffusion as ref
+
+    writers = {
+        "random": lambda p: write_nemotron(p, **SPEC_DIMS),
+        "partial": lambda p: write_speculable_nemotron(p, attractors=tuple(range(40, 48)), strength=0.45,
+                                                       **SPEC_DIMS),
+        "whole": lambda p: write_speculable_nemotron(p, attractors=(40,), strength=3.0, **SPEC_DIMS),
+    }
+    rows = []
+    for kind, write in writers.items():
+        path = write(tmp / f"spec_{kind}")
+        model, tok = mld.load(str(path))
+        vlm = ref.Model(ref.ModelConfig.from_dict(json.loads((path / "config.json").read_text())))
+        vlm.load_weights(list(vlm.sanitize(mx.load(str(path / "model.safetensors"))).items()))
+        lm = vlm.language_model
+
+        def theirs():
+            out, nfe = lm.linear_spec_generate(mx.array([PROMPT]), max_new_tokens=SPEC_GEN, block_length=32,
+                                               eos_token_id=-1)
+            return out[0, len(PROMPT):].tolist(), nfe - 1
+
+        spec = lambda: engine(model, tok, max_tokens=SPEC_GEN, block_length=32, self_spec=True)  # noqa: E731
+        ar = lambda: engine(model, tok, max_tokens=SPEC_GEN, block_length=1)  # noqa: E731
+        t_spec, t_vlm, (a, fa), (b, fb) = alternate(spec, theirs)
+        t_spec2, t_ar, _, (c, _) = alternate(spec, ar)
+        t_spec = min(t_spec, t_spec2)
+        # (our autoregressive decode counts no denoising forward: one causal pass a token)
+        rows.append((kind, a == b == c, fa, fb, t_spec, t_ar, t_vlm))
+    return rows
+
+
+def show_self_spec(rows):
+    print(f"\nself-speculation, micro Nemotron (hidden {SPEC_DIMS['hidden']}, {SPEC_DIMS['n_layers']} layers), "
+          f"{SPEC_GEN} tokens, block 32; tok/fwd excludes the prompt pass")
+    print(f"{'weights':8} {'same':>5} {'fwd':>4} {'vlm fwd':>7} {'tok/fwd':>7} {'AR tok/fwd':>10} {'tok/s':>7} "
+          f"{'AR tok/s':>8} {'vlm tok/s':>9} {'vs AR':>6} {'vs vlm':>6}", flush=True)
+    for kind, same, fa, fb, t_spec, t_ar, t_vlm in rows:
+        print(f"{kind:8} {str(same):>5} {fa:4d} {fb:7d} {SPEC_GEN / fa:7.2f} {SPEC_GEN / (SPEC_GEN - 1):10.2f} "
+              f"{SPEC_GEN / t_spec:7.1f} {SPEC_GEN / t_ar:8.1f} {SPEC_GEN / t_vlm:9.1f} {t_ar / t_spec:6.2f} "
+              f"{t_vlm / t_spec:6.2f}", flush=True)
 
 
 GEMMA_DIMS = dict(
@@ -226,6 +283,9 @@ def main():
                   f"{tokens / t_theirs:9.1f} {t_theirs / t_ours:6.2f}", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
+        if "--self-spec-only" in argv:
+            show_self_spec(self_spec_rows(Path(tmp)))
+            return
         if "--gemma-only" not in argv:
             show(nemotron_rows(Path(tmp)))
         if "--quick" not in argv:
@@ -237,6 +297,8 @@ def main():
         for k, t_exact, t_fast, agree, equal in cheaper_step_rows(Path(tmp)):
             print(f"{k:5d} {t_exact * 1e3:13.2f} {t_fast * 1e3:13.2f} {t_exact / t_fast:7.2f} {agree:12.1%} "
                   f"{equal:>6d}/{AGREEMENT_SEEDS}", flush=True)
+        if "--gemma-only" not in argv:
+            show_self_spec(self_spec_rows(Path(tmp)))
 
 
 if __name__ == "__main__":

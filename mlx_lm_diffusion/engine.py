@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx_arsenal.diffusion import block_ranges
 
 from model_adapters import Adapter
 
@@ -106,7 +105,7 @@ class Engine:
     ):
         self.adapter = adapter
         self.options = options
-        self.decoder = decoder_class(adapter)(adapter, options, keep_logprobs)
+        self.decoder = decoder_class(adapter, options.family)(adapter, options, keep_logprobs)
         self.pipeline = pipeline  # False: read every step back before building the next
         # True: a step asks for the logits of the positions it reads only (Forward.rows,
         # answered by Adapter.predict_rows); False: the whole block at every step.
@@ -173,8 +172,8 @@ class Engine:
         return self.adapter.predict_rows(f.state, f.canvas, f.start, f.end, f.rows)
 
     def _blocks(self, state, canvas: Canvas) -> Iterator[Queued]:
-        a, o = self.adapter, self.options
-        for start, end in block_ranges(canvas.prompt_len, canvas.generated, o.block_length, align=a.align_blocks):
+        a = self.adapter
+        for start, end in self.decoder.blocks(canvas.prompt_len):  # (the decoder's own spans)
             if canvas.done.all():
                 break
             yield from self.decoder.decode_block(state, canvas, start, end)

@@ -170,10 +170,10 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
             raise ValueError(f"{name} does not apply to {adapter.family}; drop it")
         if not (name == "strategy" and isinstance(value, CommitRule)):
             values[name] = (own.get(name) or schema()[name]).check(value)
-    decoder = decoder_class(adapter)
+    family = {name: values.get(name, o.default) for name, o in own.items()}
+    decoder = decoder_class(adapter, family)
     decoder.check_options(values, adapter)
     allowed_bias(values.get("allowed_tokens"), adapter)  # (refuses ids outside the vocabulary, the mask id)
-    family = {name: values.get(name, o.default) for name, o in own.items()}
     adapter.check_options(family, values)
     get = lambda name: values.get(name, schema()[name].default)  # noqa: E731
 
@@ -203,7 +203,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
 def forward_bound(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int) -> int:
     """The most model forwards this decode can take: each block's step bound (the rule's
     schedule, or one token per step, plus the editing passes), summed over the blocks."""
-    return decoder_class(adapter)(adapter, resolved, keep_logprobs=False).forward_bound(prompt_len)
+    return decoder_class(adapter, resolved.family)(adapter, resolved, keep_logprobs=False).forward_bound(prompt_len)
 
 
 def check_forward_budget(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int,

@@ -55,6 +55,7 @@ REQUEST_SCHEMA: dict = {
         "confidence_threshold": {"type": "number", "exclusiveMinimum": 0.0, "maximum": 1.0},
         "seed": schema()["seed"].json_schema(),  # extension fields, from the options schema
         "cache": schema()["cache"].json_schema(),  # (LLaDA and Dream: Fast-dLLM's caches)
+        "self_spec": schema()["self_spec"].json_schema(),  # (Nemotron: refused below, it has no schedule)
         "seed_canvas": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     },
     "required": [
@@ -210,6 +211,9 @@ def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int]
     """Validate an InferenceRequest and resolve its decode (ValueError / ValidationError on
     a bad one, before anything runs)."""
     validate_request(request)
+    if request.get("self_spec"):
+        raise ValueError("self_spec decodes greedily by its own windows, not by a mask schedule: the "
+                         "step-schedule protocol cannot drive it; use the completions endpoints")
     adapter = adapter_for(model, tokenizer)
     if adapter.mask_id is None:
         raise ValueError(f"{adapter.family} has no mask token; the step-schedule protocol needs one")

@@ -98,6 +98,7 @@ from mlx_lm.utils import _parse_size
 from model_adapters import adapter_for, is_diffusion_model
 
 from . import compat, distributed, distributed_server, images, request_constraints
+from .decoders.speculative import check_greedy
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
@@ -488,6 +489,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             try:
                 compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request),
                                      max_forwards=self.max_forwards)
+                if self._options(request).get("self_spec"):  # (sampling is in mlx-lm's args, not the fields)
+                    check_greedy(args.sampling.temperature, bool(mlx_server._make_logits_processors(args)))
             except (ValueError, TypeError) as e:
                 raise RequestError(str(e)) from e
         else:  # mlx-lm's own decode would ignore them

@@ -253,6 +253,11 @@ class Adapter:
         """Token ids never proposed: the mask token."""
         return frozenset() if self.mask_id is None else frozenset({self.mask_id})
 
+    def decoder_for(self, family: Any) -> str:
+        """The decoder (mlx_lm_diffusion.decoders) for a decode with these family options
+        (a mapping, defaults filled in); a family with a second paradigm overrides it."""
+        return self.decoder
+
     def check_options(self, family: dict, values: dict) -> None:
         """Refuse a combination of this family's options (`family`, defaults filled in)
         and the options set (`values`) that it cannot decode (ValueError)."""

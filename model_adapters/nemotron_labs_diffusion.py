@@ -90,6 +90,10 @@ class Model(DiffusionModel):
 
     def __init__(self, args: ModelArgs):
         super().__init__(args, Encoder(args.text))
+        # YaRN RoPE keeps its frequencies as a lazy array outside the parameters: evaluate it
+        # here, on the loading thread; a server decoding on another thread cannot evaluate a
+        # lazy array built on this one ("There is no Stream(cpu, 0) in current thread").
+        mx.eval([layer.self_attn.rope for layer in self.layers])
 
     def make_kv_cache(self) -> list:
         return [KVCache() for _ in self.layers]
@@ -126,11 +130,23 @@ class Adapter(_BaseAdapter):
     options = (
         Option("causal_context", bool, "Nemotron-Labs Diffusion: encode the prefix causally and seed "
                "each block's first token from it (default on)", default=True),
+        Option("self_spec", bool, "Nemotron-Labs Diffusion: self-speculative greedy decoding (a bidirectional "
+               "draft and a causal verify pass per window, block_length the longest window): the tokens of "
+               "autoregressive greedy decoding (mlx_lm_diffusion.decoders.speculative)", default=False),
     )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         super().__init__(model, tokenizer)
         self.causal_context = True
+
+    def decoder_for(self, family: Any) -> str:
+        """Self-speculation (`self_spec`) has its own decoder; otherwise the masked blocks."""
+        return "speculative" if family.get("self_spec") else self.decoder
+
+    def check_options(self, family: dict, values: dict) -> None:
+        if family.get("self_spec") and not family.get("causal_context", True):
+            raise ValueError("self_spec verifies with the causal pass over a causally encoded prefix: "
+                             "drop causal_context=False or self_spec")
 
     def configure(self, options: Any) -> None:
         """Read the decode's causal_context (the engine calls this once per decode)."""
@@ -202,6 +218,22 @@ class Adapter(_BaseAdapter):
             if r.state.offset != r.start:
                 raise RuntimeError(f"cache holds {r.state.offset} positions, block starts at {r.start}")
         return causal_prefix_batch(self, requests, [r.state.cache for r in requests])
+
+    def verify(self, state: _State, window: mx.array) -> mx.array:
+        """Causal logits (B, L, V) of `window`, the L positions after the cache's, whose keys
+        and values are stored (self-speculation's verify pass): row i proposes the token
+        after window position i. `keep` then trims what was not accepted."""
+        self._flush(state, window)  # (nothing pending: self-speculation finishes no block early)
+        mask = create_attention_mask(window, state.cache[0])
+        return self.model.head(self.model.backbone(window, mask, state.cache))
+
+    def keep(self, state: _State, length: int) -> None:
+        """Trim the cache to its first `length` positions (a rejected draft's keys and values)."""
+        excess = state.offset - length
+        if excess < 0:
+            raise RuntimeError(f"cache holds {state.offset} positions, cannot keep {length}")
+        for c in state.cache:
+            c.trim(excess)
 
     def finish_block(self, state: _State, canvas: mx.array, start: int, end: int) -> None:
         # Encoded lazily, when the next block needs it: no pass after the last block.

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional
 
 from .base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack
 from .masked_block import MaskedBlockDecoder
+from .speculative import SpeculativeDecoder
 from .uniform_canvas import UniformCanvasDecoder
 
-DECODERS: dict[str, type[Decoder]] = {d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder)}
+DECODERS: dict[str, type[Decoder]] = {
+    d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SpeculativeDecoder)
+}
 
 
-def decoder_class(adapter: Any) -> type[Decoder]:
-    name = adapter.decoder
+def decoder_class(adapter: Any, family: Optional[Mapping] = None) -> type[Decoder]:
+    """The adapter's decoder for a decode with these family options (None: its default)."""
+    name = adapter.decoder_for(family) if family is not None and hasattr(adapter, "decoder_for") else adapter.decoder
     if name not in DECODERS:
         raise ValueError(f"{adapter.family} asks for decoder {name!r}; known: {', '.join(DECODERS)}")
     return DECODERS[name]
