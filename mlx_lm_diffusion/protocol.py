@@ -21,11 +21,21 @@ Corrections to the spec, each deliberate:
   tokens are never changed, are in final_tokens as given, are never listed in
   per_step_unmasked and have confidence 1; the schedule counts the free positions only.
   Families that cannot attend to text after the current block refuse pinned positions.
+- Extension `images` (optional, DiffusionGemma with a vision tower): images as data:
+  URLs, read under the server's image rules and limits (mlx_lm_diffusion.images). Each
+  image is one image token (the processor's image_token_id) in prompt_tokens, where the
+  image goes; the decode expands it into the image's soft tokens, and the response
+  keeps the request's positions (final_tokens begins with prompt_tokens as given).
+- DiffusionGemma (no mask token, a uniform-noise canvas): uniform noise plays the mask's
+  part (decoders/uniform_canvas.py, its committing mode): each step the model sees the
+  committed tokens and fresh noise elsewhere, the schedule's k_t most confident open
+  positions are committed with their drawn token, temperature_schedule and top_p as
+  specified. seed_canvas, which marks free positions with the mask token, is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
 import jsonschema
@@ -36,6 +46,7 @@ from model_adapters import adapter_for
 
 from .commit_rules import Quota, StepInputs
 from .decoders.base import FREE
+from . import images as image_inputs
 from .engine import Engine, Step
 from .infill import check_seed
 from .options import DecodeOptions, check_forward_budget, resolve, schema
@@ -56,6 +67,7 @@ REQUEST_SCHEMA: dict = {
         "seed": schema()["seed"].json_schema(),  # extension fields, from the options schema
         "cache": schema()["cache"].json_schema(),  # (LLaDA and Dream: Fast-dLLM's caches)
         "seed_canvas": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "images": {"type": "array", "items": {"type": "string", "minLength": 1}},
     },
     "required": [
         "prompt_tokens",
@@ -127,6 +139,8 @@ class ScheduleWithEarlyExit(ScheduleQuota):
     confidence_threshold: Optional[float] = None
     threshold_met: bool = False
     name: ClassVar[str] = "protocol"
+    # step -> (B, block) commits, for a canvas without mask ids to compare (uniform noise)
+    commits: dict = field(default_factory=dict)
 
     def known_commits(self, state: Quota, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
         if self.confidence_threshold is not None:
@@ -134,6 +148,10 @@ class ScheduleWithEarlyExit(ScheduleQuota):
         return super().known_commits(state, step, steps, masked)
 
     def select(self, s: StepInputs, state: Quota) -> mx.array:
+        commit = self.commits[s.step] = self._select(s, state)
+        return commit
+
+    def _select(self, s: StepInputs, state: Quota) -> mx.array:
         commit = super().select(s, state)
         if self.confidence_threshold is None:
             return commit
@@ -146,19 +164,32 @@ class ScheduleWithEarlyExit(ScheduleQuota):
 
 
 def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None,
-                on_step: Optional[Callable[[Step], None]] = None) -> dict:
+                on_step: Optional[Callable[[Step], None]] = None, processor: Any = None,
+                image_policy: Optional[image_inputs.ImagePolicy] = None) -> dict:
     """Decode one InferenceRequest; returns an InferenceResponse (a dict). A request that
     could take more than `max_forwards` forwards is refused (ValueError) before it runs;
-    `on_step` sees every step and may raise to stop the decode (a server's cancellation)."""
+    `on_step` sees every step and may raise to stop the decode (a server's cancellation).
+    `images` need the checkpoint's processor (`processor`, or `tokenizer` when it is one)
+    and are read under `image_policy` (default: data: URLs only, the server's limits)."""
     validate_request(request)
     adapter = adapter_for(model, tokenizer)
-    if adapter.mask_id is None:
+    uniform = adapter.mask_id is None and adapter.decoder == "uniform_canvas"
+    if adapter.mask_id is None and not uniform:
         raise ValueError(f"{adapter.family} has no mask token; the step-schedule protocol needs one")
+    if uniform and "seed_canvas" in request:
+        raise ValueError(f"seed_canvas marks free positions with the mask token; {adapter.family} has "
+                         "none (its canvas is uniform noise): drop seed_canvas")
     adapter.eos_ids = frozenset()  # the protocol fills target_length
-    prompt = [int(t) for t in request["prompt_tokens"]]
-    if adapter.mask_id in prompt or max(prompt) >= adapter.vocab_size:
+    given = [int(t) for t in request["prompt_tokens"]]
+    if adapter.mask_id in given or max(given) >= adapter.vocab_size:
         raise ValueError("prompt_tokens must be vocabulary ids other than the mask token")
-    P, total, steps = len(prompt), int(request["target_length"]), int(request["num_steps"])
+    prompt, adapter.vision = given, None
+    if request.get("images"):  # read in full before anything runs
+        processor = processor if processor is not None else tokenizer
+        prompt, adapter.vision = image_inputs.protocol_prompt(model, processor, given, request["images"],
+                                                              image_policy)
+    shift = len(prompt) - len(given)  # the soft tokens the images' placeholders became
+    P, total, steps = len(prompt), int(request["target_length"]) + shift, int(request["num_steps"])
     rule = ScheduleWithEarlyExit(request["mask_schedule"], request.get("confidence_threshold"))
     options = DecodeOptions(
         max_tokens=total - P,
@@ -179,11 +210,15 @@ def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = N
     for last in engine.run(mx.array([prompt]), seed):
         if on_step is not None:
             on_step(last)
-        newly = np.flatnonzero((previous[0] == adapter.mask_id) & (last.canvas[0] != adapter.mask_id))
+        if uniform:  # (no mask ids: the rule's own record of the step's commits)
+            done = rule.commits.pop(last.step, None) if last.ran_forward else None
+            newly = np.array([], dtype=np.int64) if done is None else np.flatnonzero(np.array(done)[0]) + P
+        else:
+            newly = np.flatnonzero((previous[0] == adapter.mask_id) & (last.canvas[0] != adapter.mask_id))
         if newly.size:
             trace.append({
                 "step": last.step,
-                "token_indices": newly.tolist(),
+                "token_indices": (newly - shift).tolist(),
                 "unmasked_tokens": last.canvas[0, newly].tolist(),
             })
         previous = last.canvas
@@ -197,7 +232,7 @@ def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = N
     if seed is not None:  # a pinned token is certain
         confidence = np.where(seed[0] != FREE, 1.0, confidence)
     return {
-        "final_tokens": last.canvas[0].tolist(),
+        "final_tokens": given + last.canvas[0, P:].tolist(),
         "per_step_unmasked": trace,
         "confidence": confidence.tolist(),
         "termination_reason": reason,

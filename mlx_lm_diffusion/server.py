@@ -343,8 +343,11 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
             if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
                 raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
+            pictures = isinstance(body, dict) and bool(body.get("images"))  # the `images` extension
             return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
-                               on_step=lambda step: self._check_cancel(cancel))
+                               on_step=lambda step: self._check_cancel(cancel),
+                               processor=images.served_processor(self.model_provider) if pictures else None,
+                               image_policy=images.server_policy(self.cli_args))
 
     @property
     def max_forwards(self) -> Optional[int]:
@@ -1130,6 +1133,8 @@ class DiffusionAPIHandler(APIHandler):
             response = self.response_generator.run_protocol(body, self.cancel)
         except RequestError as e:
             return self._send_error(e.status, str(e), param=e.param, code=e.code)
+        except images.ImageError as e:  # (400, or 413 past the size limits)
+            return self._send_error(e.status, str(e), param="images")
         except (ValueError, TypeError) as e:
             return self._send_error(400, str(e))
         except Exception as e:

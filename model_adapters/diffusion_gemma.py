@@ -204,6 +204,7 @@ class Model(DiffusionModel):
         super().__init__(args, Backbone(args.text, args.vision))
         self.embed_scale = args.text.hidden_size**0.5
         self.softcap = args.text.final_logit_softcapping
+        _materialize_buffers(self)
 
     @property
     def layers(self):
@@ -364,6 +365,16 @@ def _top_k_soft_embeddings(table: nn.Module, logits: mx.array, k: int) -> mx.arr
     probs = mx.softmax(top, axis=-1, precise=True)
     rows = table(indices)  # (B, C, k, D)
     return (probs[..., None, :].astype(rows.dtype) @ rows)[..., 0, :]
+
+
+def _materialize_buffers(model: nn.Module) -> None:
+    """Evaluate the modules' private arrays (mlx-lm's ProportionalRoPE keeps its
+    frequencies as `_freqs`), which loading never evaluates: left lazy, they stay tied to
+    the loading thread's stream, and the first forward on another thread (the server's
+    protocol route runs on its handler thread) fails with "There is no Stream(cpu, 0)"."""
+    buffers = [v for _, m in model.named_modules() for k, v in m.items()
+               if k.startswith("_") and isinstance(v, mx.array)]
+    mx.eval(buffers)
 
 
 def _unused_clip_bound(key: str, vision: Any) -> bool:
