@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
-from mlx_arsenal.diffusion import StableConfidentStopping, linear_temperature, renoise, uniform_canvas
+from mlx_arsenal.diffusion import StableConfidentStopping, TokenStats, linear_temperature, renoise, uniform_canvas
 from mlx_lm.sample_utils import apply_top_p
 
 from ..commit_rules import StepInputs
@@ -39,6 +39,13 @@ from .base import (BlockState, Canvas, Decoder, Forward, Queued, ReadBack, log_s
 # Generic options that mean nothing when every step re-decides every position.
 NOT_APPLICABLE = ("editing_threshold",)
 MIN_TEMPERATURE = 1e-4  # below it a step is greedy (as the masked decoder's)
+
+
+def full_logprobs(values: mx.array, ids: mx.array, vocab_size: int) -> mx.array:
+    """(B, L, V) holding `values` at `ids` and -inf elsewhere (the top-k step's view of the
+    vocabulary)."""
+    full = mx.full((*values.shape[:-1], vocab_size), -mx.inf, dtype=values.dtype)
+    return mx.put_along_axis(full, ids, values, axis=-1)
 
 
 def commits(rule: Any) -> bool:
@@ -118,16 +125,19 @@ class UniformCanvasDecoder(Decoder):
         b.rule_state = o.rule.start_block(open_count, o.steps)
         for b.step in range(o.steps):
             noisy_canvas = mx.concatenate([canvas.tokens[:, :start], noisy, canvas.tokens[:, end:]], axis=1)
-            logits = self.process((yield Forward(state, noisy_canvas, start, end)))
+            reply = yield Forward(state, noisy_canvas, start, end)
             canvas.forwards += 1
             temperature = linear_temperature(o.steps - b.step, o.steps, t_min=settings["t_min"],
                                              t_max=settings["t_max"])
-            z = logits / temperature
-            a.condition(state, z)  # the model's self-conditioning input at the next step
-            logprobs = log_softmax(z)
-            stats = normalized_stats(logprobs)
-            sample = self._draw(z, logprobs)
-            prob = mx.exp(mx.take_along_axis(logprobs, sample[..., None], axis=-1)[..., 0])
+            if isinstance(reply, tuple):  # the cheaper step: the top-k (values, ids)
+                stats, sample, prob, logprobs = self._top_k_step(state, reply, temperature)
+            else:
+                z = self.process(reply) / temperature
+                a.condition(state, z)  # the model's self-conditioning input at the next step
+                logprobs = log_softmax(z)
+                stats = normalized_stats(logprobs)
+                sample = self._draw(z, logprobs)
+                prob = mx.exp(mx.take_along_axis(logprobs, sample[..., None], axis=-1)[..., 0])
             rows = mx.broadcast_to(~stopped[:, None], (B, L))
             entropy = stats.entropy
             if free is not None:  # (a pinned position is no candidate and is certain)
@@ -139,18 +149,37 @@ class UniformCanvasDecoder(Decoder):
             argmax = mx.where(frozen, argmax, keep(stats.x0))
             noisy = mx.where(frozen, noisy, fresh)
             b.confidence = mx.where(frozen, b.confidence, stats.prob)
-            kept = logprobs if kept is None else mx.where(frozen[..., None], kept, logprobs)
+            if self.keep_logprobs:  # ((B, L, V) each step: only when asked for)
+                kept = logprobs if kept is None else mx.where(frozen[..., None], kept, logprobs)
             stopped = stopped | stop(argmax, entropy)
             canvas.tokens = mx.concatenate([canvas.tokens[:, :start], argmax, canvas.tokens[:, end:]], axis=1)
             yield ReadBack((canvas.tokens, noisy, stopped, kept, b.confidence))
             mx.eval(canvas.tokens, noisy, stopped, kept, b.confidence)
             canvas.sync()
-            yield queue(canvas, b, kept if self.keep_logprobs else None, False)
+            yield queue(canvas, b, kept, False)
             if bool(mx.all(stopped).item()):
                 break
         # the canvas is final: one more event releases its tokens
         b.step += 1
-        yield queue(canvas, b, kept if self.keep_logprobs else None, True, ran_forward=False)
+        yield queue(canvas, b, kept, True, ran_forward=False)
+
+    def _top_k_step(self, state: Any, reply: tuple, temperature: float) -> tuple:
+        """The cheaper step on the top-k logits (values, ids) only: the softmax, the
+        entropy, the argmax and the sample over those k (renormalised: top-k sampling),
+        the tempered values and their ids the next step's self-conditioning. The full
+        (B, L, V) log-probs (-inf past the k) are built lazily: only a rule or a caller
+        that reads them computes them."""
+        values, ids = reply
+        z = values / temperature
+        self.adapter.condition(state, (z, ids))
+        top = log_softmax(z)  # (B, L, k)
+        best = mx.argmax(top, axis=-1)
+        x0 = mx.take_along_axis(ids, best[..., None], axis=-1)[..., 0].astype(mx.int32)
+        stats = TokenStats(x0, mx.exp(mx.max(top, axis=-1)), normalized_entropy(top))
+        drawn = mx.random.categorical(z)
+        sample = mx.take_along_axis(ids, drawn[..., None], axis=-1)[..., 0].astype(mx.int32)
+        prob = mx.exp(mx.take_along_axis(top, drawn[..., None], axis=-1)[..., 0])
+        return stats, sample, prob, full_logprobs(top, ids, self.adapter.vocab_size)
 
     def _decode_scheduled(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator[Queued]:
         """The committing canvas (see the module's note): committed tokens stay, every open
@@ -167,7 +196,8 @@ class UniformCanvasDecoder(Decoder):
         for b.step in range(o.steps):
             noisy = mx.where(open_, uniform_canvas((B, L), a.vocab_size), tokens)
             noisy_canvas = mx.concatenate([canvas.tokens[:, :start], noisy, canvas.tokens[:, end:]], axis=1)
-            logits = self.process((yield Forward(state, noisy_canvas, start, end)))
+            reply = yield Forward(state, noisy_canvas, start, end)
+            logits = self.process(reply if not isinstance(reply, tuple) else full_logprobs(*reply, a.vocab_size))
             canvas.forwards += 1
             temperature = self._step_temperature(b.step)
             z = logits if temperature < MIN_TEMPERATURE else logits / temperature
