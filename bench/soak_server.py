@@ -85,12 +85,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as hung")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-arg", action="append", default=[],
+                        help="passed on to the server (repeat), e.g. --server-arg=--no-batch")
     args = parser.parse_args()
 
     port = free_port()
     log = open(os.devnull, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--model", args.model,
-                             "--port", str(port)], stdout=log, stderr=log)
+                             "--port", str(port), *args.server_arg], stdout=log, stderr=log)
     try:
         wait_ready(proc, port)
         before = plain_answer(port)

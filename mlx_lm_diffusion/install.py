@@ -13,17 +13,20 @@ original function: call `install()` first. That function reaches mlx-lm's
 `generate_step`, which `install()` makes refuse diffusion models with an error naming
 `install()` (`REFUSALS`); so does `mlx_lm.cache_prompt` (no key/value cache to
 save), saying what to call instead. `mlx_lm.batch_generate` sends diffusion models to
-`generate_batch` (ragged running batches, mlx_lm_diffusion.batch).
+`generate_batch` (ragged running batches, mlx_lm_diffusion.batch). `mlx_lm.load` of a
+diffusion checkpoint loads its tokenizer without remote code unless asked (`WRAPPED`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import json
 import threading
+from pathlib import Path
 from typing import Any, Callable, Dict, Tuple
 
-from model_adapters import is_diffusion_model, register
+from model_adapters import FAMILIES, is_diffusion_model, register
 
 from . import compat
 from .batch_generate import generate_batch
@@ -51,6 +54,37 @@ REFUSALS: Tuple[Tuple[str, str, int, str], ...] = (
     ("mlx_lm.cache_prompt", "generate_step", 1,
      "mlx_lm.cache_prompt saves a key/value cache, and a diffusion model keeps none (every forward "
      "re-reads the prompt); pass the prompt itself to mlx_lm_diffusion.generate / stream_generate"),
+)
+
+
+
+def _loads_no_remote_code(original: Callable[..., Any]) -> Callable[..., Any]:
+    """mlx_lm.utils.load_tokenizer for a diffusion checkpoint: trust_remote_code is False
+    unless the caller set it. The released checkpoints name their tokenizer code in
+    auto_map, and mlx_lm.load passes no trust_remote_code, so AutoTokenizer would ask
+    "Do you wish to run the custom code? [y/N]" and wait 15 s (issue 12 part 3)."""
+
+    @functools.wraps(original)
+    def load_tokenizer(model_path, tokenizer_config_extra=None, *args, **kwargs):
+        if _is_diffusion_checkpoint(model_path) and (tokenizer_config_extra or {}).get("trust_remote_code") is None:
+            tokenizer_config_extra = {**(tokenizer_config_extra or {}), "trust_remote_code": False}
+        return original(model_path, tokenizer_config_extra, *args, **kwargs)
+
+    load_tokenizer.__mlx_lm_diffusion__ = True
+    return load_tokenizer
+
+
+def _is_diffusion_checkpoint(model_path: Any) -> bool:
+    config = Path(str(model_path)) / "config.json"
+    try:
+        return json.loads(config.read_text()).get("model_type") in FAMILIES
+    except (OSError, ValueError, AttributeError):
+        return False  # (not a local checkpoint: mlx-lm's own path, unchanged)
+
+
+# (module, attribute, wrapper) patched for diffusion checkpoints only
+WRAPPED: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
+    ("mlx_lm.utils", "load_tokenizer", _loads_no_remote_code),
 )
 
 _lock = threading.Lock()
@@ -90,6 +124,7 @@ def _all_targets():
         yield module_name, attr, lambda current, d=diffusion: _dispatcher(current, d)
     for module_name, attr, index, why in REFUSALS:
         yield module_name, attr, lambda current, i=index, w=why: _refuser(current, i, w)
+    yield from WRAPPED
 
 
 def _module(name: str):
@@ -133,4 +168,4 @@ def installed() -> bool:
         )
 
 
-__all__ = ["install", "uninstall", "installed", "TARGETS", "REFUSALS"]
+__all__ = ["install", "uninstall", "installed", "TARGETS", "REFUSALS", "WRAPPED"]

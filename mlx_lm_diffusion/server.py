@@ -70,6 +70,7 @@ import math
 import os
 import re
 import resource
+import secrets
 import select
 import signal
 import socket
@@ -126,6 +127,34 @@ MAX_JSON_DEPTH = 64
 LOG_EXCERPT = 200  # characters of a request body a log line may quote
 SEED_MAX = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
 CONTEXT_SIZE_MAX = 1 << 20
+
+
+
+def check_sampling_against_vocabulary(args: Any, vocab_size: int) -> None:
+    """The sampling fields that name token ids, against the model that will decode them
+    (known on the generation thread only): an id outside the vocabulary would index past
+    the logits (a logit_bias key of 100000 on a 16-token vocabulary is a segfault), and
+    mlx-lm's top-k raises mid-decode for top_k >= the vocabulary."""
+    top_k = args.sampling.top_k
+    if top_k >= vocab_size:
+        raise RequestError(f"top_k must be below the vocabulary size ({vocab_size}), got {top_k}; "
+                           "0 keeps every token", param="top_k")
+    for token, bias in (args.logits.logit_bias or {}).items():
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias key {token} is not a token id (0 to {vocab_size - 1})",
+                               param="logit_bias")
+        if not math.isfinite(bias):
+            raise RequestError(f"logit_bias values must be finite numbers, got {bias!r} for {token}",
+                               param="logit_bias")
+
+
+def request_seed() -> int:
+    """The seed of a request that names none. Every request draws from its own key
+    (isolation: no request's draws depend on another's, or on a global random state a
+    failed request left behind). Drawn here, on the HTTP thread before the request is
+    queued, so under mlx.launch rank 0's choice travels with the request to every rank."""
+    return secrets.randbits(64)
+
 
 # mlx_lm.server flags that cannot apply to a diffusion model: refused at start
 INAPPLICABLE_FLAGS = {
@@ -343,6 +372,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
             if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
                 raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
+            if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
+                body = {**body, "seed": request_seed()}
             pictures = isinstance(body, dict) and bool(body.get("images"))  # the `images` extension
             return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
                                on_step=lambda step: self._check_cancel(cancel),
@@ -447,6 +478,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         except Exception as e:
             raise RequestError(f"cannot build a prompt from this request: {e}") from e
         model = self.model_provider.model
+        check_sampling_against_vocabulary(args, adapter_for(model, tokenizer).vocab_size)
         if is_diffusion_model(model):
             try:
                 compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request),
@@ -1004,6 +1036,8 @@ class DiffusionAPIHandler(APIHandler):
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX
         ):
             raise RequestError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}", param="seed")
+        if self.seed is None:
+            self.seed = request_seed()
         if self.stream_options is not None:
             if not isinstance(self.stream_options, dict):
                 raise RequestError("stream_options must be an object", param="stream_options")

@@ -210,6 +210,9 @@ BAD_FIELDS = [
     ("top_logprobs", True), ("top_logprobs", "3"), ("top_logprobs", 1.5), ("top_logprobs", 100),
     ("stream_options", "yes"), ("stream_options", []), ("stream_options", {"include_usage": "yes"}),
     ("max_tokens", True), ("max_tokens", 2.5), ("top_k", True), ("stop", 5), ("stop", [1]),
+    # token ids against the served model's vocabulary (288): past it was a segfault or a 500
+    ("top_k", 288), ("top_k", 10**6), ("logit_bias", {"288": 1}), ("logit_bias", {"100000": 5}),
+    ("logit_bias", {"-1": 1}), ("logit_bias", {"x": 1}),
     ("chat_template_kwargs", []), ("chat_template_kwargs", {"chat_template": "{% for i in range(9**9) %}{% endfor %}"}),
     ("model", 5),
     ("draft_model", "/tmp"), ("adapters", "/tmp"), ("num_draft_tokens", 3),
@@ -227,6 +230,8 @@ def test_bad_fields_get_a_400_naming_the_field(port, name, value):
 
 def test_fields_at_their_bounds_are_served(client, reference):
     assert answer(client, seed=2**64 - 1) == reference
+    assert answer(client, extra_body={"top_k": 287}) == reference
+    assert answer(client, logit_bias={"0": -1.0, "287": -1.0})  # (a processor: decoded in order)
     assert answer(client, seed=0, presence_penalty=0.0, top_p=1, extra_body={"min_p": 0}) == reference
     # a stream_options without include_usage (mlx_lm.server indexes it unchecked)
     chunks = list(client.chat.completions.create(
@@ -301,6 +306,45 @@ def test_the_openai_client_sees_the_reason(client):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="someone/else", messages=USER)
     assert e.value.code == "model_not_found" and "someone/else" in e.value.message
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "serial"])
+def test_unseeded_requests_draw_from_their_own_key(served, client, monkeypatch, batched):
+    """Part 3, isolation: a request that names no seed gets one of its own (drawn on the
+    HTTP thread), so its draws never depend on MLX's global random state, which another
+    request, a failed compile or a caller may have left anywhere."""
+    import mlx.core as mx
+
+    if not batched:
+        monkeypatch.setattr(served[1], "scheduler", None)
+
+    def sampled(**kwargs):
+        r = client.chat.completions.create(model="default_model", messages=USER, temperature=1.0,
+                                           max_tokens=12, extra_body={"logit_bias": NO_STOP}, **kwargs)
+        return r.choices[0].message.content
+
+    monkeypatch.setattr(dserver, "request_seed", lambda: 1234)
+    first = sampled()
+    mx.random.seed(99)  # the global state moved (as another request's draws move it)
+    mx.random.uniform(shape=(7,))
+    assert sampled() == first
+    assert sampled(seed=1234) == first
+    assert sampled(seed=4321) != first  # (the check can fail: seeds do change this decode)
+    monkeypatch.setattr(dserver, "request_seed", lambda: 4321)
+    assert sampled() == sampled(seed=4321)
+    protocol = {"prompt_tokens": [72, 101, 108], "target_length": 12, "num_steps": 4, "mask_schedule": "linear",
+                "temperature_schedule": [1.0] * 4, "top_p": 1.0}
+    status, _, data = exchange(port=served[0].server_address[1],
+                               data=request_bytes(json.dumps(protocol).encode(), path=dserver.PROTOCOL_PATH))
+    status_seeded, _, data_seeded = exchange(
+        port=served[0].server_address[1],
+        data=request_bytes(json.dumps({**protocol, "seed": 4321}).encode(), path=dserver.PROTOCOL_PATH))
+    assert status == status_seeded == 200 and json.loads(data) == json.loads(data_seeded)
+
+
+def test_request_seeds_are_fresh_and_in_range():
+    seeds = {dserver.request_seed() for _ in range(64)}
+    assert len(seeds) == 64 and all(0 <= s <= dserver.SEED_MAX for s in seeds)
 
 
 def _failing_after(n):

@@ -52,6 +52,21 @@ def test_load_on_a_terminal_neither_asks_nor_waits(auto_map_path):
     assert "REMOTE CODE RAN" not in out and _loaded_fast(out), out
 
 
+STOCK_LOAD_SCRIPT = (
+    "import sys, time; import mlx_lm, mlx_lm_diffusion as mld; mld.install(); t = time.monotonic(); "
+    "m, tok = mlx_lm.load(sys.argv[1]); print(f'LOADED in {time.monotonic() - t:.2f}s', flush=True)"
+)
+
+
+def test_stock_mlx_lm_load_after_install_neither_asks_nor_waits(auto_map_path):
+    """mlx_lm.load passes no trust_remote_code to the tokenizer: install() makes it False
+    for diffusion checkpoints (before, this asked "[y/N]" and waited 15 s)."""
+    code, out, _ = run_in_pty([sys.executable, "-c", STOCK_LOAD_SCRIPT, str(auto_map_path)], timeout=120)
+    assert code == 0, out
+    assert not any(w in out for w in PROMPT_WORDS), out
+    assert "REMOTE CODE RAN" not in out and _loaded_fast(out), out
+
+
 def test_load_off_a_terminal_with_stdin_open_neither_asks_nor_waits(auto_map_path):
     p = subprocess.Popen(
         [sys.executable, "-c", LOAD_SCRIPT, str(auto_map_path)],
