@@ -133,13 +133,14 @@ def library_second_turn(path: Path, history: int, max_tokens: int, repeats: int)
     return {"lib_prompt": len(turn), "lib_cached": runs["reuse"][0]["cached"], "lib_same_tokens": same, **med}
 
 
-def second_turn(name: str, path: Path, history: int, max_tokens: int, repeats: int) -> dict:
+def second_turn(name: str, path: Path, history: int, max_tokens: int, repeats: int, flags: tuple = ()) -> dict:
+    """`flags`: more server flags (bench_server.py passes --no-batch for the serial path)."""
     import mlx_lm_diffusion as mld
     from mlx_lm_diffusion import server
 
     tokenizer = mld.load(str(path))[1]
     args = server.parse_args(["--model", str(path), "--port", "0", "--max-tokens", str(max_tokens),
-                              "--log-level", "WARNING"])
+                              "--log-level", "WARNING", *flags])
     httpd, generator = server.start(args)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()

@@ -9,7 +9,11 @@ in-process on 127.0.0.1, one batched and one with --no-batch; at each client cou
 serve the same `--requests` streamed chat requests (prompt lengths and max_tokens vary a
 little; temperature 0), the batched server first, then the serial one. Reported per
 mode: requests/s, generated tokens/s, p50/p95 latency, p50/p95 time to first token, and
-batched/serial throughput ratios. Timings on a shared CPU are noisy: read the ratios.
+batched/serial throughput ratios. Then the second turn of a chat with a ~--history-token
+history (bench_kv_reuse.second_turn: SDAR, a larger micro model), cold (prompt cache
+emptied) and reusing the first turn's KV, through the batched server and the serial one:
+prefill (request -> first draft), time to first token, total, cached tokens, and whether
+the texts agree. Timings on a shared CPU are noisy: read the ratios.
 """
 
 from __future__ import annotations
@@ -120,6 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--requests", type=int, default=16, help="Requests per client count and mode")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--history", type=int, default=1000, help="Second-turn history, tokens (0: skip)")
     p.add_argument("--json", default=None, help="Also write the figures to this file")
     args = p.parse_args(argv)
 
@@ -141,9 +146,36 @@ def main(argv=None) -> int:
             serial = next(s for s in rows if s["model"] == r["model"] and s["clients"] == r["clients"]
                           and s["mode"] == "serial")
             print(f"  {r['model']:<18} {r['clients']:>2} clients: {r['tok_per_s'] / serial['tok_per_s']:.2f}x")
+    if args.history:
+        turns = second_turns(args)
+        print(f"\nsecond chat turn, ~{args.history}-token history, 16 new tokens (SDAR micro model "
+              f"{turns[0]['size']}), median of 3; prefill = request -> first draft (first forward)")
+        print(f"{'server':9}{'prompt':>7}{'cached':>7}{'prefill cold':>13}{'reuse':>7}{'ratio':>7}"
+              f"{'ttft cold':>10}{'reuse':>7}{'total cold':>11}{'reuse':>7}{'same':>6}")
+        for r in turns:
+            print(f"{r['mode']:9}{r['prompt_tokens']:>7}{r['cached_reuse']:>7}{r['cold_first_draft']:>13.3f}"
+                  f"{r['reuse_first_draft']:>7.3f}{r['reuse_first_draft'] / r['cold_first_draft']:>7.2f}"
+                  f"{r['cold_first_token']:>10.3f}{r['reuse_first_token']:>7.3f}{r['cold_total']:>11.3f}"
+                  f"{r['reuse_total']:>7.3f}{str(r['same_text']):>6}")
+        rows += turns
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
+
+
+def second_turns(args) -> list:
+    """Second-turn latency, cold and with KV reuse, batched and serial (bench_kv_reuse)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_kv_reuse
+    from checkpoints_block import write_sdar
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_sdar(Path(tmp) / "sdar", head_dim=32, inter=512, max_len=4096, **bench_kv_reuse.SIZE)
+        for mode, flags in (("batched", ()), ("serial", ("--no-batch",))):
+            r = bench_kv_reuse.second_turn("sdar", path, args.history, 16, 3, flags)
+            out.append({"mode": mode, "size": bench_kv_reuse.SIZE, **r})
+    return out
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ Each row is its own single-row decode (`Engine.row_steps`): its own prompt lengt
 canvas, blocks, cache, options (max_tokens, steps, commit rule, sampler, seed) and
 stopping. Only the model forwards are shared: every `step()` advances each live row to
 its next forward request and answers all of them with one `Adapter.predict_batch` call
-(model_adapters.batched: padded to a common width, per-row masks and positions). A row
+(model_adapters.batched: padded to a common width, per-row masks and positions), and the
+rows whose steps are plain get their commits from one call too (mlx_lm_diffusion.fused_commit:
+the log-softmax, proposal and rule selection of every such row over the stacked logits). A row
 therefore gives exactly the tokens and forward count of its decode alone (greedy; up to
 the floating-point effect of padding on the attention's reduction order).
 
@@ -29,9 +31,12 @@ import mlx.core as mx
 import numpy as np
 
 from model_adapters import Adapter
+from model_adapters.prefix_kv import PrefixKV
 
 from .decoders import Forward, ReadBack
 from .engine import Engine, Step
+from .fused_commit import FusedForward, commit_rows, deterministic_rule
+from .kv_reuse import PromptReuse
 from .options import ResolvedOptions
 
 
@@ -48,6 +53,7 @@ class BatchRow:
     reading: Optional[ReadBack] = None  # the arrays it reads back next, evaluated with the others
     last: Optional[Step] = None
     payload: Any = None  # the caller's (a server request)
+    prompt_kv: Optional[PromptReuse] = None  # the prompt KV it reused, and the KV it leaves
     error: Optional[BaseException] = None
 
 
@@ -76,6 +82,7 @@ class RunningBatch:
     rows: dict = field(default_factory=dict)  # id -> BatchRow, in joining order
     family: Optional[tuple] = None
     forwards: int = 0  # batched forward calls so far
+    fuse_commits: bool = True  # commit the rows' plain steps together (mlx_lm_diffusion.fused_commit)
     _next_id: int = 0
 
     def __len__(self) -> int:
@@ -85,9 +92,12 @@ class RunningBatch:
         return not self.rows or family_key(options) == self.family
 
     def add(self, prompt: Sequence[int], options: ResolvedOptions, payload: Any = None,
-            seed: Optional[np.ndarray] = None) -> BatchRow:
+            seed: Optional[np.ndarray] = None, prefix: Optional[PrefixKV] = None) -> BatchRow:
         """A new row; it first advances at the next `step()`. `seed` (1, W): its canvas's
-        pinned tokens (an infill's suffix; Engine.run)."""
+        pinned tokens (an infill's suffix; Engine.run). `prefix`: the KV of leading prompt
+        tokens from an earlier decode (a prompt cache's), which the row starts from where
+        the family's KV is exact (`row.prompt_kv.reused` positions; kv_reuse.PromptReuse);
+        `row.prompt_kv.export(tokens)` is the KV the row leaves."""
         if not self.accepts(options):
             raise ValueError(
                 f"a row with the family options {dict(family_key(options))} cannot join a batch decoding "
@@ -97,9 +107,14 @@ class RunningBatch:
             self.family = family_key(options)
         engine = Engine(self.adapter, options, keep_logprobs=self.keep_logprobs, pipeline=False)
         engine.decoder.queue_eagerly = False  # every row's step is evaluated at once (_settle)
-        key = mx.random.key(options.seed) if options.seed is not None else None
-        row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(mx.array([list(prompt)]), seed), key,
-                       payload=payload)
+        engine.decoder.fuse_commits = self.fuse_commits  # plain steps are committed by the batch
+        # (a decode that draws nothing needs no key: swapping one in costs a read-back per resume)
+        key = mx.random.key(options.seed) if options.seed is not None and draws(engine.decoder) else None
+        ids = mx.array([list(prompt)])
+        prompt_kv = PromptReuse(prefix)
+        reuse = prompt_kv.plan(self.adapter, engine, ids)  # (after the engine configured the adapter)
+        row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(ids, seed, reuse), key,
+                       payload=payload, prompt_kv=prompt_kv)
         self._next_id += 1
         self.rows[row.id] = row
         return row
@@ -131,9 +146,26 @@ class RunningBatch:
                 self._fail(row, error, events)
             return events
         self.forwards += 1
-        for row, row_logits in zip(waiting, logits):
+        replies = list(logits)
+        fused = [i for i, row in enumerate(waiting) if isinstance(row.pending, FusedForward)]
+        if fused:  # their commits, all at once
+            try:
+                source = getattr(logits, "source", None)  # (one head call for every row)
+                origins = [(source, i) if source is not None else None for i in fused]
+                committed = commit_rows([waiting[i].pending.commit for i in fused], [replies[i] for i in fused],
+                                        origins)
+            except Exception as error:  # noqa: BLE001 (as a failed forward: those rows fail)
+                for i in fused:
+                    self._fail(waiting[i], error, events)
+                failed = set(fused)
+                waiting = [row for i, row in enumerate(waiting) if i not in failed]
+                replies = [r for i, r in enumerate(replies) if i not in failed]
+            else:
+                for i, reply in zip(fused, committed):
+                    replies[i] = reply
+        for row, reply in zip(waiting, replies):
             row.pending = None
-            self._advance(row, row_logits, events)
+            self._advance(row, reply, events)
         self._settle(events)
         return events
 
@@ -192,6 +224,14 @@ class RunningBatch:
         row.error = error
         self.remove(row)
         events.append(RowEvent(row, error=error, finished=True))
+
+
+def draws(decoder) -> bool:
+    """Whether a decode may draw random numbers: anything but a masked-block decode with a
+    greedy proposal and a rule that draws none (fused_commit's plain steps)."""
+    o = decoder.options
+    return not (decoder.name == "masked_block" and o.sampler is None and o.temperature_schedule is None
+                and deterministic_rule(o.rule))
 
 
 def _use_key(key: mx.array) -> None:

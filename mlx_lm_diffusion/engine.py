@@ -136,16 +136,19 @@ class Engine:
         else:
             yield from map(land, queued)
 
-    def row_steps(self, prompt: mx.array, seed: Optional[np.ndarray] = None):
+    def row_steps(self, prompt: mx.array, seed: Optional[np.ndarray] = None, reuse: Any = None):
         """One row's decode for a driver that batches forwards (mlx_lm_diffusion.batch):
         a generator yielding `Forward` requests, each to be answered with `send(logits)`,
         `ReadBack`s (the arrays it reads back next: evaluate them with every other row's)
         and `Step`s (both resumed with `send(None)`). No pipelining, no seeding: the
-        driver owns the PRNG (a key per row). `seed` (1, W): pinned tokens, as for `run`."""
+        driver owns the PRNG (a key per row). `seed` (1, W): pinned tokens, and `reuse`: a
+        prompt prefix's KV, as for `run` (the state and canvas stay in `self.state`, `self.canvas`)."""
         if prompt.ndim != 2 or prompt.shape != (1, prompt.shape[1]) or prompt.shape[1] < 1:
             raise ValueError("a batch row's prompt must be a (1, P) array of token ids with P >= 1")
         canvas = Canvas(prompt, self.decoder.canvas_length(prompt.shape[1]), self.decoder.fill, seed)
-        requests = self._blocks(self.adapter.start(prompt), canvas)
+        state = self.adapter.start(prompt) if reuse is None else self.adapter.start(prompt, reuse=reuse)
+        self.state, self.canvas = state, canvas
+        requests = self._blocks(state, canvas)
         reply = None
         while True:
             try:

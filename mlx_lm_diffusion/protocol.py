@@ -171,6 +171,79 @@ def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = N
     `on_step` sees every step and may raise to stop the decode (a server's cancellation).
     `images` need the checkpoint's processor (`processor`, or `tokenizer` when it is one)
     and are read under `image_policy` (default: data: URLs only, the server's limits)."""
+    decode = prepare_request(model, tokenizer, request, max_forwards, processor, image_policy)
+    engine = Engine(decode.adapter, decode.options, keep_logprobs=False)
+    steps = engine.run(mx.array([decode.prompt]), decode.seed)
+    return decode.response(steps if on_step is None else _watched(steps, on_step))
+
+
+def _watched(steps, on_step: Callable[[Step], None]):
+    for step in steps:
+        on_step(step)
+        yield step
+
+
+@dataclass
+class ProtocolDecode:
+    """A validated InferenceRequest, ready to decode: its adapter (EOS ignored: the
+    protocol fills target_length), resolved options, prompt and seeded canvas; `response`
+    builds the InferenceResponse from the decode's steps (Engine.run's, or a batch row's:
+    mlx_lm_diffusion.scheduler). With images, `prompt` holds their soft tokens and `given`
+    the request's own prompt_tokens (the response keeps the request's positions)."""
+
+    adapter: Any
+    options: Any
+    prompt: list
+    seed: Optional[np.ndarray]
+    start: np.ndarray  # (1, len(prompt) + generated) the canvas the decode starts from
+    rule: "ScheduleWithEarlyExit"
+    steps: int
+    given: Optional[list] = None  # the request's prompt_tokens (None: `prompt`)
+
+    @property
+    def uniform(self) -> bool:
+        """No mask ids to compare (DiffusionGemma): the rule's own record of each step's commits."""
+        return self.adapter.mask_id is None
+
+    def response(self, steps) -> dict:
+        mask_id, P = self.adapter.mask_id, len(self.prompt)
+        given = self.prompt if self.given is None else self.given
+        shift = P - len(given)  # the soft tokens the images' placeholders became
+        trace, last, previous = [], None, self.start
+        for last in steps:
+            if self.uniform:
+                done = self.rule.commits.pop(last.step, None) if last.ran_forward else None
+                newly = np.array([], dtype=np.int64) if done is None else np.flatnonzero(np.array(done)[0]) + P
+            else:
+                newly = np.flatnonzero((previous[0] == mask_id) & (last.canvas[0] != mask_id))
+            if newly.size:
+                trace.append({
+                    "step": last.step,
+                    "token_indices": (newly - shift).tolist(),
+                    "unmasked_tokens": last.canvas[0, newly].tolist(),
+                })
+            previous = last.canvas
+        if self.rule.threshold_met:
+            reason = "confidence_threshold_met"
+        elif last.forwards >= self.steps:
+            reason = "max_steps_reached"
+        else:
+            reason = "fully_unmasked"
+        confidence = np.clip(np.array(last.block_confidence[0], dtype=np.float64), 0.0, 1.0)
+        if self.seed is not None:  # a pinned token is certain
+            confidence = np.where(self.seed[0] != FREE, 1.0, confidence)
+        return {
+            "final_tokens": list(given) + last.canvas[0, P:].tolist(),
+            "per_step_unmasked": trace,
+            "confidence": confidence.tolist(),
+            "termination_reason": reason,
+        }
+
+
+def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None, processor: Any = None,
+                    image_policy: Optional[image_inputs.ImagePolicy] = None) -> ProtocolDecode:
+    """Validate an InferenceRequest and resolve its decode (ValueError / ValidationError on
+    a bad one, before anything runs; its images read in full)."""
     validate_request(request)
     adapter = adapter_for(model, tokenizer)
     uniform = adapter.mask_id is None and adapter.decoder == "uniform_canvas"
@@ -203,40 +276,9 @@ def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = N
     )
     resolved = resolve(options, adapter, P)
     check_forward_budget(resolved, adapter, P, max_forwards)
-    engine = Engine(adapter, resolved, keep_logprobs=False)
     start = np.array([request.get("seed_canvas") or prompt + [adapter.mask_id] * (total - P)])
     seed = check_seed(adapter, start[:, P:], adapter.mask_id) if "seed_canvas" in request else None
-    trace, last, previous = [], None, start
-    for last in engine.run(mx.array([prompt]), seed):
-        if on_step is not None:
-            on_step(last)
-        if uniform:  # (no mask ids: the rule's own record of the step's commits)
-            done = rule.commits.pop(last.step, None) if last.ran_forward else None
-            newly = np.array([], dtype=np.int64) if done is None else np.flatnonzero(np.array(done)[0]) + P
-        else:
-            newly = np.flatnonzero((previous[0] == adapter.mask_id) & (last.canvas[0] != adapter.mask_id))
-        if newly.size:
-            trace.append({
-                "step": last.step,
-                "token_indices": (newly - shift).tolist(),
-                "unmasked_tokens": last.canvas[0, newly].tolist(),
-            })
-        previous = last.canvas
-    if rule.threshold_met:
-        reason = "confidence_threshold_met"
-    elif last.forwards >= steps:
-        reason = "max_steps_reached"
-    else:
-        reason = "fully_unmasked"
-    confidence = np.clip(np.array(last.block_confidence[0], dtype=np.float64), 0.0, 1.0)
-    if seed is not None:  # a pinned token is certain
-        confidence = np.where(seed[0] != FREE, 1.0, confidence)
-    return {
-        "final_tokens": given + last.canvas[0, P:].tolist(),
-        "per_step_unmasked": trace,
-        "confidence": confidence.tolist(),
-        "termination_reason": reason,
-    }
+    return ProtocolDecode(adapter, resolved, prompt, seed, start, rule, steps, given)
 
 
 def validate_response(response: dict) -> None:

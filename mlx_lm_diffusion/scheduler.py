@@ -16,20 +16,26 @@ max_tokens, sampler or seed differ freely per row). Each turn:
    detokenizer, stop words, logprobs); a row that finished (EOS, max_tokens, a stop
    word) leaves at once and its client gets the end of its stream.
 
-A row decodes exactly as the request alone would (mlx_lm_diffusion.batch). The token
-prompt cache is kept as mlx_lm.server keeps it (fetched for `cached_tokens`, stored under
-prompt + tokens sent once a request ends); the decode re-reads its whole prompt.
+A row decodes exactly as the request alone would (mlx_lm_diffusion.batch). The prompt
+cache is used as the serial path uses it (mlx_lm_diffusion.compat, kv_reuse): a request
+takes the nearest cached prefix when it is prepared; for the families whose prompt KV is
+exact its row starts from that prefix's keys and values (usage's cached_tokens: the
+positions it took), and a request that ends leaves prompt + tokens sent, with the KV its
+row vouches for, in the cache before its client hears the end.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from concurrent.futures import Future
 from queue import Queue
 from typing import Any, Callable, Optional
 
+import mlx.core as mx
 from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _make_logits_processors, _make_sampler
 
 from model_adapters import adapter_for
@@ -53,7 +59,10 @@ class Job:
     stop_matcher: Any
     top_logprobs: int
     detokenizer: Any
-    cache_entry: Optional[Callable[[list], None]] = None  # stores prompt + tokens in the prompt cache
+    cache_entry: Optional[Callable[..., None]] = None  # stores prompt + tokens (and their KV) in the prompt cache
+    cache_lookup: Optional[Callable[[list], Any]] = None  # the prompt cache's KV of a prompt's prefix
+    prefix: Any = None  # ... this prompt's (a PrefixKV, or None), once looked up
+    looked_up: bool = False
     tokens: list = field(default_factory=list)  # the tokens sent
     emitted: int = 0
     ended: bool = False
@@ -63,6 +72,45 @@ class Job:
     @property
     def group(self) -> tuple:
         return family_key(self.options)
+
+
+@dataclass
+class ProtocolJob:
+    """A step-schedule protocol request (mlx_lm_diffusion.protocol) in the scheduler: its
+    row decodes in a batch of protocol rows (their adapter ignores EOS), its steps are
+    kept, and `future` gets the InferenceResponse (or the error) once it ends."""
+
+    decode: Any  # protocol.ProtocolDecode
+    check: Callable[[], None]  # raises when the request was cancelled
+    future: Future = field(default_factory=Future)
+    steps: list = field(default_factory=list)
+    ended: bool = False
+    row: Any = None
+    looked_up: bool = True  # (no prompt cache: the protocol's requests neither read nor write it)
+    prefix: Any = None
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def prompt(self) -> list:
+        return self.decode.prompt
+
+    @property
+    def options(self) -> ResolvedOptions:
+        return self.decode.options
+
+    @property
+    def group(self) -> tuple:
+        return ("step-schedule protocol", family_key(self.options))
+
+    def end(self, error: Optional[BaseException]) -> None:
+        self.ended = True
+        if error is not None:
+            self.future.set_exception(error)
+            return
+        try:
+            self.future.set_result(self.decode.response(self.steps))
+        except Exception as e:  # noqa: BLE001 (the response could not be built: the request's error)
+            self.future.set_exception(e)
 
 
 def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
@@ -81,7 +129,7 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
                                 tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
                                 prompt=prompt)
-        ctx.prompt_cache_count = 0  # usage's cached_tokens: a batch row re-reads its whole prompt
+        ctx.prompt_cache_count = 0  # usage's cached_tokens: set when the row starts (the KV it reused)
         adapter = adapter_for(model, tokenizer)
         fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
         decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
@@ -90,7 +138,8 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         options = resolve(decode, adapter, len(prompt))
         drafts = generator._draft_sender(rqueue) if getattr(req, "drafts", False) else None
         job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
-                  args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator))
+                  args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator),
+                  cache_lookup=_cache_reader(generator))
     except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
         rqueue.put(e)
         return None
@@ -107,16 +156,43 @@ def _sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
 _cache_lock = threading.Lock()  # the prompt cache is read on the generation thread, written here
 
 
-def _cache_writer(generator: Any) -> Callable[[list], None]:
+def _cache_writer(generator: Any) -> Callable[..., None]:
     key = generator.model_provider.model_key
 
-    def write(tokens: list) -> None:
+    def write(tokens: list, kv_source: Optional[Callable] = None) -> None:
+        """`kv_source(tokens)`: the KV of their leading positions (PromptReuse.export)."""
         from .prompt_cache import TokenCache
 
+        cache = TokenCache(tokens)
+        if kv_source is not None:
+            cache.hold_kv(kv_source)
+            kv = cache.kv  # (evaluated here: a lazy array would name this thread's stream, which the
+            if kv is not None:  # serial path's thread cannot run)
+                mx.eval(kv.keys, kv.values)
         with _cache_lock:
-            generator.prompt_cache.insert_cache(key, list(tokens), [TokenCache(tokens)])
+            generator.prompt_cache.insert_cache(key, list(tokens), [cache])
 
     return write
+
+
+def _cache_reader(generator: Any) -> Callable[[list], Any]:
+    """`lookup(prompt)`: the KV of the longest cached prefix of `prompt` (mlx-lm's
+    fetch_nearest_cache, as the serial path fetches it), or None. Called on the
+    scheduler's thread under the decode lock: reading a cache's KV may run MLX work (an
+    export, a trim), which must run on the thread whose stream decodes the rows and not
+    overlap a serial decode."""
+    from .prompt_cache import TokenCache
+
+    key = generator.model_provider.model_key
+
+    def lookup(prompt: list) -> Any:
+        with _cache_lock:
+            cache, _ = generator.prompt_cache.fetch_nearest_cache(key, list(prompt))
+            if not cache or not isinstance(cache[0], TokenCache):
+                return None
+            return cache[0].kv
+
+    return lookup
 
 
 class Scheduler:
@@ -143,6 +219,13 @@ class Scheduler:
             self.queued.append(job)
             self._cond.notify()
 
+    def submit_protocol(self, decode: Any, check: Callable[[], None]) -> Future:
+        """A step-schedule protocol request (protocol.prepare_request's decode): its
+        InferenceResponse arrives on the returned future."""
+        job = ProtocolJob(decode, check)
+        self.submit(job)
+        return job.future
+
     def stats(self) -> dict:
         """Running rows and queued requests (what /v1/stats reports)."""
         with self._cond:
@@ -165,6 +248,9 @@ class Scheduler:
                     self._cond.wait(0.5)
                 if self._stop:
                     break
+                new = [job for job in self.queued if not job.looked_up]
+            self._look_up(new)  # (outside the condition: it waits for the decode lock)
+            with self._cond:
                 self._admit()
                 group = self._next_group()
             if group is not None:
@@ -174,19 +260,43 @@ class Scheduler:
                     self._fail_group(group, e)
         self._cancel_all()
 
+    def _look_up(self, jobs: list) -> None:
+        """Each new job's cached prompt prefix (the KV its row may start from)."""
+        if not jobs:
+            return
+        with self.decode_lock:
+            for job in jobs:
+                job.looked_up = True
+                if job.cache_lookup is None:
+                    continue
+                try:
+                    job.prefix = job.cache_lookup(job.prompt)
+                except Exception as e:  # noqa: BLE001 (a cache that cannot be read: a cold prefill)
+                    logging.warning("prompt cache lookup failed, prefilling the whole prompt: %r", e)
+                    job.prefix = None
+
     def _admit(self) -> None:
         """Queued jobs join their group's batch in FIFO order while it has room."""
         waiting = deque()
         while self.queued:
             job = self.queued.popleft()
+            if not job.looked_up:  # (submitted after this turn's look-ups: it joins at the next)
+                waiting.append(job)
+                continue
             batch = self.batches.get(job.group)
             if batch is None:
-                batch = self.batches[job.group] = RunningBatch(adapter_for(self.model, self.tokenizer),
-                                                              keep_logprobs=True)
+                protocol = isinstance(job, ProtocolJob)  # (its adapter ignores EOS)
+                adapter = job.decode.adapter if protocol else adapter_for(self.model, self.tokenizer)
+                batch = self.batches[job.group] = RunningBatch(adapter, keep_logprobs=not protocol)
             if len(batch) >= self.max_rows:
                 waiting.append(job)
                 continue
-            job.row = batch.add(job.prompt, job.options, payload=job)
+            if isinstance(job, ProtocolJob):
+                job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
+            else:
+                job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix)
+                job.prefix = None
+                job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
             if job.group not in self.turns:
                 self.turns.append(job.group)
         self.queued = waiting
@@ -225,6 +335,13 @@ class Scheduler:
         if event.error is not None:
             self._end(batch, job, event.error)
             return
+        if isinstance(job, ProtocolJob):  # its steps make its response, at its end
+            if event.step is not None:
+                job.steps.append(event.step)
+                job.check()  # (a cancelled request stops at its next step, as alone)
+            if event.finished:
+                self._end(batch, job, None)
+            return
         step = event.step
         if step is not None:
             if job.drafts is not None and step.ran_forward:
@@ -260,9 +377,12 @@ class Scheduler:
     def _end(self, batch: RunningBatch, job: Job, error: Optional[BaseException]) -> None:
         job.ended = True
         batch.remove(job.row)
+        if isinstance(job, ProtocolJob):
+            job.end(error)
+            return
+        if error is None and job.cache_entry is not None:  # (before the client can send its next turn)
+            job.cache_entry(job.prompt + job.tokens, job.row.prompt_kv.export if job.row is not None else None)
         job.rqueue.put(error)  # None: the end of the stream
-        if error is None and job.cache_entry is not None:
-            job.cache_entry(job.prompt + job.tokens)
 
     def _fail_group(self, group: tuple, error: BaseException) -> None:
         batch = self.batches.pop(group, None)
@@ -278,5 +398,8 @@ class Scheduler:
             self.queued.clear()
         for job in jobs:
             if not job.ended:
+                if isinstance(job, ProtocolJob):
+                    job.end(Cancelled())
+                    continue
                 job.ended = True
                 job.rqueue.put(Cancelled())

@@ -49,13 +49,12 @@ batch per group of requests with the same family options, rows joining at the ne
 and leaving once done, at most --decode-concurrency rows a batch; each row gives the
 tokens the request gives alone. --no-batch serves one request at a time, as mlx_lm.server
 does for these models (their `compat.TokenCache` has no `merge`). The step-schedule
-endpoint decodes each request whole, between two batch steps (serial: it takes the
-same decode lock). For the families whose prompt KV is exact, the prompt cache also holds
-the KV of its leading tokens: a request served one at a time (--no-batch) that shares a
-prefix with an earlier one prefills only the rest (batched rows re-read their whole prompt:
-KV reuse is not wired into the batch yet); usage's `prompt_tokens_details.cached_tokens`
-counts the positions the cache held, and GET /v1/stats reports running and queued requests
-and the prompt cache's occupancy (kv_reuse).
+endpoint's requests join the same scheduler (a batch of protocol rows, which ignore EOS;
+with --no-batch each decodes whole under the decode lock). For the families whose prompt
+KV is exact, the prompt cache also holds the KV of its leading tokens: a request (batched
+or not) that shares a prefix with an earlier one prefills only the rest; usage's
+`prompt_tokens_details.cached_tokens` counts the positions the cache held, and GET
+/v1/stats reports running and queued requests and the prompt cache's occupancy (kv_reuse).
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
 from .kv_reuse import CachedTokensTap, cache_occupancy
-from .protocol import run_request
+from .protocol import prepare_request, run_request
 from .scheduler import Scheduler, prepare_job
 
 PROG = "mlx_lm_diffusion.server"
@@ -363,7 +362,19 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             raise StartupError(f"cannot load --model {self.cli_args.model!r}: {message[0]}")
 
     def run_protocol(self, body: Any, cancel: Optional[threading.Event] = None) -> dict:
-        """Decode one step-schedule InferenceRequest on the served model."""
+        """Decode one step-schedule InferenceRequest on the served model: a row of the
+        scheduler's batches when batching (a batch of protocol rows), else here."""
+        scheduler = self.scheduler
+        # (DiffusionGemma's committing uniform canvas and a request's images decode alone)
+        alone = isinstance(body, dict) and bool(body.get("images")) or getattr(
+            scheduler, "model", None) is not None and getattr(scheduler.model, "has_vision", None) is not None
+        if scheduler is not None and self.model_provider.model is scheduler.model and not alone:
+            if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
+                body = {**body, "seed": request_seed()}
+            with self.decode_lock:  # (validated and resolved as alone; the decode is the scheduler's)
+                self._check_cancel(cancel)
+                decode = prepare_request(scheduler.model, scheduler.tokenizer, body, max_forwards=self.max_forwards)
+            return scheduler.submit_protocol(decode, lambda: self._check_cancel(cancel)).result()
         with self.decode_lock:
             if cancel is not None and cancel.is_set():
                 raise Cancelled()

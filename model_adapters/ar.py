@@ -92,6 +92,34 @@ class ArAdapter(Adapter):
             logits[:, first - start] = state["next"][:, 0]
         return logits
 
+    def predict_batch(self, requests: list) -> list:
+        """Next-token steps of many rows (a block's first step at block length 1: each row
+        feeds what it committed since, `predict`'s fast path) in one model call
+        (model_adapters.batched.causal_feed_batch); any other request alone."""
+        batchable = [i for i, r in enumerate(requests) if self._next_token_step(r)]
+        if len(batchable) < 2:
+            return super().predict_batch(requests)
+        from .batched import causal_feed_batch
+
+        out = [None if i in batchable else self.predict(r.state, r.canvas, r.start, r.end)
+               for i, r in enumerate(requests)]
+        rows = [requests[i] for i in batchable]
+        logits = causal_feed_batch(self.model, [r.state["cache"] for r in rows],
+                                   [r.canvas[:, r.state["fed"] : r.start] for r in rows])
+        for i, r, row_logits in zip(batchable, rows, logits):
+            r.state["fed"], r.state["block"], r.state["next"] = r.start, r.start, row_logits
+            out[i] = row_logits
+        if len(batchable) == len(requests):
+            logits[:] = out  # (the same arrays: the batch's stacked head stays readable)
+            return logits
+        return out
+
+    def _next_token_step(self, request: Any) -> bool:
+        state = request.state
+        return (request.end - request.start == 1 and state["block"] != request.start
+                and not getattr(self, "editing", False) and request.start > state["fed"]
+                and all(type(c) is KVCache for c in state["cache"]))
+
     def _feed(self, state: dict, tokens: mx.array) -> None:
         out = self.model(tokens, cache=state["cache"])[:, -1:]  # (1, 1, V)
         state["next"] = out if out.dtype == mx.float32 else out.astype(mx.float32)

@@ -9,6 +9,10 @@ the logits its own `Adapter.predict` would return:
   one width, padding keys masked out; positions start at 0 in every row, so RoPE needs
   no offsets. Canvases of very different widths go to separate calls (`width_groups`):
   every row of a call costs the widest row's full-canvas forward.
+- `causal_prefix_batch` (Nemotron-Labs Diffusion): each row's block, bidirectional over
+  its own causal KV cache (left-padded, masked), RoPE from each row's offset.
+- `causal_feed_batch` (the ar adapter): each row's new tokens fed through an mlx-lm causal
+  LM over its own KV cache, left-padded as mlx-lm's BatchKVCache does.
 - `block_causal_batch` (SDAR, LLaDA2 with or without the prefix cache): each row's
   window (cached prefix to the end of its attention block) left-padded to one width,
   RoPE rotated from each row's own offset (mlx-lm's attention takes `cache.offset` as a
@@ -51,8 +55,11 @@ def width_groups(widths: Sequence[int], spread: float = WIDTH_SPREAD) -> list:
 
 def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int) -> list:
     """Full-canvas bidirectional forwards: one model call per group of similar widths."""
+    groups = width_groups([r.canvas.shape[1] for r in requests])
+    if len(groups) == 1 and groups[0] == list(range(len(requests))):
+        return _bidirectional_call(adapter, requests, shift)  # (its RowLogits: one stacked head)
     out: list = [None] * len(requests)
-    for group in width_groups([r.canvas.shape[1] for r in requests]):
+    for group in groups:
         for i, logits in zip(group, _bidirectional_call(adapter, [requests[i] for i in group], shift)):
             out[i] = logits
     return out
@@ -69,7 +76,31 @@ def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> li
         valid = np.arange(width)[None, :] < np.array(lengths)[:, None]
         mask = mx.array(valid)[:, None, None, :]
     hidden = adapter.model.backbone(mx.concatenate(rows, axis=0), mask)
-    return [adapter.model.head(hidden[i : i + 1, r.start - shift : r.end - shift]) for i, r in enumerate(requests)]
+    return stacked_head(adapter, hidden, [(r.start - shift, r.end - r.start) for r in requests])
+
+
+class RowLogits(list):
+    """Per-row logits (1, W_i, V) that are slices of one stacked array (`source`, (B, W, V),
+    row i's at source[i, :W_i]): a fused commit (mlx_lm_diffusion.fused_commit) reads the
+    stacked array instead of stacking the slices again."""
+
+    source: Optional[mx.array] = None
+
+
+def stacked_head(adapter: Any, hidden: mx.array, reads: Sequence[tuple]) -> RowLogits:
+    """The LM head at each row's read positions (column, width) of `hidden` (B, T, H), in
+    one call: the columns are gathered first (padded to the widest read by repeating the
+    row's last column), so the head's cost does not grow with the number of rows."""
+    width = max(w for _, w in reads)
+    columns = np.array([[c + min(j, w - 1) for j in range(width)] for c, w in reads], dtype=np.int32)
+    if (columns == columns[0]).all() and (np.diff(columns[0]) == 1).all():
+        gathered = hidden[:, int(columns[0, 0]) : int(columns[0, 0]) + width]
+    else:
+        gathered = mx.take_along_axis(hidden, mx.array(columns)[..., None], axis=1)
+    source = adapter.model.head(gathered)
+    out = RowLogits(source[i : i + 1, :w] for i, (_, w) in enumerate(reads))
+    out.source = source
+    return out
 
 
 def _pad_right(canvas: mx.array, width: int) -> mx.array:
@@ -119,12 +150,106 @@ def block_causal_batch(adapter: Any, requests: Sequence[Any]) -> list:
     first = np.array([offset - (width - (stop - offset)) for offset, stop in plans])  # position of column 0
     views = [_BatchLayerView(mx.array(first), _stacked_prefix(requests, i, stored)) for i in range(layers)]
     hidden = adapter.model.backbone(tokens, _block_causal_mask(plans, first, width, stored, block), views)
-    out = []
+    reads = []
     for row, (r, (offset, stop)) in enumerate(zip(requests, plans)):
         column = width - (stop - offset) - offset  # canvas position p sits at column p + column
-        out.append(adapter.model.head(hidden[row : row + 1, r.start + column : r.end + column]))
+        reads.append((r.start + column, r.end - r.start))
         if r.state is not None and r.state.layers:
             _store(r.state, views, row, offset, stop, column, block)
+    return stacked_head(adapter, hidden, reads)
+
+
+def causal_prefix_batch(adapter: Any, requests: Sequence[Any], caches: Sequence[list]) -> list:
+    """Bidirectional block passes over each row's own causal KV cache (Nemotron-Labs
+    Diffusion's predict), one model call per block width: every row's block (B, W),
+    RoPE and the attention scale from each row's own offset (its cache length), keys =
+    its cached prefix (left-padded to a common length, the padding masked out) then the
+    block. Nothing is stored: the rows' caches are left as they are (predict trims the
+    block away again). `caches[i]`: row i's per-layer KVCaches, holding [0, start)."""
+    out: list = [None] * len(requests)
+    groups: dict = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(r.end - r.start, []).append(i)
+    for width, rows in groups.items():
+        logits = _causal_prefix_call(adapter, [requests[i] for i in rows], [caches[i] for i in rows], width)
+        if len(groups) == 1:
+            return logits  # (its RowLogits: one stacked head)
+        for i, row_logits in zip(rows, logits):
+            out[i] = row_logits
+    return out
+
+
+def _causal_prefix_call(adapter: Any, requests: list, caches: list, width: int) -> list:
+    offsets = np.array([c[0].offset for c in caches])
+    stored = bucketed(int(offsets.max())) if offsets.max() else 0
+    tokens = mx.concatenate([r.canvas[:, r.start : r.end] for r in requests], axis=0)
+    views = [_BatchLayerView(mx.array(offsets), _stacked_caches([c[layer] for c in caches], stored))
+             for layer in range(len(caches[0]))]
+    cached_real = np.arange(stored)[None, :] >= (stored - offsets)[:, None]  # (B, stored)
+    keys_real = np.concatenate([cached_real, np.ones((len(requests), width), dtype=bool)], axis=1)
+    mask = mx.array(np.broadcast_to(keys_real[:, None, None, :], (len(requests), 1, width, stored + width)))
+    hidden = adapter.model.backbone(tokens, mask, views)
+    return stacked_head(adapter, hidden, [(0, width)] * len(requests))
+
+
+def _stacked_caches(layer_caches: list, stored: int) -> Optional[tuple]:
+    """(B, H, stored, D) keys and values of one layer's caches, left-padded; None: no prefix."""
+    if not stored:
+        return None
+    filled = [c for c in layer_caches if c.offset]
+    if not filled:
+        return None
+    like = filled[0].keys[..., :1, :]
+    zeros = mx.zeros((1, like.shape[1], stored, like.shape[3]), like.dtype)
+    keys = [zeros if not c.offset else _pad_left(c.keys[..., : c.offset, :], stored, axis=2) for c in layer_caches]
+    values = [zeros if not c.offset else _pad_left(c.values[..., : c.offset, :], stored, axis=2) for c in layer_caches]
+    return mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
+
+
+class _CausalFeedView(_BatchLayerView):
+    """A layer's view for a batched causal feed; it also answers the model's mask call
+    (mlx-lm's create_attention_mask asks the cache for its mask, as BatchKVCache does)."""
+
+    def __init__(self, offset: mx.array, prefix: Optional[tuple], mask: mx.array):
+        super().__init__(offset, prefix)
+        self.mask = mask
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> mx.array:
+        return self.mask
+
+
+def causal_feed_batch(model: Any, caches: Sequence[list], feeds: Sequence[mx.array]) -> RowLogits:
+    """Feed each row's new tokens (1, L_i) to an mlx-lm causal LM over its own KV cache, in
+    one call, as mlx-lm's BatchKVCache lays a batch out: the tokens left-padded to one
+    width, RoPE from each row's own positions, keys = its cached prefix (left-padded) then
+    the new ones, masked causally on each row's positions (padding masked out). The new
+    keys and values go into each row's cache. Returns the logits after each row's last
+    token, (1, 1, V) float32 per row (a RowLogits over one (B, 1, V) array)."""
+    B, width = len(feeds), max(f.shape[1] for f in feeds)
+    fed = np.array([c[0].offset for c in caches])
+    lengths = np.array([f.shape[1] for f in feeds])
+    stored = bucketed(int(fed.max())) if fed.max() else 0
+    tokens = mx.concatenate([_pad_left(f, width, axis=1) for f in feeds], axis=0)
+    first = fed - (width - lengths)  # the position of column 0 in each row
+    query_pos = first[:, None] + np.arange(width)[None, :]
+    query_real = np.arange(width)[None, :] >= (width - lengths)[:, None]
+    cached_pos = fed[:, None] - stored + np.arange(stored)[None, :]
+    key_pos = np.concatenate([cached_pos, query_pos], axis=1)
+    key_real = np.concatenate([cached_pos >= 0, query_real], axis=1)
+    allowed = key_real[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
+    own = np.zeros_like(allowed)
+    own[:, np.arange(width), stored + np.arange(width)] = True
+    allowed |= own & ~query_real[:, :, None]  # (a padded query attends to itself: no empty row)
+    mask = mx.array(allowed)[:, None]
+    views = [_CausalFeedView(mx.array(first), _stacked_caches([c[layer] for c in caches], stored), mask)
+             for layer in range(len(caches[0]))]
+    source = model(tokens, cache=views)[:, -1:]
+    source = source if source.dtype == mx.float32 else source.astype(mx.float32)
+    for row, (row_caches, n) in enumerate(zip(caches, lengths)):
+        for cache, view in zip(row_caches, views):
+            cache.update_and_fetch(view.keys[row : row + 1, :, width - n :], view.values[row : row + 1, :, width - n :])
+    out = RowLogits(source[i : i + 1] for i in range(B))
+    out.source = source
     return out
 
 

@@ -187,6 +187,19 @@ class Adapter(_BaseAdapter):
             c.trim(end - start)
         return self.model.head(hidden)
 
+    def predict_batch(self, requests: list) -> list:
+        """Many rows' block passes in one call (model_adapters.batched.causal_prefix_batch);
+        each row's pending causal encode (a finished block) runs first, on its own."""
+        if len(requests) == 1:
+            return super().predict_batch(requests)
+        from .batched import causal_prefix_batch
+
+        for r in requests:
+            self._flush(r.state, r.canvas)
+            if r.state.offset != r.start:
+                raise RuntimeError(f"cache holds {r.state.offset} positions, block starts at {r.start}")
+        return causal_prefix_batch(self, requests, [r.state.cache for r in requests])
+
     def finish_block(self, state: _State, canvas: mx.array, start: int, end: int) -> None:
         # Encoded lazily, when the next block needs it: no pass after the last block.
         state.pending = (start, end)

@@ -175,3 +175,69 @@ def test_removed_row_frees_its_place(llada):
     assert batch.stats()["running_rows"] == 2
     while len(batch):
         batch.step()
+
+
+@pytest.mark.parametrize("strategy", ["threshold", "entropy_bounded", "factor", "low_confidence_static"])
+def test_plain_steps_are_committed_together(sdar, monkeypatch, strategy):
+    """Rows with plain steps (greedy, no processors, no editing) are committed by the batch
+    in one call per step (mlx_lm_diffusion.fused_commit) and still decode as alone; the
+    EOS row (a logits processor) commits on its own beside them."""
+    import mlx_lm_diffusion.batch as batch_module
+
+    sizes, real = [], batch_module.commit_rows
+    monkeypatch.setattr(batch_module, "commit_rows", lambda plans, *a: sizes.append(len(plans)) or real(plans, *a))
+    check_ragged(*sdar, strategy=strategy)
+    assert sizes and max(sizes) == 2  # the two plain rows, together
+
+
+def test_fused_and_unfused_batches_agree(llada):
+    """fuse_commits=False (every row commits on its own) gives what the fused batch gives."""
+    model, tok = llada
+    adapter = adapter_for(model, tok)
+    options = [resolve(DecodeOptions(max_tokens=n, block_length=8), adapter, len(p))
+               for p, n in zip(PROMPTS, (16, 12, 10))]
+    results = []
+    for fuse in (True, False):
+        batch, out = RunningBatch(adapter, fuse_commits=fuse), {}
+        rows = [batch.add(p, o) for p, o in zip(PROMPTS, options)]
+        for _ in range(1000):
+            for event in batch.step():
+                if event.finished:
+                    out[event.row.id] = (event.row.last.canvas.tolist(), event.row.last.forwards)
+            if not len(batch):
+                break
+        results.append([out[row.id] for row in rows])
+    assert results[0] == results[1]
+
+
+class CountingModel:
+    """The adapter's model, counting model calls (an mlx-lm model's own call, a backbone)."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.model(*args, **kwargs)
+
+    def backbone(self, *args, **kwargs):
+        self.calls += 1
+        return self.model.backbone(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["nemotron", "causal"])
+def test_rows_share_model_calls(request, family):
+    """Nemotron's block passes (over each row's causal cache) and the ar adapter's
+    next-token feeds run as one model call for all rows (model_adapters.batched)."""
+    model, tok = request.getfixturevalue(family)
+    adapter = adapter_for(model, tok)
+    adapter.model = counting = CountingModel(model)
+    options = [resolve(DecodeOptions(max_tokens=12, block_length=8 if family == "nemotron" else None), adapter, len(p))
+               for p in PROMPTS]
+    expected = [alone(adapter, p, o) for p, o in zip(PROMPTS, options)]
+    calls_alone, counting.calls = counting.calls, 0
+    assert batched(adapter, PROMPTS, options) == expected
+    assert counting.calls < calls_alone * 0.7, (counting.calls, calls_alone)

@@ -210,3 +210,14 @@ def test_training_smoke_loss_falls_and_is_reproducible(tmp_path):
     x = mx.array([encode("357+468=") + [MASK_ID] * DEMO_MAX_TOKENS])
     assert mx.allclose(model(x), run["model"](x), atol=1e-5)
 
+
+
+def test_training_canvas_distribution_is_an_option_and_recorded():
+    from mlx_lm_diffusion.demo.train import train
+
+    kwargs = dict(steps=2, batch_tokens=256, lr=3e-3, warmup=1, d_model=16, n_layers=1, n_heads=2, mlp=32,
+                  log_every=1)
+    record = train(None, canvas_lengths=(16, 24, 256), canvas_weights=(1, 1, 1), max_canvas=24, **kwargs)["record"]
+    assert (record["canvas_lengths"], record["canvas_weights"]) == ([16, 24], [1.0, 1.0])  # 256 > max_canvas
+    with pytest.raises(ValueError, match="same length"):
+        train(None, canvas_lengths=(16, 24), canvas_weights=(1,), **kwargs)

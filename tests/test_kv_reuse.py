@@ -145,6 +145,37 @@ def test_follow_up_turn_prefills_only_its_new_tokens(families, family):
 
 
 @pytest.mark.parametrize("family", EXACT)
+def test_batched_row_starts_from_the_cached_prefix(families, family):
+    """A running batch's row with a cached prefix (next to a cold row) gives the cold
+    decode's tokens and forwards, reports the positions it reused, and leaves its KV."""
+    from mlx_lm_diffusion.batch import RunningBatch
+
+    history, prefix = first_turn(families, family)
+    follow_up = history + [int(t) for t in np.random.default_rng(8).integers(0, 250, 7)]
+    other = [int(t) for t in np.random.default_rng(9).integers(0, 250, 11)]
+    expected = [decode(families[family], ids, **OPTIONS[family])[:2] for ids in (follow_up, other)]
+    model, tok = families[family]
+    adapter = adapter_for(model, tok)
+    adapter.eos_ids = frozenset()  # (as `decode`)
+    batch = RunningBatch(adapter)
+    rows = [batch.add(ids, resolve(DecodeOptions(**OPTIONS[family]), adapter, len(ids)), prefix=p)
+            for ids, p in ((follow_up, prefix), (other, None))]
+    assert [row.prompt_kv.reused for row in rows] == [prefix.length, 0]
+    results = {}
+    for _ in range(1000):  # (bounded: each row's decode is)
+        for event in batch.step():
+            assert event.error is None, event.error
+            if event.finished:
+                P, last = event.row.prompt_len, event.row.last
+                results[event.row.id] = ([int(t) for t in last.canvas[0, P : P + last.final[0]]], last.forwards)
+        if not len(batch):
+            break
+    assert [results[row.id] for row in rows] == expected
+    left = rows[0].prompt_kv.export(follow_up + results[rows[0].id][0])
+    assert left is not None and left.length >= prefix.length
+
+
+@pytest.mark.parametrize("family", EXACT)
 def test_trimmed_prefix_is_exact(families, family):
     """The LRU trims a cache to the prefix a new prompt shares: a divergence in the middle
     of a block (block-causal: the partial block is not reused), or a prompt shorter than
@@ -299,15 +330,16 @@ MAX_TOKENS = 12
 SYSTEM = {"role": "system", "content": "You are a terse assistant who answers in one line."}
 
 
-@pytest.fixture(scope="module", params=["sdar", "llada"])
+@pytest.fixture(scope="module", params=["sdar", "llada", "sdar batched", "llada batched"])
 def served(request, sdar_path, llada_path):
-    """(family, port, response generator) of an in-process server."""
-    path = {"sdar": sdar_path, "llada": llada_path}[request.param]
-    # one request at a time: the KV reuse path (batched rows re-read their whole prompt)
-    argv = ["--model", str(path), "--port", "0", "--max-tokens", str(MAX_TOKENS), "--prompt-cache-bytes", "64MB",
-            "--no-batch"]
-    with running_server(argv) as (httpd, generator):
-        yield request.param, httpd.server_address[1], generator
+    """(family, port, response generator) of an in-process server: serving one request at
+    a time (--no-batch: the serial path) or batched rows (the scheduler, the default)."""
+    family, *batched = request.param.split()
+    path = {"sdar": sdar_path, "llada": llada_path}[family]
+    argv = ["--model", str(path), "--port", "0", "--max-tokens", str(MAX_TOKENS), "--prompt-cache-bytes", "64MB"]
+    with running_server(argv + ([] if batched else ["--no-batch"])) as (httpd, generator):
+        assert (generator.scheduler is not None) == bool(batched)
+        yield family, httpd.server_address[1], generator
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
 from checkpoints import EOS_ID, EOT_ID
@@ -219,3 +220,45 @@ def test_sigterm_finishes_running_rows_within_grace_cancels_the_rest(llada_path,
     finally:
         long.close()
         _stop(proc)
+
+
+def protocol_request(i):
+    """Step-schedule requests of different lengths and schedules; odd ones sample (seeded)."""
+    prompt = [72, 101, 108, 108, 111, 33, 44][: 3 + i % 5]
+    steps = 2 + i % 3
+    return {"prompt_tokens": prompt, "target_length": len(prompt) + 6 + i % 4, "num_steps": steps,
+            "mask_schedule": ["cosine", "linear"][i % 2], "temperature_schedule": [0.7 * (i % 2)] * steps,
+            "top_p": 0.9 if i % 2 else 1.0, "seed": 40 + i}
+
+
+def post_protocol(port, body):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    try:
+        conn.request("POST", "/v1/diffusion/generate", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_protocol_requests_join_the_scheduler(served, client, llada):
+    """Concurrent step-schedule requests (beside chat requests) are batched rows, and each
+    response is the one run_request gives alone (seeded sampling included)."""
+    from mlx_lm_diffusion.protocol import run_request
+
+    port, scheduler = served[0].server_address[1], served[1].scheduler
+    before = scheduler.stats()
+    bodies = [protocol_request(i) for i in range(6)]
+    with RowWatch(scheduler) as watch:
+        results = concurrently(lambda b: post_protocol(port, b), bodies, workers=6)
+        chat = ask(client, request(0))
+    assert [status for status, _ in results] == [200] * len(bodies)
+    for (_, body), sent in zip(results, bodies):
+        alone = run_request(*llada, sent)
+        # (confidences: up to the float effect of a padded batched forward on the attention's sums)
+        assert np.allclose(body.pop("confidence"), alone.pop("confidence"), atol=1e-5)
+        assert body == alone, sent
+    assert watch.most >= 2 and chat[0]  # batched, and chat went on beside it
+    assert scheduler.stats()["running_rows"] == before["running_rows"] == 0

@@ -173,6 +173,8 @@ class Decoder:
         # Queue each step's arrays as soon as they are built (one decode); a batch of
         # decodes evaluates all rows' at once instead (mlx_lm_diffusion.batch).
         self.queue_eagerly = True
+        # A running batch commits plain steps of all its rows at once (mlx_lm_diffusion.fused_commit).
+        self.fuse_commits = False
 
     @classmethod
     def check_options(cls, values: dict, adapter: Any) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from mlx_arsenal.diffusion import edit_transfer
 from mlx_lm.sample_utils import apply_top_p
 
+from .. import fused_commit
 from ..commit_rules import StepInputs
 from ..constraints import LeftToRight
 from .base import (
@@ -123,6 +124,8 @@ class MaskedBlockDecoder(Decoder):
     def _step(self, state: Any, canvas: Canvas, b: BlockState, has_mask: bool):
         """One forward and its commits (a generator: it yields the forward it needs);
         returns whether a committed token was edited."""
+        if self.fuse_commits and has_mask and fused_commit.fusable(self):  # a running batch commits it
+            return (yield from fused_commit.row_step(self, state, canvas, b))
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
         x0, prob, logprobs, logits = yield from self._predict(state, canvas, b)
         # Under processors a block may outlast the rule's schedule (one commit per step at

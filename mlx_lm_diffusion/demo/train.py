@@ -231,6 +231,8 @@ def train(
     mlp: int = 256,
     rope_theta: float = 500.0,
     max_canvas: int = TRAIN_MAX_CANVAS,
+    canvas_lengths: Sequence[int] = CANVAS_LENGTHS,
+    canvas_weights: Sequence[float] = CANVAS_WEIGHTS,
     log_every: int = 50,
     eval_every: int = 0,
     eval_size: int = 256,
@@ -261,8 +263,10 @@ def train(
         optimizer.update(model, grads)
         return loss
 
-    keep = [i for i, n in enumerate(CANVAS_LENGTHS) if n <= max_canvas]
-    lengths = canvas_schedule(rng, steps, [CANVAS_LENGTHS[i] for i in keep], [CANVAS_WEIGHTS[i] for i in keep])
+    if len(canvas_lengths) != len(canvas_weights):
+        raise ValueError("canvas_lengths and canvas_weights must have the same length")
+    keep = [i for i, n in enumerate(canvas_lengths) if n <= max_canvas]
+    lengths = canvas_schedule(rng, steps, [canvas_lengths[i] for i in keep], [canvas_weights[i] for i in keep])
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"demo model: {n_params / 1e6:.2f}M parameters, {steps} steps of ~{batch_tokens} tokens, seed {seed}",
           file=sys.stderr, flush=True)
@@ -279,7 +283,7 @@ def train(
         if eval_every and step % eval_every == 0 and step < steps:
             if out is not None:  # a snapshot to look at (and to fall back on) while training runs
                 save_checkpoint(model, config, out / "snapshots" / f"step{step}")
-            for n in (GEN_LENGTH, 64):
+            for n in (GEN_LENGTH, 64, 512):  # 512: capped to the context
                 exact, slots = _accuracy(model, eval_size, n)
                 print(f"  held-out exact match ({eval_size}, max_tokens {n}): {exact:.3f}  per answer slot: "
                       + " ".join(f"{x:.2f}" for x in slots), file=sys.stderr, flush=True)
@@ -292,8 +296,8 @@ def train(
         "seed": seed,
         "steps": steps,
         "batch_tokens": batch_tokens,
-        "canvas_lengths": [CANVAS_LENGTHS[i] for i in keep],
-        "canvas_weights": [CANVAS_WEIGHTS[i] for i in keep],
+        "canvas_lengths": [int(canvas_lengths[i]) for i in keep],
+        "canvas_weights": [float(canvas_weights[i]) for i in keep],
         "lr": lr,
         "warmup": warmup,
         "weight_decay": weight_decay,
@@ -339,6 +343,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--pad-weight", type=int, default=32,
                    help="The EOS padding of a row counts for at most this many positions")
     p.add_argument("--max-canvas", type=int, default=TRAIN_MAX_CANVAS, help="Longest training canvas")
+    p.add_argument("--canvas-lengths", type=int, nargs="+", default=list(CANVAS_LENGTHS),
+                   help="Training canvas lengths (prompt + generated positions)")
+    p.add_argument("--canvas-weights", type=float, nargs="+", default=list(CANVAS_WEIGHTS),
+                   help="How often each canvas length is drawn (relative)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=4)
@@ -361,7 +369,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = train(
         args.out, steps=args.steps, seed=args.seed, batch_tokens=args.batch_tokens, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, masking=args.masking,
-        suffix=args.suffix, pad_weight=args.pad_weight, max_canvas=args.max_canvas, d_model=args.d_model,
+        suffix=args.suffix, pad_weight=args.pad_weight, max_canvas=args.max_canvas,
+        canvas_lengths=args.canvas_lengths, canvas_weights=args.canvas_weights, d_model=args.d_model,
         n_layers=args.n_layers, n_heads=args.n_heads, mlp=args.mlp, rope_theta=args.rope_theta, log_every=args.log_every,
         eval_every=args.eval_every, init=args.init, command=command,
     )

@@ -1,0 +1,244 @@
+"""A running batch's commit step, fused across rows.
+
+A masked-block step is a model forward and then, per row, its commit: the LM head at the
+block's positions, log-softmax, the proposal and its confidence, the commit rule's
+selection and the writes (MaskedBlockDecoder._step). At test sizes each of those is a
+small op, and a batch of R rows decoded row by row builds about thirty of them per row
+and step. Here rows whose step is plain (greedy proposal, no logits processors, no
+editing, no temperature schedule: `fusable`) hand their step to the batch instead
+(`row_step` yields a `FusedForward`); the batch answers all of them at once
+(`commit_rows`): one log-softmax and proposal over the stacked logits (R, W, V), one rule
+selection per group of rows that share a rule (the rule's per-row state, a quota, stacked
+as a per-row count), one set of writes, so the op count of a step no longer grows with R
+but for each row's slice of the result.
+
+A fused row commits exactly what MaskedBlockDecoder._step commits for it alone: the same
+log-probs, proposal, candidates and rule (`select` sees the rows' quotas at their own
+steps, `StepInputs.step` is then 0 of a one-column quota). Dream's deterministic rules
+(their state: timesteps) are selected row by row, still on the stacked proposal; rules
+that draw random numbers (random remasking, Dream's with alg_temp, origin) are not fused:
+a row's draws come from its own key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .commit_rules import (
+    BlockLengthQuota,
+    DreamConfidence,
+    DreamOrigin,
+    EntropyBound,
+    EntropyBounded,
+    Factor,
+    LowConfidence,
+    LowConfidenceDynamic,
+    LowConfidenceStatic,
+    Quota,
+    StepInputs,
+    Threshold,
+)
+from .decoders.base import Forward, ReadBack, greedy_proposal, log_softmax, normalized_entropy
+
+# Rules whose selection reads only a per-row quota at the step (stacked over rows here).
+QUOTA_RULES = (LowConfidence, BlockLengthQuota, LowConfidenceDynamic, LowConfidenceStatic)
+# Rules whose selection reads no state and no step.
+STATELESS_RULES = (Threshold, Factor, EntropyBound, EntropyBounded)
+
+
+@dataclass
+class RowCommit:
+    """One row's step, everything but its logits: what `commit_rows` needs."""
+
+    rule: Any
+    rule_state: Any
+    step: int
+    steps: int
+    masked: np.ndarray  # (1,) masks left in the block (host)
+    candidates: mx.array  # (1, W) masked positions that may commit
+    block: mx.array  # (1, W) the block's tokens now
+    kept: Optional[mx.array]  # (1, W, V) log-probs at commit so far, or None
+    confidence: mx.array  # (1, W)
+    takes_all: bool  # every candidate commits (the rule's count covers the masks)
+    bias: Optional[mx.array]  # (V,) added to the float32 logits (suppressed / disallowed ids)
+
+
+@dataclass
+class FusedForward(Forward):
+    """A forward request whose commit the batch does (reply: a `Committed`)."""
+
+    commit: Optional[RowCommit] = None
+
+
+@dataclass
+class Committed:
+    """A fused row's step, answered: the block's new tokens, log-probs and confidence."""
+
+    block: mx.array
+    kept: Optional[mx.array]
+    confidence: mx.array
+
+
+def fusable(decoder: Any) -> bool:
+    """Whether the decoder's steps are plain enough to be committed by the batch."""
+    o = decoder.options
+    return (o.sampler is None and o.temperature_schedule is None and decoder.ordered is None
+            and not decoder.editing and deterministic_rule(o.rule))
+
+
+def deterministic_rule(rule: Any) -> bool:
+    """Rules that draw no random numbers: a row's draws come from its own key, which only
+    its own code holds (mlx_lm_diffusion.batch)."""
+    if _joint(rule):
+        return True
+    return isinstance(rule, DreamConfidence) and not isinstance(rule, DreamOrigin) and rule.alg_temp == 0
+
+
+def row_step(decoder: Any, state: Any, canvas: Any, b: Any):
+    """MaskedBlockDecoder._step for a fusable row of a running batch (a generator: it
+    yields a FusedForward and receives its Committed). Returns False (nothing edited)."""
+    o, rule, mask_id = decoder.options, decoder.options.rule, decoder.adapter.mask_id
+    committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked)
+    takes_all = committed is not None and bool((committed == b.masked).all())
+    if b.step == 0:  # (the host copy of the block is current until its first commit)
+        candidates = mx.array(b.first_open)
+    else:
+        candidates = (canvas.tokens[:, b.start : b.end] == mask_id) & canvas.live_rows()
+    plan = RowCommit(rule, b.rule_state, b.step, o.steps, b.masked, candidates, canvas.tokens[:, b.start : b.end],
+                     b.kept, b.confidence, takes_all, _bias(decoder))
+    result = yield FusedForward(state, canvas.tokens, b.start, b.end, commit=plan)
+    canvas.forwards += 1
+    canvas.write(result.block, b.start)
+    b.kept, b.confidence = result.kept, result.confidence
+    if committed is None:  # this step's tokens decide: read them back
+        yield ReadBack((canvas.tokens,))
+        canvas.sync()
+        b.masked = canvas.open_rows(b.start, b.end, mask_id).sum(axis=1)
+    else:
+        b.masked = b.masked - committed
+    return False
+
+
+def _bias(decoder: Any) -> Optional[mx.array]:
+    """What `process` and `_suppressed` add to float32 logits, as one (V,) vector."""
+    parts = [p for p in (decoder.allowed_bias, decoder.suppress) if p is not None]
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+def commit_rows(plans: Sequence[RowCommit], logits: Sequence[mx.array], origins: Optional[Sequence] = None) -> list:
+    """Every fused row's Committed, from its plan and its logits (1, W_i, V). Rows of
+    one block width are stacked and committed together. `origins`, optional: per row,
+    (stacked, index) when its logits are stacked[index : index + 1, :W_i] (one head call
+    for the batch, model_adapters.batched.RowLogits), so the stack is taken, not rebuilt."""
+    out: list = [None] * len(plans)
+    groups: dict = {}
+    for i, plan in enumerate(plans):
+        groups.setdefault(plan.block.shape[1], []).append(i)
+    for rows in groups.values():
+        stacked = _from_origin([origins[i] for i in rows], plans[rows[0]].block.shape[1]) if origins else None
+        if stacked is None:
+            stacked = _stack([logits[i] for i in rows])
+        for i, result in zip(rows, _commit_group([plans[i] for i in rows], stacked)):
+            out[i] = result
+    return out
+
+
+def _from_origin(origins: list, width: int) -> Optional[mx.array]:
+    """The rows' logits (R, width, V) read off their common stacked array, or None."""
+    if any(o is None for o in origins) or any(o[0] is not origins[0][0] for o in origins):
+        return None
+    source, index = origins[0][0], [o[1] for o in origins]
+    if index != list(range(source.shape[0])):
+        source = mx.take(source, mx.array(index), axis=0)
+    return source if source.shape[1] == width else source[:, :width]
+
+
+def _stack(arrays: list) -> mx.array:
+    return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=0)
+
+
+def _commit_group(plans: list, stacked: mx.array) -> list:
+    if stacked.dtype != mx.float32:
+        stacked = stacked.astype(mx.float32)
+    biases = [p.bias for p in plans]
+    if any(bias is not None for bias in biases):
+        if all(bias is biases[0] for bias in biases):
+            stacked = stacked + biases[0]
+        else:
+            zeros = mx.zeros((stacked.shape[-1],), mx.float32)
+            stacked = stacked + mx.stack([zeros if bias is None else bias for bias in biases])[:, None, :]
+    logprobs = log_softmax(stacked)
+    x0, prob = greedy_proposal(logprobs)
+    candidates = _stack([p.candidates for p in plans])
+    commit = _select(plans, x0, prob, logprobs, candidates)
+    block = mx.where(commit, x0, _stack([p.block for p in plans]))
+    confidence = mx.where(commit, prob, _stack([p.confidence for p in plans]))
+    kept = None
+    if plans[0].kept is not None:
+        kept = mx.where(commit[..., None], logprobs, _stack([p.kept for p in plans]))
+    return [Committed(block[i : i + 1], None if kept is None else kept[i : i + 1], confidence[i : i + 1])
+            for i in range(len(plans))]
+
+
+def _select(plans: list, x0, prob, logprobs, candidates) -> mx.array:
+    """(R, W) commits: candidates where the rule takes them all, else the rule's
+    selection, one call per group of rows with equal rules."""
+    entropy = normalized_entropy(logprobs)  # (built lazily: only rules that read it evaluate it)
+    parts: list = [None] * len(plans)
+    groups: dict = {}
+    for i, plan in enumerate(plans):
+        if plan.takes_all:
+            parts[i] = "all"
+        elif _joint(plan.rule):
+            groups.setdefault(_rule_key(plan.rule), []).append(i)
+        else:
+            groups.setdefault(("row", i), []).append(i)
+    if not groups:
+        return candidates
+    masks = []
+    index = {}
+    for rows in groups.values():
+        take = mx.array(rows) if len(rows) < len(plans) else None
+        pick = (lambda a: a) if take is None else (lambda a: mx.take(a, take, axis=0))
+        first = plans[rows[0]]
+        state, step = _joint_state([plans[i] for i in rows]) if _joint(first.rule) else (first.rule_state, first.step)
+        masked = np.concatenate([plans[i].masked for i in rows])
+        inputs = StepInputs(pick(x0), pick(prob), pick(entropy), pick(logprobs), pick(candidates), step,
+                            first.steps, masked)
+        selected = first.rule.select(inputs, state)
+        for j, i in enumerate(rows):
+            index[i] = (len(masks), j)
+        masks.append(selected)
+    if len(masks) == 1 and len(groups[next(iter(groups))]) == len(plans):
+        return masks[0]
+    rows = []
+    for i in range(len(plans)):
+        if parts[i] == "all":
+            rows.append(candidates[i : i + 1])
+        else:
+            m, j = index[i]
+            rows.append(masks[m][j : j + 1])
+    return mx.concatenate(rows, axis=0)
+
+
+def _joint(rule: Any) -> bool:
+    return type(rule) in QUOTA_RULES or type(rule) in STATELESS_RULES
+
+
+def _rule_key(rule: Any) -> tuple:
+    return (type(rule), repr(rule))
+
+
+def _joint_state(plans: list) -> tuple:
+    """A state and step under which the rule selects every row as at its own step: the
+    rows' quotas at their steps, as a one-column Quota read at step 0."""
+    if type(plans[0].rule) not in QUOTA_RULES:
+        return None, 0
+    quotas = np.array([[int(p.rule_state.host[0, p.step])] for p in plans], dtype=np.int32)
+    return Quota(mx.array(quotas), quotas), 0
