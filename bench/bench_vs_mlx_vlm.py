@@ -9,13 +9,18 @@ alternating runs after a warm-up; the ratio is mlx-vlm's time over ours.
 DiffusionGemma with an image: the same, on a checkpoint with its vision tower and processor
 (the prompt holds an image's soft tokens; both sides get the processor's pixel values).
 
-The cheaper step (--fast-self-conditioning, top-k self-conditioning): on a checkpoint with a
-65,536-token vocabulary, the time of one denoising step (decoder forward with
-self-conditioning) exact against top-k, and the token agreement of whole seeded decodes
-with the exact path (positions equal, decodes equal) over many seeds.
+The cheaper steps (--fast-self-conditioning: top-k self-conditioning; --fast-step: the whole
+step on the top-k logits): on a checkpoint with a 65,536-token vocabulary, the time of one
+denoising step (decoder forward with self-conditioning and the step's vocabulary work)
+exact against each, the top-k softmax mass and the relative error of the top-k
+self-conditioning vector; and (4,096-token vocabulary, to keep many whole decodes
+affordable) the token agreement of whole seeded decodes with the exact path (positions
+equal, decodes equal) over many seeds, next to a control: the exact path
+with its self-conditioning logits scaled by (1 + 1e-4). CPU seconds are printed too: on a
+shared machine the wall clock of one side can double while the other runs.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_vs_mlx_vlm.py [--gemma-only] [--self-spec-only] [--quick]
+        python bench/bench_vs_mlx_vlm.py [--gemma-only] [--self-spec-only] [--quick] [--runs N]
 
 Nemotron self-speculation (`self_spec`): tokens per forward and tok/s against our
 block-length-1 autoregressive decode and mlx-vlm's `linear_spec_generate`, on a micro
@@ -46,11 +51,15 @@ PROMPT = list(range(40, 72))
 NEMOTRON_GEN, GEMMA_GEN, GEMMA_CANVAS = 128, 128, 64
 
 
-def engine(model, tok, prompt=PROMPT, vision=None, **options):
-    """The engine without EOS (both sides decode every token); returns (tokens, forwards)."""
+def engine(model, tok, prompt=PROMPT, vision=None, perturb=None, **options):
+    """The engine without EOS (both sides decode every token); returns (tokens, forwards).
+    `perturb`: scale the self-conditioning logits by (1 + perturb) (a control)."""
     adapter = adapter_for(model, tok)
     adapter.eos_ids = frozenset()
     adapter.vision = vision
+    if perturb is not None:
+        condition = adapter.condition
+        adapter.condition = lambda state, z: condition(state, z * (1.0 + perturb))
     resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
     last = None
     for last in Engine(adapter, resolved, keep_logprobs=False).run(mx.array([prompt])):
@@ -60,20 +69,27 @@ def engine(model, tok, prompt=PROMPT, vision=None, **options):
 
 
 RUNS = 1 if "--quick" in sys.argv[1:] else 3  # --quick: one timed run each, fewer seeds
+if "--runs" in sys.argv[1:]:  # --runs N: N timed runs each, whatever --quick says
+    RUNS = int(sys.argv[sys.argv.index("--runs") + 1])
 
 
-def alternate(ours, theirs, runs=None):
+CPU_TIMES: dict = {}  # name -> (our CPU seconds, theirs): the shared machine's wall clock is noisy
+
+
+def alternate(ours, theirs, runs=None, name=None):
     """Warm both up, then time them in turn `runs` times (the machine is noisy); returns the
-    best seconds of each and their last results."""
+    best wall seconds of each and their last results (the best CPU seconds in CPU_TIMES)."""
     ours(), theirs()
-    t_ours = t_theirs = float("inf")
+    t_ours = t_theirs = c_ours = c_theirs = float("inf")
     for _ in range(runs or RUNS):
-        tic = time.perf_counter()
+        tic, cpu = time.perf_counter(), time.process_time()
         a = ours()
-        t_ours = min(t_ours, time.perf_counter() - tic)
-        tic = time.perf_counter()
+        t_ours, c_ours = min(t_ours, time.perf_counter() - tic), min(c_ours, time.process_time() - cpu)
+        tic, cpu = time.perf_counter(), time.process_time()
         b = theirs()
-        t_theirs = min(t_theirs, time.perf_counter() - tic)
+        t_theirs, c_theirs = min(t_theirs, time.perf_counter() - tic), min(c_theirs, time.process_time() - cpu)
+    if name is not None:
+        CPU_TIMES[name] = (c_ours, c_theirs)
     return t_ours, t_theirs, a, b
 
 
@@ -203,7 +219,7 @@ def gemma_row(name, model, tok, vlm, prompt, vision=None, **fast):
     pixels, types = (vision.pixel_values, vision.mm_token_type_ids) if vision is not None else (None, None)
     theirs = lambda: mlx_vlm_decode(vlm, prompt, pixels, types)  # noqa: E731
     ours = lambda: engine(model, tok, prompt, vision, max_tokens=GEMMA_GEN, seed=0, **fast)  # noqa: E731
-    t_ours, t_theirs, (a, fa), (b, fb) = alternate(ours, theirs)
+    t_ours, t_theirs, (a, fa), (b, fb) = alternate(ours, theirs, name=name)
     # after a canvas that runs all its steps, mlx-vlm skips the reference's last draws and
     # the random streams part: "same" compares the first canvas, which both start alike
     same = a[:GEMMA_CANVAS] == b[:GEMMA_CANVAS]
@@ -229,15 +245,21 @@ def gemma_image_rows(tmp: Path):
         gemma_row("DiffusionGemma + image, exact step", model, processor, vlm, prompt, vision),
         gemma_row("DiffusionGemma + image, fast self-cond. k=256", model, processor, vlm, prompt, vision,
                   fast_self_conditioning=True),
+        gemma_row("DiffusionGemma + image, fast step k=256", model, processor, vlm, prompt, vision,
+                  fast_step=True),
     ]
 
 
-STEP_VOCAB = 65536
-AGREEMENT_SEEDS = 6 if "--quick" in sys.argv[1:] else 24
+STEP_VOCAB = 65536  # the time per step
+AGREEMENT_VOCAB = 4096  # the agreement (many whole decodes: a smaller head keeps them affordable)
+AGREEMENT_SEEDS = 8 if "--quick" in sys.argv[1:] else 24
 
 
 def cheaper_step_rows(tmp: Path):
-    """Time per denoising step and token agreement, exact against top-k self-conditioning."""
+    """Per k: ms per denoising step (decoder forward with self-conditioning and the step's
+    vocabulary work: softmax, entropy, argmax, sample) exact, top-k self-conditioning and
+    the top-k step; the token agreement of whole seeded decodes with the exact path; and a
+    control: the exact path with its self-conditioning logits scaled by (1 + 1e-4)."""
     path = write_diffusion_gemma(tmp / "gemma_big_vocab", vocab_size=STEP_VOCAB, **GEMMA_DIMS)
     model, tok = mld.load(str(path))
     cache = model.make_kv_cache()
@@ -246,28 +268,50 @@ def cheaper_step_rows(tmp: Path):
     sc = model.decode(canvas, cache) / 0.7
     mx.eval(sc)
 
-    def step(k):
+    def vocabulary_work(z):
+        logprobs = z - mx.logsumexp(z, axis=-1, keepdims=True)
+        entropy = -mx.sum(mx.exp(logprobs) * logprobs, axis=-1)
+        return mx.argmax(z, axis=-1), entropy, mx.random.categorical(z)
+
+    def step(kind, k, ids_k=None):
+        sc_k = None if ids_k is None else mx.take_along_axis(sc, ids_k, axis=-1)
+
         def run():
-            out = None
             for _ in range(5):
-                out = model.decode(canvas, cache, sc, k)
-                mx.eval(out)
-            return out
+                if kind == "top-k step":
+                    values, ids = model.decode_top_k(canvas, cache, (sc_k, ids_k), k)
+                    mx.eval(vocabulary_work(values / 0.7), ids)
+                else:
+                    mx.eval(vocabulary_work(model.decode(canvas, cache, sc, k if kind == "top-k sc" else 0) / 0.7))
         return run
 
-    rows = []
-    for k in (256,) if "--quick" in sys.argv[1:] else (256, 64):
-        t_exact, t_fast, _, _ = alternate(step(0), step(k))
+    small, small_tok = mld.load(str(write_diffusion_gemma(tmp / "gemma_4k", vocab_size=AGREEMENT_VOCAB,
+                                                          **GEMMA_DIMS)))
+
+    def agreement(**fast):
         agree = positions = equal = 0
         for seed in range(AGREEMENT_SEEDS):
-            a, _ = engine(model, tok, max_tokens=GEMMA_CANVAS, seed=seed)
-            b, _ = engine(model, tok, max_tokens=GEMMA_CANVAS, seed=seed, fast_self_conditioning=True,
-                          self_conditioning_k=k)
+            a, _ = engine(small, small_tok, max_tokens=GEMMA_CANVAS, seed=seed)
+            b, _ = engine(small, small_tok, max_tokens=GEMMA_CANVAS, seed=seed, **fast)
             agree += sum(x == y for x, y in zip(a, b))
             positions += len(a)
             equal += a == b
-        rows.append((k, t_exact / 5, t_fast / 5, agree / positions, equal))
-    return rows
+        return agree / positions, equal
+
+    rows = []
+    for k in (256,) if "--quick" in sys.argv[1:] else (256, 64):
+        ids_k = mx.argpartition(-sc, kth=k - 1, axis=-1)[..., :k]
+        t_exact, t_sc, _, _ = alternate(step("exact", k), step("top-k sc", k))
+        _, t_step, _, _ = alternate(step("exact", k), step("top-k step", k, ids_k), runs=1)
+        exact_soft = model._soft_embeddings(sc)
+        error = float(mx.linalg.norm(model._soft_embeddings(sc, k) - exact_soft) / mx.linalg.norm(exact_soft))
+        top = mx.sort(mx.softmax(sc, axis=-1), axis=-1)[..., -k:].sum(axis=-1)
+        print(f"  (k={k}: timed; the agreement decodes run now)", flush=True)
+        rows.append((k, t_exact / 5, t_sc / 5, t_step / 5, float(top.mean()), error,
+                     agreement(fast_self_conditioning=True, self_conditioning_k=k),
+                     agreement(fast_step=True, self_conditioning_k=k)))
+    control = agreement(perturb=1e-4)
+    return rows, control
 
 
 def main():
@@ -291,12 +335,21 @@ def main():
         if "--quick" not in argv:
             show(gemma_rows(Path(tmp)))
         show(gemma_image_rows(Path(tmp)))
-        print(f"\ncheaper step, vocabulary {STEP_VOCAB}, canvas {GEMMA_CANVAS}, {AGREEMENT_SEEDS} seeded decodes")
-        print(f"{'k':>5} {'exact ms/step':>13} {'top-k ms/step':>13} {'speedup':>7} {'tokens agree':>12} "
-              f"{'decodes equal':>13}", flush=True)
-        for k, t_exact, t_fast, agree, equal in cheaper_step_rows(Path(tmp)):
-            print(f"{k:5d} {t_exact * 1e3:13.2f} {t_fast * 1e3:13.2f} {t_exact / t_fast:7.2f} {agree:12.1%} "
-                  f"{equal:>6d}/{AGREEMENT_SEEDS}", flush=True)
+        if CPU_TIMES:
+            print("\nCPU seconds (process time, best of the runs; less noisy than the wall clock here)")
+            for name, (c_ours, c_theirs) in CPU_TIMES.items():
+                print(f"{name:46} ours {c_ours:7.2f}  mlx-vlm {c_theirs:7.2f}  ratio {c_theirs / c_ours:5.2f}")
+        print(f"\ncheaper step, canvas {GEMMA_CANVAS}: ms/step, top-k mass and self-conditioning error at "
+              f"vocabulary {STEP_VOCAB}; agreement over {AGREEMENT_SEEDS} seeded decodes at vocabulary {AGREEMENT_VOCAB}")
+        print(f"{'k':>4} {'exact ms':>8} {'top-k sc ms':>11} {'top-k step ms':>13} {'top-k mass':>10} "
+              f"{'sc rel err':>10} {'sc: agree / equal':>17} {'step: agree / equal':>19}", flush=True)
+        rows, control = cheaper_step_rows(Path(tmp))
+        for k, t_exact, t_sc, t_step, mass, error, (a_sc, e_sc), (a_step, e_step) in rows:
+            print(f"{k:4d} {t_exact * 1e3:8.2f} {t_sc * 1e3:11.2f} {t_step * 1e3:13.2f} {mass:10.5f} {error:10.2e} "
+                  f"{a_sc:10.1%} {e_sc:2d}/{AGREEMENT_SEEDS} {a_step:12.1%} {e_step:2d}/{AGREEMENT_SEEDS}",
+                  flush=True)
+        print(f"control: the exact path with its self-conditioning logits x (1 + 1e-4): "
+              f"{control[0]:.1%} of tokens agree, {control[1]}/{AGREEMENT_SEEDS} decodes equal", flush=True)
         if "--gemma-only" not in argv:
             show_self_spec(self_spec_rows(Path(tmp)))
 

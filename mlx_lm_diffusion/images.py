@@ -391,6 +391,36 @@ class ConversationImages:
 # ----------------------------------------------------------------------------- the server
 
 
+def protocol_prompt(model: Any, processor: Any, prompt: List[int], sources: Sequence[str],
+                    policy: Optional[ImagePolicy] = None) -> Tuple[List[int], VisionInputs]:
+    """The step-schedule protocol's `images` extension: `prompt` (token ids) holds one
+    image token per image where it goes; each becomes that image's tokens as the
+    processor expands them (its begin token, soft tokens, end token). Images are data:
+    URLs under the server's rules (`policy`: default data: URLs only, default limits),
+    all read before anything runs."""
+    policy = policy or ImagePolicy(allow_paths=False)
+    if not getattr(model, "has_vision", False) or not is_processor(processor):
+        raise ImageError("this model takes no images (the protocol's images need a checkpoint with a "
+                         "vision tower and its processor)")
+    token = int(processor.image_token_id)
+    if len(sources) > policy.max_images:
+        raise ImageError(f"{len(sources)} images in one request; at most {policy.max_images}")
+    places = [i for i, t in enumerate(prompt) if t == token]
+    if len(places) != len(sources):
+        raise ImageError(f"prompt_tokens hold {len(places)} image tokens (id {token}) for {len(sources)} "
+                         "images: put one image token where each image goes")
+    pictures = open_images(list(sources), policy)
+    ids, pixels, last = [], [], 0
+    for place, picture in zip(places, pictures):
+        segment, vision = vision_prompt(processor, processor.image_token, [picture], [], add_special_tokens=False)
+        ids += prompt[last:place] + segment
+        pv = vision.pixel_values
+        pixels.append(mx.array(pv[0])[None] if isinstance(pv, list) else pv)
+        last = place + 1
+    ids += prompt[last:]
+    return ids, VisionInputs(pixels, None, count=len(pixels))
+
+
 def add_server_arguments(parser: Any) -> None:
     group = parser.add_argument_group("images (DiffusionGemma)")
     group.add_argument("--allowed-image-dir", type=Path, default=None,

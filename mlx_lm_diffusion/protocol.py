@@ -21,11 +21,21 @@ Corrections to the spec, each deliberate:
   tokens are never changed, are in final_tokens as given, are never listed in
   per_step_unmasked and have confidence 1; the schedule counts the free positions only.
   Families that cannot attend to text after the current block refuse pinned positions.
+- Extension `images` (optional, DiffusionGemma with a vision tower): images as data:
+  URLs, read under the server's image rules and limits (mlx_lm_diffusion.images). Each
+  image is one image token (the processor's image_token_id) in prompt_tokens, where the
+  image goes; the decode expands it into the image's soft tokens, and the response
+  keeps the request's positions (final_tokens begins with prompt_tokens as given).
+- DiffusionGemma (no mask token, a uniform-noise canvas): uniform noise plays the mask's
+  part (decoders/uniform_canvas.py, its committing mode): each step the model sees the
+  committed tokens and fresh noise elsewhere, the schedule's k_t most confident open
+  positions are committed with their drawn token, temperature_schedule and top_p as
+  specified. seed_canvas, which marks free positions with the mask token, is refused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional
 
 import jsonschema
@@ -36,6 +46,7 @@ from model_adapters import adapter_for
 
 from .commit_rules import Quota, StepInputs
 from .decoders.base import FREE
+from . import images as image_inputs
 from .engine import Engine, Step
 from .infill import check_seed
 from .options import DecodeOptions, check_forward_budget, resolve, schema
@@ -57,6 +68,7 @@ REQUEST_SCHEMA: dict = {
         "cache": schema()["cache"].json_schema(),  # (LLaDA and Dream: Fast-dLLM's caches)
         "self_spec": schema()["self_spec"].json_schema(),  # (Nemotron: refused below, it has no schedule)
         "seed_canvas": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "images": {"type": "array", "items": {"type": "string", "minLength": 1}},
     },
     "required": [
         "prompt_tokens",
@@ -128,6 +140,8 @@ class ScheduleWithEarlyExit(ScheduleQuota):
     confidence_threshold: Optional[float] = None
     threshold_met: bool = False
     name: ClassVar[str] = "protocol"
+    # step -> (B, block) commits, for a canvas without mask ids to compare (uniform noise)
+    commits: dict = field(default_factory=dict)
 
     def known_commits(self, state: Quota, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
         if self.confidence_threshold is not None:
@@ -135,6 +149,10 @@ class ScheduleWithEarlyExit(ScheduleQuota):
         return super().known_commits(state, step, steps, masked)
 
     def select(self, s: StepInputs, state: Quota) -> mx.array:
+        commit = self.commits[s.step] = self._select(s, state)
+        return commit
+
+    def _select(self, s: StepInputs, state: Quota) -> mx.array:
         commit = super().select(s, state)
         if self.confidence_threshold is None:
             return commit
@@ -147,11 +165,14 @@ class ScheduleWithEarlyExit(ScheduleQuota):
 
 
 def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None,
-                on_step: Optional[Callable[[Step], None]] = None) -> dict:
+                on_step: Optional[Callable[[Step], None]] = None, processor: Any = None,
+                image_policy: Optional[image_inputs.ImagePolicy] = None) -> dict:
     """Decode one InferenceRequest; returns an InferenceResponse (a dict). A request that
     could take more than `max_forwards` forwards is refused (ValueError) before it runs;
-    `on_step` sees every step and may raise to stop the decode (a server's cancellation)."""
-    decode = prepare_request(model, tokenizer, request, max_forwards)
+    `on_step` sees every step and may raise to stop the decode (a server's cancellation).
+    `images` need the checkpoint's processor (`processor`, or `tokenizer` when it is one)
+    and are read under `image_policy` (default: data: URLs only, the server's limits)."""
+    decode = prepare_request(model, tokenizer, request, max_forwards, processor, image_policy)
     engine = Engine(decode.adapter, decode.options, keep_logprobs=False)
     steps = engine.run(mx.array([decode.prompt]), decode.seed)
     return decode.response(steps if on_step is None else _watched(steps, on_step))
@@ -168,25 +189,38 @@ class ProtocolDecode:
     """A validated InferenceRequest, ready to decode: its adapter (EOS ignored: the
     protocol fills target_length), resolved options, prompt and seeded canvas; `response`
     builds the InferenceResponse from the decode's steps (Engine.run's, or a batch row's:
-    mlx_lm_diffusion.scheduler)."""
+    mlx_lm_diffusion.scheduler). With images, `prompt` holds their soft tokens and `given`
+    the request's own prompt_tokens (the response keeps the request's positions)."""
 
     adapter: Any
     options: Any
     prompt: list
     seed: Optional[np.ndarray]
-    start: np.ndarray  # (1, target_length) the canvas the decode starts from
+    start: np.ndarray  # (1, len(prompt) + generated) the canvas the decode starts from
     rule: "ScheduleWithEarlyExit"
     steps: int
+    given: Optional[list] = None  # the request's prompt_tokens (None: `prompt`)
+
+    @property
+    def uniform(self) -> bool:
+        """No mask ids to compare (DiffusionGemma): the rule's own record of each step's commits."""
+        return self.adapter.mask_id is None
 
     def response(self, steps) -> dict:
-        mask_id = self.adapter.mask_id
+        mask_id, P = self.adapter.mask_id, len(self.prompt)
+        given = self.prompt if self.given is None else self.given
+        shift = P - len(given)  # the soft tokens the images' placeholders became
         trace, last, previous = [], None, self.start
         for last in steps:
-            newly = np.flatnonzero((previous[0] == mask_id) & (last.canvas[0] != mask_id))
+            if self.uniform:
+                done = self.rule.commits.pop(last.step, None) if last.ran_forward else None
+                newly = np.array([], dtype=np.int64) if done is None else np.flatnonzero(np.array(done)[0]) + P
+            else:
+                newly = np.flatnonzero((previous[0] == mask_id) & (last.canvas[0] != mask_id))
             if newly.size:
                 trace.append({
                     "step": last.step,
-                    "token_indices": newly.tolist(),
+                    "token_indices": (newly - shift).tolist(),
                     "unmasked_tokens": last.canvas[0, newly].tolist(),
                 })
             previous = last.canvas
@@ -200,28 +234,39 @@ class ProtocolDecode:
         if self.seed is not None:  # a pinned token is certain
             confidence = np.where(self.seed[0] != FREE, 1.0, confidence)
         return {
-            "final_tokens": last.canvas[0].tolist(),
+            "final_tokens": list(given) + last.canvas[0, P:].tolist(),
             "per_step_unmasked": trace,
             "confidence": confidence.tolist(),
             "termination_reason": reason,
         }
 
 
-def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None) -> ProtocolDecode:
+def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None, processor: Any = None,
+                    image_policy: Optional[image_inputs.ImagePolicy] = None) -> ProtocolDecode:
     """Validate an InferenceRequest and resolve its decode (ValueError / ValidationError on
-    a bad one, before anything runs)."""
+    a bad one, before anything runs; its images read in full)."""
     validate_request(request)
     if request.get("self_spec"):
         raise ValueError("self_spec decodes greedily by its own windows, not by a mask schedule: the "
                          "step-schedule protocol cannot drive it; use the completions endpoints")
     adapter = adapter_for(model, tokenizer)
-    if adapter.mask_id is None:
+    uniform = adapter.mask_id is None and adapter.decoder == "uniform_canvas"
+    if adapter.mask_id is None and not uniform:
         raise ValueError(f"{adapter.family} has no mask token; the step-schedule protocol needs one")
+    if uniform and "seed_canvas" in request:
+        raise ValueError(f"seed_canvas marks free positions with the mask token; {adapter.family} has "
+                         "none (its canvas is uniform noise): drop seed_canvas")
     adapter.eos_ids = frozenset()  # the protocol fills target_length
-    prompt = [int(t) for t in request["prompt_tokens"]]
-    if adapter.mask_id in prompt or max(prompt) >= adapter.vocab_size:
+    given = [int(t) for t in request["prompt_tokens"]]
+    if adapter.mask_id in given or max(given) >= adapter.vocab_size:
         raise ValueError("prompt_tokens must be vocabulary ids other than the mask token")
-    P, total, steps = len(prompt), int(request["target_length"]), int(request["num_steps"])
+    prompt, adapter.vision = given, None
+    if request.get("images"):  # read in full before anything runs
+        processor = processor if processor is not None else tokenizer
+        prompt, adapter.vision = image_inputs.protocol_prompt(model, processor, given, request["images"],
+                                                              image_policy)
+    shift = len(prompt) - len(given)  # the soft tokens the images' placeholders became
+    P, total, steps = len(prompt), int(request["target_length"]) + shift, int(request["num_steps"])
     rule = ScheduleWithEarlyExit(request["mask_schedule"], request.get("confidence_threshold"))
     options = DecodeOptions(
         max_tokens=total - P,
@@ -237,7 +282,7 @@ def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int]
     check_forward_budget(resolved, adapter, P, max_forwards)
     start = np.array([request.get("seed_canvas") or prompt + [adapter.mask_id] * (total - P)])
     seed = check_seed(adapter, start[:, P:], adapter.mask_id) if "seed_canvas" in request else None
-    return ProtocolDecode(adapter, resolved, prompt, seed, start, rule, steps)
+    return ProtocolDecode(adapter, resolved, prompt, seed, start, rule, steps, given)
 
 
 def validate_response(response: dict) -> None:

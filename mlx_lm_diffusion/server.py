@@ -366,7 +366,10 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         """Decode one step-schedule InferenceRequest on the served model: a row of the
         scheduler's batches when batching (a batch of protocol rows), else here."""
         scheduler = self.scheduler
-        if scheduler is not None and self.model_provider.model is scheduler.model:
+        # (DiffusionGemma's committing uniform canvas and a request's images decode alone)
+        alone = isinstance(body, dict) and bool(body.get("images")) or getattr(
+            scheduler, "model", None) is not None and getattr(scheduler.model, "has_vision", None) is not None
+        if scheduler is not None and self.model_provider.model is scheduler.model and not alone:
             if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
                 body = {**body, "seed": request_seed()}
             with self.decode_lock:  # (validated and resolved as alone; the decode is the scheduler's)
@@ -383,8 +386,11 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
             if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
                 body = {**body, "seed": request_seed()}
+            pictures = isinstance(body, dict) and bool(body.get("images"))  # the `images` extension
             return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
-                               on_step=lambda step: self._check_cancel(cancel))
+                               on_step=lambda step: self._check_cancel(cancel),
+                               processor=images.served_processor(self.model_provider) if pictures else None,
+                               image_policy=images.server_policy(self.cli_args))
 
     @property
     def max_forwards(self) -> Optional[int]:
@@ -1175,6 +1181,8 @@ class DiffusionAPIHandler(APIHandler):
             response = self.response_generator.run_protocol(body, self.cancel)
         except RequestError as e:
             return self._send_error(e.status, str(e), param=e.param, code=e.code)
+        except images.ImageError as e:  # (400, or 413 past the size limits)
+            return self._send_error(e.status, str(e), param="images")
         except (ValueError, TypeError) as e:
             return self._send_error(400, str(e))
         except Exception as e:

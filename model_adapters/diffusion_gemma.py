@@ -204,6 +204,7 @@ class Model(DiffusionModel):
         super().__init__(args, Backbone(args.text, args.vision))
         self.embed_scale = args.text.hidden_size**0.5
         self.softcap = args.text.final_logit_softcapping
+        _materialize_buffers(self)
 
     @property
     def layers(self):
@@ -302,14 +303,37 @@ class Model(DiffusionModel):
                top_k: int = 0) -> mx.array:
         """Softcapped logits (B, C, V) of the decoder over `canvas`, on top of the cached
         prefix (`top_k`: the cheaper self-conditioning, see `_soft_embeddings`)."""
+        return self.head(self._decoder_hidden(canvas, cache, self_conditioning, top_k))
+
+    def decode_top_k(self, canvas: mx.array, cache: list, self_conditioning: Optional[tuple], k: int) -> tuple:
+        """The cheaper step's forward: the k largest logits of every position, softcapped
+        (tanh is increasing: the top k of the softcapped logits are those of the raw
+        ones, so the softcap runs on k values, not the vocabulary), as (values (B, C, k)
+        float32, token ids (B, C, k)). `self_conditioning`: the previous step's
+        (scaled values, ids), whose k embedding rows make the soft embeddings."""
+        raw = self.model.decoder.embed_tokens.as_linear(self._decoder_hidden(canvas, cache, self_conditioning))
+        V = raw.shape[-1]
+        if k >= V:  # the whole vocabulary in order: the exact step, through this path
+            ids = mx.broadcast_to(mx.arange(V, dtype=mx.uint32), raw.shape)
+        else:
+            ids = mx.argpartition(-raw, kth=k - 1, axis=-1)[..., :k]
+        values = mx.take_along_axis(raw, ids, axis=-1).astype(mx.float32)
+        return mx.tanh(values / self.softcap) * self.softcap, ids
+
+    def _decoder_hidden(self, canvas: mx.array, cache: list, self_conditioning: Any, top_k: int = 0) -> mx.array:
         d, window = self.model.decoder, self.args.text.sliding_window
         h = d.embed_tokens(canvas) * self.embed_scale
-        soft = mx.zeros_like(h) if self_conditioning is None else self._soft_embeddings(self_conditioning, top_k)
+        if self_conditioning is None:
+            soft = mx.zeros_like(h)
+        elif isinstance(self_conditioning, tuple):  # (values, ids) of the cheaper step
+            soft = _soft_from_top_k(d.embed_tokens, *self_conditioning) * self.embed_scale
+        else:
+            soft = self._soft_embeddings(self_conditioning, top_k)
         h = d.self_conditioning(h, soft.astype(h.dtype))
         for layer, c in zip(d.layers, cache):
             view = _PrefixView(c, window if layer.layer_type == "sliding_attention" else None)
             h = layer(h, None, view, layer.layer_scalar)
-        return self.head(d.norm(h))
+        return d.norm(h)
 
     def __call__(self, inputs: mx.array, cache=None, canvas: Optional[mx.array] = None,
                  self_conditioning: Optional[mx.array] = None,
@@ -360,10 +384,24 @@ def _top_k_soft_embeddings(table: nn.Module, logits: mx.array, k: int) -> mx.arr
     """sum_j softmax(top-k logits)_j * E[index_j]: only k embedding rows per position are
     read (dequantized by the table itself when it is quantized)."""
     indices = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
-    top = mx.take_along_axis(logits, indices, axis=-1).astype(mx.float32)
-    probs = mx.softmax(top, axis=-1, precise=True)
+    return _soft_from_top_k(table, mx.take_along_axis(logits, indices, axis=-1), indices)
+
+
+def _soft_from_top_k(table: nn.Module, values: mx.array, indices: mx.array) -> mx.array:
+    """softmax(values) @ E[indices] per position: (B, C, k) logits and their ids."""
+    probs = mx.softmax(values.astype(mx.float32), axis=-1, precise=True)
     rows = table(indices)  # (B, C, k, D)
     return (probs[..., None, :].astype(rows.dtype) @ rows)[..., 0, :]
+
+
+def _materialize_buffers(model: nn.Module) -> None:
+    """Evaluate the modules' private arrays (mlx-lm's ProportionalRoPE keeps its
+    frequencies as `_freqs`), which loading never evaluates: left lazy, they stay tied to
+    the loading thread's stream, and the first forward on another thread (the server's
+    protocol route runs on its handler thread) fails with "There is no Stream(cpu, 0)"."""
+    buffers = [v for _, m in model.named_modules() for k, v in m.items()
+               if k.startswith("_") and isinstance(v, mx.array)]
+    mx.eval(buffers)
 
 
 def _unused_clip_bound(key: str, vision: Any) -> bool:
@@ -435,6 +473,9 @@ class Adapter(_BaseAdapter):
                "only (renormalised; k embedding rows per position) instead of the whole vocabulary: a "
                "cheaper step, not the reference's (off: exact)", default=False),
         Option("self_conditioning_k", int, "DiffusionGemma: k of --fast-self-conditioning", default=256, low=1),
+        Option("fast_step", bool, "DiffusionGemma: the whole step on the top-k logits (k: self_conditioning_k): "
+               "softcap, temperature, sampling (top-k sampling), entropy and self-conditioning over the k "
+               "largest only; a cheaper step, not the reference's (off: exact)", default=False),
     )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
@@ -446,10 +487,21 @@ class Adapter(_BaseAdapter):
         self.defaults = replace(type(self).defaults, block_length=model.args.canvas_length)
         self.vision: Optional[gemma_vision.VisionInputs] = None  # the next decode's images
         self.top_k = 0  # 0: exact self-conditioning
+        self.top_k_step = 0  # 0: the exact step
 
     def configure(self, options: Any) -> None:
         family = options.family
-        self.top_k = family["self_conditioning_k"] if family.get("fast_self_conditioning") else 0
+        fast = family.get("fast_self_conditioning") or family.get("fast_step")
+        self.top_k = min(family["self_conditioning_k"], self.vocab_size) if fast else 0
+        # the decoder reads `top_k_step`: predict then returns the top-k (values, ids)
+        self.top_k_step = self.top_k if family.get("fast_step") else 0
+
+    def check_options(self, family: dict, values: dict) -> None:
+        if family.get("fast_step"):
+            for name in ("allowed_tokens", "sampler"):
+                if values.get(name) is not None:
+                    raise ValueError(f"{name} does not combine with fast_step (its step sees only the "
+                                     "top-k logits); drop one")
 
     def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
         if self.vision is not None:  # image tokens' KV depend on the pixels, not on the ids
@@ -487,7 +539,9 @@ class Adapter(_BaseAdapter):
             raise RuntimeError(f"cache holds {state.cache[0].offset} positions, canvas starts at {start}")
         if state.canvas != start:  # a new canvas starts without self-conditioning
             state.canvas, state.self_conditioning = start, None
-        if self.top_k:  # the cheaper step (opt-in); the exact one calls decode as before
+        if self.top_k_step:  # the cheaper step: top-k (values, ids), see decode_top_k
+            return self.model.decode_top_k(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k_step)
+        if self.top_k:  # top-k self-conditioning only (opt-in); the exact one calls decode as before
             return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k)
         return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning)
 

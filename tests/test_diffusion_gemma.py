@@ -315,7 +315,7 @@ def test_options_and_seeds(gemma):
     resolved = resolve(DecodeOptions(**kw), adapter, 5)
     assert resolved.rule.bound == 0.1 and resolved.steps == 48 and resolved.block_length == CANVAS
     assert dict(resolved.family) == dict(t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.005,
-                                         fast_self_conditioning=False, self_conditioning_k=256)  # (exact)
+                                         fast_self_conditioning=False, self_conditioning_k=256, fast_step=False)  # (exact)
     capped = resolve(DecodeOptions(max_tokens=100000), adapter, 5)  # whole canvases that fit the context
     assert capped.max_tokens == (adapter.max_length - 5) // CANVAS * CANVAS
 
