@@ -32,9 +32,10 @@ MIN_DIGITS, MAX_DIGITS = 1, 4  # operand digit counts are drawn from this range
 ANSWER_MAX = 2 * (10**MAX_DIGITS - 1)  # 19998: at most 5 digits
 PROMPT_MAX = 2 * MAX_DIGITS + 2  # "9999+9999=", and every prompt as the tokenizer pads it: 10 tokens
 GEN_LENGTH = 8  # a small canvas that holds every answer (5 slots) and its EOS
-# The model's context (max_sequence_length): a prompt and up to 118 tokens. Training
-# canvases run to 256, but past ~128 the shipped model's answers degrade (89.5 % held-out
-# at 246 generated tokens against 98.2 % at 118, RECIPE.md), so the context says 128.
+# The model's context (max_sequence_length): a prompt and up to 118 tokens. The first
+# training run's canvases run to 256, but past ~128 its answers degrade (89.5 % held-out
+# at 246 generated tokens against 98.2 % at 118, RECIPE.md), so the context says 128 and
+# the second run trains up to it.
 CONTEXT = 128
 MIN_CANVAS = PROMPT_MAX + ANSWER_WIDTH + 1  # prompt, answer slots, EOS: 16
 # Canvas lengths (prompt + generated) of the training batches, and how often each is drawn:
