@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import mlx_lm.server
+import numpy as np
 import openai
 import pytest
 
@@ -427,7 +428,11 @@ def test_protocol_endpoint_matches_the_library(port, llada):
     status, body = raw(port, "POST", "/v1/diffusion/generate", json.dumps(PROTOCOL_REQUEST))
     assert status == 200
     validate_response(body)
-    assert body == run_request(*llada, PROTOCOL_REQUEST)
+    alone = run_request(*llada, PROTOCOL_REQUEST)
+    # (the endpoint's decode is a scheduler row: its head reads the whole block, the library's
+    # only the rows it commits from, so confidences agree to float rounding, tokens exactly)
+    assert np.allclose(body.pop("confidence"), alone.pop("confidence"), atol=1e-5)
+    assert body == alone
 
 
 @pytest.mark.parametrize(
