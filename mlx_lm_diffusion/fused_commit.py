@@ -42,7 +42,7 @@ from .commit_rules import (
     StepInputs,
     Threshold,
 )
-from .decoders.base import Forward, ReadBack, greedy_proposal, log_softmax, normalized_entropy
+from .decoders.base import Forward, greedy_proposal, log_softmax, normalized_entropy
 
 # Rules whose selection reads only a per-row quota at the step (stacked over rows here).
 QUOTA_RULES = (LowConfidence, BlockLengthQuota, LowConfidenceDynamic, LowConfidenceStatic)
@@ -101,25 +101,17 @@ def deterministic_rule(rule: Any) -> bool:
 def row_step(decoder: Any, state: Any, canvas: Any, b: Any):
     """MaskedBlockDecoder._step for a fusable row of a running batch (a generator: it
     yields a FusedForward and receives its Committed). Returns False (nothing edited)."""
-    o, rule, mask_id = decoder.options, decoder.options.rule, decoder.adapter.mask_id
+    o, rule = decoder.options, decoder.options.rule
     committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked)
     takes_all = committed is not None and bool((committed == b.masked).all())
-    if b.step == 0:  # (the host copy of the block is current until its first commit)
-        candidates = mx.array(b.first_open)
-    else:
-        candidates = (canvas.tokens[:, b.start : b.end] == mask_id) & canvas.live_rows()
+    candidates = decoder._candidates(canvas, b)
     plan = RowCommit(rule, b.rule_state, b.step, o.steps, b.masked, candidates, canvas.tokens[:, b.start : b.end],
                      b.kept, b.confidence, takes_all, _bias(decoder))
     result = yield FusedForward(state, canvas.tokens, b.start, b.end, commit=plan)
     canvas.forwards += 1
     canvas.write(result.block, b.start)
     b.kept, b.confidence = result.kept, result.confidence
-    if committed is None:  # this step's tokens decide: read them back
-        yield ReadBack((canvas.tokens,))
-        canvas.sync()
-        b.masked = canvas.open_rows(b.start, b.end, mask_id).sum(axis=1)
-    else:
-        b.masked = b.masked - committed
+    yield from decoder._count_open(canvas, b, committed)
     return False
 
 

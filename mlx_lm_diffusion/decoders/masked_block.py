@@ -167,13 +167,18 @@ class MaskedBlockDecoder(Decoder):
                 commit = commit | edit
                 edited = bool(mx.any(edit).item())
             self._apply(canvas, b, commit, x0, prob, logprobs, rows)
-        if committed is None:  # this step's tokens decide: read them back
+        yield from self._count_open(canvas, b, committed)
+        return edited
+
+    def _count_open(self, canvas: Canvas, b: BlockState, committed: Optional[mx.array]):
+        """Update `b.masked` after a step: from the rule's known commit counts, or, when
+        this step's tokens decide, by reading them back (a generator: it may yield ReadBack)."""
+        if committed is None:
             yield ReadBack((canvas.tokens,))
             canvas.sync()
-            b.masked = canvas.open_rows(b.start, b.end, mask_id).sum(axis=1)
+            b.masked = canvas.open_rows(b.start, b.end, self.adapter.mask_id).sum(axis=1)
         else:
             b.masked = b.masked - committed
-        return edited
 
     def _seed_first_token(self, state: Any, canvas: Canvas, b: BlockState) -> None:
         """Commit the block's first token when a causal pass already proposed it (the
