@@ -14,6 +14,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_arsenal.diffusion import TokenStats, block_ranges
 
+# (x0, prob, entropy, logprobs) of processed logits in few, fast passes over the vocabulary
+from .vocab_stats import greedy_stats  # noqa: F401
+
 # In a canvas seed (`Canvas(seed=...)`), a free position: the decoder fills it.
 FREE = -1
 
@@ -157,26 +160,6 @@ def normalized_entropy(logprobs: mx.array) -> mx.array:
     """Entropy of the temperature-1 softmax, built only where a rule reads it."""
     p = mx.exp(logprobs)
     return -mx.sum(mx.where(p > 0, p * logprobs, 0.0), axis=-1)
-
-
-def greedy_stats(logits: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """(x0, prob, entropy, logprobs) of processed logits: the argmax proposal, its
-    temperature-1 probability, the softmax's entropy and the log-softmax, from one shared
-    max / exp / sum over the vocabulary. On CPU an exp pass over the vocabulary costs as
-    much as a small model's head matmul, so the entropy reuses the softmax's exponentials
-    (H = log S - sum(e z) / S, z = logits - max, e = exp(z), S = sum(e)) instead of taking
-    exp of the log-probs again; prob = exp(max logprob) = 1 / S. Lazy: what no rule reads
-    (the entropy, the log-probs when none are kept) is never computed."""
-    top = mx.max(logits, axis=-1, keepdims=True)
-    shifted = logits - top
-    e = mx.exp(shifted)
-    total = mx.sum(e, axis=-1, keepdims=True)
-    log_total = mx.log(total)
-    x0 = mx.argmax(logits, axis=-1).astype(mx.int32)
-    prob = 1.0 / total[..., 0]
-    # (e = 0 where a logit is -inf: a suppressed id adds nothing, not 0 * -inf)
-    entropy = log_total[..., 0] - mx.sum(mx.where(e > 0, e * shifted, 0.0), axis=-1) / total[..., 0]
-    return x0, prob, entropy, shifted - log_total
 
 
 def log_softmax(logits: mx.array) -> mx.array:
