@@ -345,3 +345,26 @@ def test_a_batched_row_refused_only_by_its_sampler_is_a_400(models):
         with pytest.raises(RequestError, match="self_spec") as error:
             scheduler._resolve_request(Generator, None, refused, model, tokenizer, adapter, prompt)
         assert error.value.status == 400
+
+
+def test_a_checkpoint_commit_rule_does_not_refuse_self_spec(paths, models, tmp_path):
+    """A generation_config.json that sets the diffusion decode's rule and steps (as the demo's
+    does) is the checkpoint's default for that decode: self_spec does not read it and
+    decodes as without the file; a caller who names a rule with self_spec is still refused."""
+    import shutil
+
+    path = tmp_path / "with_config"
+    shutil.copytree(paths["partial"], path)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"block_length": 16, "steps": 16, "strategy": "low_confidence", "threshold": None, "max_new_tokens": 24}))
+    model, tokenizer = mld.load(str(path))
+    assert dict(model.generation_defaults) == {"block_length": 16, "steps": 16, "strategy": "low_confidence",
+                                               "max_tokens": 24}
+    base_model, base_tokenizer = models["partial"]
+    for prompt in PROMPTS:
+        got = [(r.token, r.forwards) for r in mld.stream_generate(model, tokenizer, prompt, self_spec=True)]
+        want = [(r.token, r.forwards) for r in mld.stream_generate(base_model, base_tokenizer, prompt, self_spec=True,
+                                                                   block_length=16, max_tokens=24)]
+        assert got == want and len(got) == 24
+    with pytest.raises(ValueError, match="strategy does not apply to self_spec"):
+        mld.generate(model, tokenizer, PROMPTS[0], self_spec=True, strategy="low_confidence")
