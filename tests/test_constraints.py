@@ -12,26 +12,10 @@ from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
 
 import mlx_lm_diffusion as mld
 from checkpoints import EOS_ID, MASK_ID, VOCAB
-from checkpoints_block import SDAR_MASK, write_sdar
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
+from checkpoints_block import SDAR_MASK
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 LETTERS = list(range(65, 91))  # "A".."Z" in the byte-level test vocabulary
-
-
-@pytest.fixture(scope="module")
-def sdar(tmp_path_factory):
-    return mld.load(str(write_sdar(tmp_path_factory.mktemp("sdar"))))
-
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return mld.load(str(write_nemotron(tmp_path_factory.mktemp("nemotron"))))
-
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    return mld.load(str(write_diffusion_gemma(tmp_path_factory.mktemp("gemma"))))
 
 
 class InOrder:
