@@ -132,11 +132,7 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
                                 prompt=prompt)
         ctx.prompt_cache_count = 0  # usage's cached_tokens: set when the row starts (the KV it reused)
         adapter = adapter_for(model, tokenizer)
-        fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
-        decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
-                               sampler=_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
-                               seed=args.seed, **fields)
-        options = resolve(decode, adapter, len(prompt))
+        options = _resolve_request(generator, req, args, model, tokenizer, adapter, prompt)
         drafts = generator._draft_sender(rqueue) if getattr(req, "drafts", False) else None
         job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
                   args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator),
@@ -159,6 +155,25 @@ def _token_logprobs(step: Step, lo: int, hi: int) -> dict:
     rows = np.asarray(step.block_logprobs)[0, lo - start : hi - start]  # (hi - lo, V), sliced on the host
     tokens = np.asarray(step.canvas[0, lo:hi], dtype=np.int64)
     return dict(zip(range(lo, hi), rows[np.arange(hi - lo), tokens].tolist()))
+
+
+def _resolve_request(generator: Any, req: Any, args: Any, model: Any, tokenizer: Any, adapter: Any,
+                     prompt: list) -> Any:
+    """The request's resolved decoding options. The HTTP thread checked its fields without
+    the sampler and processors (`compat.check_request`); an error that only they reveal
+    is still the client's request, answered with a 400, not a 500."""
+    from mlx_lm_diffusion.server import RequestError  # (the server imports this module)
+
+    try:
+        fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
+        decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
+                               sampler=_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
+                               seed=args.seed, **fields)
+        return resolve(decode, adapter, len(prompt))
+    except (ValueError, TypeError) as e:
+        if isinstance(e, RequestError):
+            raise
+        raise RequestError(str(e)) from e
 
 
 def _sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
