@@ -21,9 +21,9 @@ the logits its own `Adapter.predict` would return:
   then the window, masked block-causally on each row's absolute positions. The rows'
   own KVCaches are then updated as `predict` would leave them.
 
-Widths are rounded up (canvases and cached prefixes to a multiple of `BUCKET`, windows
-to one of the attention block), so that the shapes MLX builds kernels for stay few
-while rows join and leave.
+Widths are rounded up (canvases on a GPU and cached prefixes to a multiple of `BUCKET`,
+windows to one of the attention block), so that the shapes MLX builds kernels for stay
+few while rows join and leave.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int) -> li
 def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> list:
     lengths = [r.canvas.shape[1] for r in requests]
     width = max(lengths)
-    if len(set(lengths)) > 1:
+    if len(set(lengths)) > 1 and mx.default_device() == mx.gpu:
+        # (a GPU builds kernels per shape: few widths pay. On a CPU nothing is built per shape,
+        # and every padded column costs the full canvas's attention row: pad to the widest only)
         width = bucketed(width)
     rows = [_pad_right(r.canvas, width) for r in requests]
     mask = None
