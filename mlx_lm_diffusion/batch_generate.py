@@ -60,6 +60,22 @@ def prompt_ids(tokenizer: TokenizerWrapper, prompts: Any) -> List[List[int]]:
     return ids
 
 
+def row_processors(processors: Optional[Sequence], n_rows: int) -> List[dict]:
+    """Each row's `logits_processors` keyword: none, the one shared list, or the row's own
+    list where one list per prompt is given (every item a list or tuple)."""
+    if processors is None:
+        return [{}] * n_rows
+    processors = list(processors)
+    lists = [isinstance(p, (list, tuple)) for p in processors]
+    if not any(lists):
+        return [{"logits_processors": processors}] * n_rows
+    if not all(lists):
+        raise ValueError("logits_processors: give one list of processors, or one list per prompt, not a mix")
+    if len(processors) != n_rows:
+        raise ValueError(f"logits_processors has {len(processors)} per-prompt lists for {n_rows} prompts")
+    return [{"logits_processors": list(p)} for p in processors]
+
+
 def generate_batch(
     model: nn.Module,
     tokenizer: Any,
@@ -76,7 +92,10 @@ def generate_batch(
     return). Decoding options (keywords, as for stream_generate) apply to every row;
     `max_tokens` may be one per prompt. Each row's text excludes its EOS. `suffix`:
     every row infills before it (as `stream_generate`; a keyword, so that the signature
-    stays mlx_lm.batch_generate's)."""
+    stays mlx_lm.batch_generate's). `logits_processors`: one list shared by every row
+    (stateless processors, as mlx-lm's batch-wide ones), or one list per prompt (as
+    mlx-lm's `BatchGenerator.insert` takes them), which a stateful processor needs: each
+    row feeds its own processors its own committed tokens."""
     from .generation import check_prompt
     from .infill import encode_suffix, suffix_seed
 
@@ -94,11 +113,13 @@ def generate_batch(
     adapter = adapter_for(model, tokenizer)
     batch = RunningBatch(adapter, keep_logprobs=return_logprobs)
     suffix_ids = encode_suffix(tokenizer, suffix) or []
+    processors = row_processors(kwargs.pop("logits_processors", None), len(ids))
     results = {}
-    for prompt, limit in zip(ids, limits):
+    for prompt, limit, row_kwargs in zip(ids, limits, processors):
         check_prompt(prompt, adapter.mask_id, adapter.vocab_size)
         # (the suffix takes room in the context after the middle)
-        options = resolve(DecodeOptions(max_tokens=limit, **kwargs), adapter, len(prompt) + len(suffix_ids))
+        options = resolve(DecodeOptions(max_tokens=limit, **kwargs, **row_kwargs), adapter,
+                          len(prompt) + len(suffix_ids))
         seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
         results[batch.add(prompt, options, seed=seed).id] = _RowResult(prompt)
     stats = _drive(batch, results, adapter.eos_ids, verbose)

@@ -13,7 +13,9 @@ Options belong together in two groups, and a group the caller touched is not mix
 the checkpoint's: a commit rule given in any form (strategy, threshold, schedule, ...)
 replaces the checkpoint's whole rule (its "low_confidence" would refuse a threshold),
 and a block_length given replaces the checkpoint's steps per block too (its steps were
-meant for its own block length).
+meant for its own block length). A decoder that has no use for a key (Nemotron's
+`self_spec` has no commit rule or steps) leaves the checkpoint's value unread
+(`Decoder.unread_defaults`) rather than refusing it as it refuses the caller's.
 
 The released checkpoints' own files use some of these names with other meanings:
 Dream's generation_config.json says "steps": 512 for the whole canvas and carries no

@@ -162,8 +162,8 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
     """Fill the family's defaults and check every value; raises ValueError saying what
     to change. Order: the family's preset fills what is unset, each value is checked by
     its Option, the decoder and the family refuse what does not apply to them."""
-    values = _with_preset(dict(options.values), adapter)
-    values = generation_defaults.fill(values, getattr(adapter, "model", None))  # the checkpoint's own
+    explicit = _with_preset(dict(options.values), adapter)
+    values = generation_defaults.fill(explicit, getattr(adapter, "model", None))  # the checkpoint's own
     own = {o.name: o for o in adapter.options}
     for name, value in values.items():
         if name not in own and name not in GENERIC_NAMES:
@@ -172,6 +172,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
             values[name] = (own.get(name) or schema()[name]).check(value)
     family = {name: values.get(name, o.default) for name, o in own.items()}
     decoder = decoder_class(adapter, family)
+    values = {k: v for k, v in values.items() if k in explicit or k not in decoder.unread_defaults}
     decoder.check_options(values, adapter)
     allowed_bias(values.get("allowed_tokens"), adapter)  # (refuses ids outside the vocabulary, the mask id)
     adapter.check_options(family, values)

@@ -27,6 +27,42 @@ def dream(dream_path):
     return mlx_lm_diffusion.load(str(dream_path))
 
 
+# One module-scoped load per test module that asks for the family (a test module with its
+# own checkpoint of the family defines its own fixture of the same name).
+def _load(tmp_path_factory, name, write):
+    import mlx_lm_diffusion
+
+    return mlx_lm_diffusion.load(str(write(tmp_path_factory.mktemp(name))))
+
+
+@pytest.fixture(scope="module")
+def sdar(tmp_path_factory):
+    from checkpoints_block import write_sdar
+
+    return _load(tmp_path_factory, "sdar", write_sdar)
+
+
+@pytest.fixture(scope="module")
+def llada2(tmp_path_factory):
+    from checkpoints_block import write_llada2
+
+    return _load(tmp_path_factory, "llada2", write_llada2)
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory):
+    from checkpoints_nemotron_gemma import write_nemotron
+
+    return _load(tmp_path_factory, "nemotron", write_nemotron)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    from checkpoints_nemotron_gemma import write_diffusion_gemma
+
+    return _load(tmp_path_factory, "gemma", write_diffusion_gemma)
+
+
 @pytest.fixture
 def installed():
     """install() for one test, then uninstall()."""

@@ -5,8 +5,6 @@ gives exactly the tokens and forward count of its decode alone (Engine.run)."""
 import mlx.core as mx
 import pytest
 from checkpoints_ar import write_causal
-from checkpoints_block import write_llada2, write_sdar
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.batch import RunningBatch
@@ -83,26 +81,6 @@ def check_ragged(model, tok, prompts=PROMPTS, max_tokens=(16, 16, 10), eos_row=0
     assert len(expected[-1][0]) == max_tokens[-1]
     assert batched(adapter, prompts, options, join_late) == expected
     return expected
-
-
-@pytest.fixture(scope="module")
-def sdar(tmp_path_factory):
-    return mld.load(str(write_sdar(tmp_path_factory.mktemp("sdar"))))
-
-
-@pytest.fixture(scope="module")
-def llada2(tmp_path_factory):
-    return mld.load(str(write_llada2(tmp_path_factory.mktemp("llada2"))))
-
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return mld.load(str(write_nemotron(tmp_path_factory.mktemp("nemotron"))))
-
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    return mld.load(str(write_diffusion_gemma(tmp_path_factory.mktemp("gemma"))))
 
 
 @pytest.fixture(scope="module")

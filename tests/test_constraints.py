@@ -12,26 +12,10 @@ from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
 
 import mlx_lm_diffusion as mld
 from checkpoints import EOS_ID, MASK_ID, VOCAB
-from checkpoints_block import SDAR_MASK, write_sdar
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
+from checkpoints_block import SDAR_MASK
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 LETTERS = list(range(65, 91))  # "A".."Z" in the byte-level test vocabulary
-
-
-@pytest.fixture(scope="module")
-def sdar(tmp_path_factory):
-    return mld.load(str(write_sdar(tmp_path_factory.mktemp("sdar"))))
-
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return mld.load(str(write_nemotron(tmp_path_factory.mktemp("nemotron"))))
-
-
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    return mld.load(str(write_diffusion_gemma(tmp_path_factory.mktemp("gemma"))))
 
 
 class InOrder:
@@ -250,3 +234,24 @@ def test_a_block_may_outlast_the_rules_schedule(llada, strategy):
     out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=8, block_length=8, steps=2, strategy=strategy,
                                    logits_processors=[proc]))
     assert [r.token for r in out] == LETTERS[:8] and out[-1].forwards <= 8
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_generate_batch_feeds_each_row_its_own_stateful_processors(family, request):
+    """One list of processors per prompt (mlx-lm's BatchGenerator.insert form): each row's
+    stateful processor is fed that row's prompt and committed tokens in order, and each
+    row's tokens are those of the same prompt decoded alone with its own processor."""
+    model, tok = request.getfixturevalue(family)
+    prompts = [PROMPT, PROMPT[:3] + [40, 41, 42, 43, 44, 45], [33]]
+    procs = [InOrder(len(p)) for p in prompts]
+    out = mld.generate_batch(model, tok, prompts, max_tokens=[12, 7, 9], block_length=6,
+                             logits_processors=[[p] for p in procs], return_token_ids=True)
+    for prompt, limit, proc, tokens in zip(prompts, [12, 7, 9], procs, out.token_ids):
+        alone = [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=limit, block_length=6,
+                                                      logits_processors=[InOrder(len(prompt))])]
+        assert tokens == alone == LETTERS[:limit]
+        assert proc.fed == prompt + tokens[:-1]
+    with pytest.raises(ValueError, match="per-prompt lists for 3 prompts"):
+        mld.generate_batch(model, tok, prompts, max_tokens=4, logits_processors=[[procs[0]], [procs[1]]])
+    with pytest.raises(ValueError, match="not a mix"):
+        mld.generate_batch(model, tok, prompts, max_tokens=4, logits_processors=[[procs[0]], procs[1]])

@@ -21,8 +21,6 @@ from mlx_lm_diffusion.protocol import run_request
 from model_adapters import adapter_for
 
 from checkpoints_ar import write_causal
-from checkpoints_block import write_llada2, write_sdar
-from checkpoints_nemotron_gemma import write_nemotron
 
 PROMPT = [72, 101, 108, 108, 111, 5, 17]
 BUCKETS = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64}
@@ -191,21 +189,6 @@ def test_padding_never_reaches_a_commit(llada, dream, rule):
 
 
 # -- block-causal, causal-prefix and autoregressive families
-
-
-@pytest.fixture(scope="module")
-def sdar(tmp_path_factory):
-    return mld.load(str(write_sdar(tmp_path_factory.mktemp("sdar"))))
-
-
-@pytest.fixture(scope="module")
-def llada2(tmp_path_factory):
-    return mld.load(str(write_llada2(tmp_path_factory.mktemp("llada2"))))
-
-
-@pytest.fixture(scope="module")
-def nemotron(tmp_path_factory):
-    return mld.load(str(write_nemotron(tmp_path_factory.mktemp("nemotron"))))
 
 
 @pytest.mark.parametrize("rule", [dict(strategy="low_confidence_dynamic", threshold=0.5, steps=8),

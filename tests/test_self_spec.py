@@ -313,3 +313,58 @@ def test_refused_elsewhere(llada, models):
         mld.generate(*llada, PROMPTS[0], max_tokens=4, self_spec=True)
     with pytest.raises(ValueError, match="self_spec must be True or False"):
         mld.generate(*models["partial"], PROMPTS[0], max_tokens=4, self_spec="yes")
+
+
+def test_a_batched_row_refused_only_by_its_sampler_is_a_400(models):
+    """The server's scheduler resolves a row with the request's sampler and processors,
+    which the HTTP thread's field check does not see: self_spec under temperature > 0 (or
+    a logit_bias) refused there is the client's error, a 400 RequestError, not a 500."""
+    import mlx_lm.server as mlx_server
+
+    from mlx_lm_diffusion import scheduler
+    from mlx_lm_diffusion.server import RequestError
+
+    model, tokenizer = models["random"]
+
+    class Generator:
+        @staticmethod
+        def _options(req):
+            return {"self_spec": True}
+
+    def args(temperature, logit_bias=None):
+        return mlx_server.GenerationArguments(
+            model=None, sampling=mlx_server.SamplingArguments(temperature, 1.0, 0, 0.0, 0.0, 0.0),
+            logits=mlx_server.LogitsProcessorArguments(logit_bias, 0.0, 20, 0.0, 20, 0.0, 20),
+            stop_words=[], max_tokens=8, num_draft_tokens=0, logprobs=False, top_logprobs=0, seed=0,
+            chat_template_kwargs=None)
+
+    prompt, adapter = PROMPTS[0], adapter_for(model, tokenizer)
+    greedy = scheduler._resolve_request(Generator, None, args(0.0), model, tokenizer, adapter, prompt)
+    assert greedy.family["self_spec"] and greedy.sampler is None
+    for refused in (args(0.7), args(0.0, {5: 1.0})):
+        with pytest.raises(RequestError, match="self_spec") as error:
+            scheduler._resolve_request(Generator, None, refused, model, tokenizer, adapter, prompt)
+        assert error.value.status == 400
+
+
+def test_a_checkpoint_commit_rule_does_not_refuse_self_spec(paths, models, tmp_path):
+    """A generation_config.json that sets the diffusion decode's rule and steps (as the demo's
+    does) is the checkpoint's default for that decode: self_spec does not read it and
+    decodes as without the file; a caller who names a rule with self_spec is still refused."""
+    import shutil
+
+    path = tmp_path / "with_config"
+    shutil.copytree(paths["partial"], path)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"block_length": 16, "steps": 16, "strategy": "low_confidence", "threshold": None, "max_new_tokens": 24}))
+    model, tokenizer = mld.load(str(path))
+    assert dict(model.generation_defaults) == {"block_length": 16, "steps": 16, "strategy": "low_confidence",
+                                               "max_tokens": 24}
+    base_model, base_tokenizer = models["partial"]
+    for prompt in PROMPTS:
+        got = [(r.token, r.forwards) for r in mld.stream_generate(model, tokenizer, prompt, self_spec=True)]
+        want = [(r.token, r.forwards) for r in mld.stream_generate(base_model, base_tokenizer, prompt, self_spec=True,
+                                                                   block_length=16, max_tokens=24)]
+        assert got == want and len(got) == 24
+    with pytest.raises(ValueError, match="strategy does not apply to self_spec"):
+        mld.generate(model, tokenizer, PROMPTS[0], self_spec=True, strategy="low_confidence")

@@ -190,6 +190,9 @@ class Decoder:
     name: ClassVar[str]
     # Blocks keep their size past max_tokens: the canvas is decoded whole and cut.
     whole_canvases: ClassVar[bool] = False
+    # Options a checkpoint's generation_config.json may set that this decoder has no use
+    # for: dropped from the checkpoint's defaults (a caller who names one is refused).
+    unread_defaults: ClassVar[frozenset] = frozenset()
 
     def __init__(self, adapter: Any, options: Any, keep_logprobs: bool = True):
         self.adapter, self.options, self.keep_logprobs = adapter, options, keep_logprobs

@@ -73,6 +73,8 @@ def check_greedy(temperature: float, logits_processors: bool) -> None:
 
 class SpeculativeDecoder(Decoder):
     name = "speculative"
+    # (a checkpoint's own commit rule or steps belong to its diffusion decode)
+    unread_defaults = frozenset(REFUSED)
 
     def __init__(self, adapter: Any, options: Any, keep_logprobs: bool = True):
         if adapter.mask_id is None:
