@@ -16,13 +16,14 @@ the logits its own `Adapter.predict` would return:
 - `block_causal_batch` (SDAR, LLaDA2 with or without the prefix cache): each row's
   window (cached prefix to the end of its attention block) left-padded to one width,
   RoPE rotated from each row's own offset (mlx-lm's attention takes `cache.offset` as a
-  per-row array, as mlx-lm's BatchKVCache does), keys = each row's cached prefix
-  (left-padded) then the window, masked block-causally on each row's absolute
-  positions. The rows' own KVCaches are then updated as `predict` would leave them.
+  per-row array, as mlx-lm's BatchKVCache does), keys = each row's cached prefix (read
+  from the batch's StackedPrefix, kept across steps: model_adapters.stacked_prefix)
+  then the window, masked block-causally on each row's absolute positions. The rows'
+  own KVCaches are then updated as `predict` would leave them.
 
-Widths are rounded up (canvases and cached prefixes to a multiple of `BUCKET`, windows
-to one of the attention block), so that the shapes MLX builds kernels for stay few
-while rows join and leave.
+Widths are rounded up (canvases on a GPU and cached prefixes to a multiple of `BUCKET`,
+windows to one of the attention block), so that the shapes MLX builds kernels for stay
+few while rows join and leave.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from .stacked_prefix import stacked_prefix_of
 
 BUCKET = 16  # padded widths are multiples of this
 WIDTH_SPREAD = 1.5  # canvases batched into one call differ in width by at most this factor
@@ -68,7 +71,9 @@ def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int) -> li
 def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> list:
     lengths = [r.canvas.shape[1] for r in requests]
     width = max(lengths)
-    if len(set(lengths)) > 1:
+    if len(set(lengths)) > 1 and mx.default_device() == mx.gpu:
+        # (a GPU builds kernels per shape: few widths pay. On a CPU nothing is built per shape,
+        # and every padded column costs the full canvas's attention row: pad to the widest only)
         width = bucketed(width)
     rows = [_pad_right(r.canvas, width) for r in requests]
     mask = None
@@ -148,7 +153,9 @@ def block_causal_batch(adapter: Any, requests: Sequence[Any]) -> list:
         [_pad_left(r.canvas[:, offset:stop], width, axis=1) for r, (offset, stop) in zip(requests, plans)], axis=0
     )
     first = np.array([offset - (width - (stop - offset)) for offset, stop in plans])  # position of column 0
-    views = [_BatchLayerView(mx.array(first), _stacked_prefix(requests, i, stored)) for i in range(layers)]
+    # (each row's cached prefix: positions [0, offset) at columns [0, offset), kept stacked across steps)
+    prefixes = stacked_prefix_of(adapter).read([r.state for r in requests], stored) if stored else [None] * layers
+    views = [_BatchLayerView(mx.array(first), prefix) for prefix in prefixes]
     hidden = adapter.model.backbone(tokens, _block_causal_mask(plans, first, width, stored, block), views)
     reads = []
     for row, (r, (offset, stop)) in enumerate(zip(requests, plans)):
@@ -260,37 +267,18 @@ def _window_plan(request: Any, block: int) -> tuple[int, int]:
     return offset, stop
 
 
-def _stacked_prefix(requests: Sequence[Any], layer: int, stored: int) -> Optional[tuple]:
-    """(B, H, stored, D) keys and values of every row's cached prefix, left-padded."""
-    if not stored:
-        return None
-    keys, values = [], []
-    for r in requests:
-        cache = r.state.layers[layer] if r.state is not None and r.state.layers else None
-        if cache is None or not cache.offset:
-            keys.append(None)
-            values.append(None)
-            continue
-        keys.append(_pad_left(cache.keys[..., : cache.offset, :], stored, axis=2))
-        values.append(_pad_left(cache.values[..., : cache.offset, :], stored, axis=2))
-    like = next((k for k in keys if k is not None), None)
-    if like is None:
-        return None
-    zeros = mx.zeros(like.shape, like.dtype)
-    return (mx.concatenate([zeros if k is None else k for k in keys], axis=0),
-            mx.concatenate([zeros if v is None else v for v in values], axis=0))
-
-
 def _block_causal_mask(plans, first: np.ndarray, width: int, stored: int, block: int) -> mx.array:
     """(B, 1, width, stored + width) boolean: a query attends to a real key whose block is
-    not after its own (absolute positions per row); padded queries attend to themselves."""
+    not after its own (absolute positions per row); padded queries attend to themselves.
+    Cached column j is position j of every row (StackedPrefix's layout), real below the
+    row's offset."""
     B = len(plans)
     offsets = np.array([offset for offset, _ in plans])
     query_pos = first[:, None] + np.arange(width)[None, :]  # (B, W)
     query_real = query_pos >= offsets[:, None]
-    cached_pos = offsets[:, None] - stored + np.arange(stored)[None, :]  # (B, S)
+    cached_pos = np.broadcast_to(np.arange(stored)[None, :], (B, stored))  # (B, S)
     key_pos = np.concatenate([cached_pos, query_pos], axis=1)
-    key_real = np.concatenate([cached_pos >= 0, query_real], axis=1)
+    key_real = np.concatenate([cached_pos < offsets[:, None], query_real], axis=1)
     allowed = key_real[:, None, :] & (key_pos[:, None, :] // block <= query_pos[:, :, None] // block)
     own = np.zeros((B, width, stored + width), dtype=bool)
     own[:, np.arange(width), stored + np.arange(width)] = True

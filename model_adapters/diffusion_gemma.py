@@ -29,6 +29,7 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from . import gemma_vision
+from .vocab_top_k import top_k_ids
 from .base import Adapter as _BaseAdapter
 from .base import DiffusionModel, FamilyDefaults, _stop_ids
 from .option import Option
@@ -316,7 +317,7 @@ class Model(DiffusionModel):
         if k >= V:  # the whole vocabulary in order: the exact step, through this path
             ids = mx.broadcast_to(mx.arange(V, dtype=mx.uint32), raw.shape)
         else:
-            ids = mx.argpartition(-raw, kth=k - 1, axis=-1)[..., :k]
+            ids = top_k_ids(raw, k)  # (two small partitions, not one over the vocabulary)
         values = mx.take_along_axis(raw, ids, axis=-1).astype(mx.float32)
         return mx.tanh(values / self.softcap) * self.softcap, ids
 
@@ -383,7 +384,7 @@ class Model(DiffusionModel):
 def _top_k_soft_embeddings(table: nn.Module, logits: mx.array, k: int) -> mx.array:
     """sum_j softmax(top-k logits)_j * E[index_j]: only k embedding rows per position are
     read (dequantized by the table itself when it is quantized)."""
-    indices = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    indices = top_k_ids(logits, k)
     return _soft_from_top_k(table, mx.take_along_axis(logits, indices, axis=-1), indices)
 
 

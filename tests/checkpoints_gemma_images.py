@@ -61,17 +61,22 @@ def image_config(**kwargs):
     return config
 
 
-def write_gemma_with_vision(path: Path, seed: int = 4, **config_kwargs) -> Path:
+def write_gemma_with_vision(path: Path, seed: int = 4, vocab_size: int = VOCAB, **config_kwargs) -> Path:
     """transformers' save_pretrained of the model (vision tower at a useful scale too), and
-    mlx-vlm's DiffusionGemma4Processor save_pretrained of the processor files."""
+    mlx-vlm's DiffusionGemma4Processor save_pretrained of the processor files.
+
+    `vocab_size`: the model's vocabulary (its embeddings and tied head), e.g. DiffusionGemma's
+    released 262,144; the processor's tokenizer keeps its own few tokens, all below it."""
     import torch
     from mlx_vlm.models.diffusion_gemma import DiffusionGemma4Processor
     from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4VideoProcessor
 
     from checkpoints_nemotron_gemma import random_diffusion_gemma
 
+    if vocab_size <= VIDEO_ID:
+        raise ValueError(f"vocab_size must exceed the tokenizer's ids (up to {VIDEO_ID}), got {vocab_size}")
     path.mkdir(parents=True, exist_ok=True)
-    model = random_diffusion_gemma(image_config(**config_kwargs), seed)
+    model = random_diffusion_gemma(image_config(vocab_size=vocab_size, **config_kwargs), seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # the default initialisation leaves the vision tower near zero
         for name, p in model.named_parameters():

@@ -96,3 +96,33 @@ def test_fast_step_is_opt_in_and_its_refusals(loaded):
     assert small != mld.generate(model, processor, "Hello", **kw)
     with pytest.raises(ValueError, match="allowed_tokens does not combine with fast_step"):
         mld.generate(model, processor, "Hello", fast_step=True, allowed_tokens=[5, 6], **kw)
+
+
+WIDE_VOCAB = 1024  # above k = 256: the top-k goes through its two chunked partitions
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """The image checkpoint at a model vocabulary larger than its tokenizer's."""
+    return mld.load(str(write_gemma_with_vision(tmp_path_factory.mktemp("gemma_wide"), vocab_size=WIDE_VOCAB)))
+
+
+def test_the_writer_takes_the_model_vocabulary(tmp_path):
+    with pytest.raises(ValueError, match="vocab_size must exceed"):
+        write_gemma_with_vision(tmp_path / "narrow", vocab_size=200)
+    assert not (tmp_path / "narrow").exists()
+
+
+def test_at_a_wider_vocabulary_the_top_k_is_the_exact_one_and_k_vocab_is_the_exact_step(wide):
+    model, processor = wide
+    assert model.vocab_size == WIDE_VOCAB and len(processor.tokenizer) < WIDE_VOCAB
+    cache = model.make_kv_cache()
+    model.encode(mx.array([[5, 6, 7, 8]]), cache)
+    canvas = mx.array([[3, 900, 27, 1000, 243, 17, 1, 2]])
+    exact = np.array(model.decode(canvas, cache))
+    values, ids = (np.array(a) for a in model.decode_top_k(canvas, cache, None, 256))
+    np.testing.assert_allclose(np.sort(values, -1), np.sort(exact, -1)[..., -256:], atol=1e-5)
+    np.testing.assert_allclose(values, np.take_along_axis(exact, ids, -1), atol=1e-5)
+    kw = dict(max_tokens=CANVAS, seed=1, block_length=CANVAS, image=[make_image(40, 24)])
+    got = mld.generate(model, processor, "Look at this", fast_step=True, self_conditioning_k=WIDE_VOCAB, **kw)
+    assert got == mld.generate(model, processor, "Look at this", **kw)

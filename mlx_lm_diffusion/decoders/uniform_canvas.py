@@ -33,8 +33,8 @@ from mlx_lm.sample_utils import apply_top_p
 
 from ..commit_rules import StepInputs
 from ..schedules import ScheduleQuota
-from .base import (BlockState, Canvas, Decoder, Forward, Queued, ReadBack, log_softmax, normalized_entropy,
-                   normalized_stats, queue)
+from .base import (BlockState, Canvas, Decoder, Forward, Queued, ReadBack, greedy_stats, log_softmax,
+                   normalized_entropy, queue)
 
 # Generic options that mean nothing when every step re-decides every position.
 NOT_APPLICABLE = ("editing_threshold",)
@@ -134,8 +134,9 @@ class UniformCanvasDecoder(Decoder):
             else:
                 z = self.process(reply) / temperature
                 a.condition(state, z)  # the model's self-conditioning input at the next step
-                logprobs = log_softmax(z)
-                stats = normalized_stats(logprobs)
+                # (one exp pass over the vocabulary for the log-softmax and the entropy)
+                x0, top_prob, entropy, logprobs = greedy_stats(z)
+                stats = TokenStats(x0, top_prob, entropy)
                 sample = self._draw(z, logprobs)
                 prob = mx.exp(mx.take_along_axis(logprobs, sample[..., None], axis=-1)[..., 0])
             rows = mx.broadcast_to(~stopped[:, None], (B, L))
