@@ -38,17 +38,15 @@ def alone(adapter, prompt, options):
     return last.canvas[0, len(prompt) : len(prompt) + last.final[0]].tolist(), last.forwards
 
 
-def batched(adapter, prompts, options, join_late=()):
+def batched(adapter, prompts, options, join_late=(), joins=None):
     """(final tokens, forwards) per row of one running batch; rows in `join_late` join
-    after the batch's second step."""
+    after the batch's second step (or `joins`: {step: rows joining before it})."""
+    if joins is None:
+        joins = {0: [i for i in range(len(prompts)) if i not in join_late], 2: list(join_late)}
     batch, rows, results = RunningBatch(adapter), {}, {}
-    for i, (prompt, o) in enumerate(zip(prompts, options)):
-        if i not in join_late:
-            rows[batch.add(prompt, o).id] = i
     for steps in range(10_000):  # (bounded: every row's decode is)
-        if steps == 2:
-            for i in join_late:
-                rows[batch.add(prompts[i], options[i]).id] = i
+        for i in joins.get(steps, ()):
+            rows[batch.add(prompts[i], options[i]).id] = i
         for event in batch.step():
             assert event.error is None, event.error
             if event.finished:

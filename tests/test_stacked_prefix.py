@@ -5,12 +5,9 @@ and a batch whose rows come and go over a long decode gives every row its tokens
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints_block import write_sdar
 from mlx_lm.models.cache import KVCache
-from test_batch import alone
+from test_batch import alone, batched
 
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.batch import RunningBatch
 from mlx_lm_diffusion.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 from model_adapters.block_cache import PrefixCache
@@ -85,11 +82,6 @@ def test_bad_reads_are_refused():
         stacked.read([a], 4)  # narrower than what the row holds
 
 
-@pytest.fixture(scope="module")
-def sdar(tmp_path_factory):
-    return mld.load(str(write_sdar(tmp_path_factory.mktemp("sdar"))))
-
-
 def test_rows_joining_and_leaving_over_a_long_decode_give_their_tokens_alone(sdar):
     """Rows join at several steps (one after another left), of different prompt lengths
     and max_tokens, so the slots are reused and the stacked width changes: every row's
@@ -100,17 +92,5 @@ def test_rows_joining_and_leaving_over_a_long_decode_give_their_tokens_alone(sda
     options = [resolve(DecodeOptions(max_tokens=n), adapter, len(p)) for p, n in zip(prompts, max_tokens)]
     expected = [alone(adapter, p, o) for p, o in zip(prompts, options)]
     joins = {0: [0, 1], 2: [2], 5: [3], 9: [4, 5]}  # step -> rows joining then
-    batch, ids, results = RunningBatch(adapter), {}, {}
-    for step in range(1_000):
-        for i in joins.get(step, ()):
-            ids[batch.add(prompts[i], options[i]).id] = i
-        for event in batch.step():
-            assert event.error is None, event.error
-            if event.finished:
-                last, i = event.row.last, ids[event.row.id]
-                P = len(prompts[i])
-                results[i] = (last.canvas[0, P : P + last.final[0]].tolist(), last.forwards)
-        if len(results) == len(prompts):
-            break
-    assert [results[i] for i in range(len(prompts))] == expected
+    assert batched(adapter, prompts, options, joins=joins) == expected
     assert len(adapter._stacked_prefix.owners) < len(prompts)  # (slots of rows that left were reused)
