@@ -42,6 +42,7 @@ def run_in_pty(
         while True:
             if time.monotonic() - start > timeout:
                 os.kill(pid, signal.SIGKILL)
+                status = None  # (reaped below: reported as killed, never as a clean exit)
                 break
             text = out.decode("utf-8", "replace")
             # Type only once the program has been quiet for a moment after its prompt: a
@@ -66,8 +67,9 @@ def run_in_pty(
                     break
                 out += chunk
                 last_output = time.monotonic()
-            done, status = os.waitpid(pid, os.WNOHANG)
+            done, exited = os.waitpid(pid, os.WNOHANG)  # ((0, 0) while it runs)
             if done:
+                status = exited
                 # drain what is left
                 while True:
                     r, _, _ = select.select([fd], [], [], 0.2)
@@ -82,7 +84,7 @@ def run_in_pty(
                     out += chunk
                 break
         if status is None:
-            _, status = os.waitpid(pid, 0)
+            status = _reap(pid, start + timeout)
     finally:
         os.close(fd)
     elapsed = time.monotonic() - start
@@ -91,3 +93,18 @@ def run_in_pty(
     else:
         code = os.WEXITSTATUS(status)
     return code, out.decode("utf-8", "replace").replace("\r\n", "\n"), elapsed
+
+
+def _reap(pid: int, deadline: float) -> int:
+    """The child's wait status, waiting until `deadline` at most (then SIGKILL): its
+    terminal closed does not mean that it ends."""
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.05)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return os.waitpid(pid, 0)[1]
