@@ -15,6 +15,14 @@ advance) and leave as soon as they are done (first done, first out) or with `rem
 (a client that went away). Rows must share the family's own options (`options.family`:
 the adapter is configured once for all of them); generic options may differ per row.
 
+Pipelining (as Engine.run pipelines one decode): with `pipeline` on, `step()` queues the
+forward and commits it builds with `mx.async_eval` and returns at once; the next `step()`
+reads them back. The events a call returns are therefore those of the step queued by
+the call before, and the caller's host work on them (a server streaming the rows' new
+tokens) runs while the device computes the next step. The steps, tokens and forward
+counts are the same either way: only the point at which the host waits moves. A row
+removed while its step is in flight simply drops it.
+
 Randomness: a seeded row draws from its own PRNG key (`mx.random.key(seed)`, split per
 draw as MLX's global generator splits its key), swapped into MLX's global generator
 while the row's code runs, so its draws do not depend on the other rows, and it draws
@@ -83,6 +91,7 @@ class RunningBatch:
     family: Optional[tuple] = None
     forwards: int = 0  # batched forward calls so far
     fuse_commits: bool = True  # commit the rows' plain steps together (mlx_lm_diffusion.fused_commit)
+    pipeline: bool = True  # step() returns with its forward in flight (see the module's docstring)
     _next_id: int = 0
 
     def __len__(self) -> int:
@@ -92,12 +101,15 @@ class RunningBatch:
         return not self.rows or family_key(options) == self.family
 
     def add(self, prompt: Sequence[int], options: ResolvedOptions, payload: Any = None,
-            seed: Optional[np.ndarray] = None, prefix: Optional[PrefixKV] = None) -> BatchRow:
+            seed: Optional[np.ndarray] = None, prefix: Optional[PrefixKV] = None,
+            keep_logprobs: Optional[bool] = None) -> BatchRow:
         """A new row; it first advances at the next `step()`. `seed` (1, W): its canvas's
         pinned tokens (an infill's suffix; Engine.run). `prefix`: the KV of leading prompt
         tokens from an earlier decode (a prompt cache's), which the row starts from where
         the family's KV is exact (`row.prompt_kv.reused` positions; kv_reuse.PromptReuse);
-        `row.prompt_kv.export(tokens)` is the KV the row leaves."""
+        `row.prompt_kv.export(tokens)` is the KV the row leaves. `keep_logprobs`: whether
+        its Steps carry each token's log-probs (None: the batch's `keep_logprobs`); a row
+        whose caller reads none saves their writes and read-backs."""
         if not self.accepts(options):
             raise ValueError(
                 f"a row with the family options {dict(family_key(options))} cannot join a batch decoding "
@@ -105,7 +117,8 @@ class RunningBatch:
             )
         if not self.rows:
             self.family = family_key(options)
-        engine = Engine(self.adapter, options, keep_logprobs=self.keep_logprobs, pipeline=False)
+        keep = self.keep_logprobs if keep_logprobs is None else keep_logprobs
+        engine = Engine(self.adapter, options, keep_logprobs=keep, pipeline=False)
         engine.decoder.queue_eagerly = False  # every row's step is evaluated at once (_settle)
         engine.decoder.fuse_commits = self.fuse_commits  # plain steps are committed by the batch
         # (a decode that draws nothing needs no key: swapping one in costs a read-back per resume)
@@ -129,24 +142,39 @@ class RunningBatch:
 
     def step(self) -> list[RowEvent]:
         """Advance every row to its next forward request, answer them all with one
-        batched forward, and advance each row to the request after. Returns the rows'
-        events in order (a row that finished is out of the batch)."""
+        batched forward, and advance each row to the request after (with `pipeline`:
+        queue that forward and its commits, which the next call reads back). Returns the
+        rows' events in order (a row that finished is out of the batch)."""
         events: list[RowEvent] = []
+        self._settle(events)  # (the step the previous call left in flight)
         for row in list(self.rows.values()):
-            if row.pending is None:
+            if row.pending is None and row.reading is None:  # (a row that joined: its prefill)
                 self._advance(row, None, events)
         self._settle(events)
         waiting = [row for row in self.rows.values() if row.pending is not None]
         if not waiting:
             return events
+        queued = self._forward(waiting, events)
+        if self.pipeline:
+            # (what the rows read back next, and what their next read-back reads: one wait)
+            mx.async_eval(*queued, *[a for row in self.rows.values() if row.reading is not None
+                                     for a in row.reading.arrays])
+        else:
+            self._settle(events)
+        return events
+
+    def _forward(self, waiting: list, events: list) -> list:
+        """One batched forward (and the fused rows' commits) for the waiting rows, each
+        row then advanced to its next read-back. Returns the commits' arrays."""
         try:
             logits = self.adapter.predict_batch([row.pending for row in waiting])
         except Exception as error:  # noqa: BLE001 (every waiting row fails, the batch goes on)
             for row in waiting:
                 self._fail(row, error, events)
-            return events
+            return []
         self.forwards += 1
         replies = list(logits)
+        queued: list = []
         fused = [i for i, row in enumerate(waiting) if isinstance(row.pending, FusedForward)]
         if fused:  # their commits, all at once
             try:
@@ -163,11 +191,11 @@ class RunningBatch:
             else:
                 for i, reply in zip(fused, committed):
                     replies[i] = reply
+                    queued += [a for a in (reply.kept, reply.confidence) if a is not None]
         for row, reply in zip(waiting, replies):
             row.pending = None
             self._advance(row, reply, events)
-        self._settle(events)
-        return events
+        return queued
 
     def _settle(self, events: list) -> None:
         """Rows about to read arrays back: evaluate every row's at once (one wait for the

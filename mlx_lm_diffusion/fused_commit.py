@@ -171,11 +171,14 @@ def _commit_group(plans: list, stacked: mx.array) -> list:
     commit = _select(plans, x0, prob, logprobs, candidates)
     block = mx.where(commit, x0, _stack([p.block for p in plans]))
     confidence = mx.where(commit, prob, _stack([p.confidence for p in plans]))
-    kept = None
-    if plans[0].kept is not None:
-        kept = mx.where(commit[..., None], logprobs, _stack([p.kept for p in plans]))
-    return [Committed(block[i : i + 1], None if kept is None else kept[i : i + 1], confidence[i : i + 1])
-            for i in range(len(plans))]
+    keeping = [i for i, p in enumerate(plans) if p.kept is not None]  # (rows whose caller reads log-probs)
+    kept: list = [None] * len(plans)
+    if keeping:
+        take = (lambda a: a) if len(keeping) == len(plans) else (lambda a: mx.take(a, mx.array(keeping), axis=0))
+        rows = mx.where(take(commit)[..., None], take(logprobs), _stack([plans[i].kept for i in keeping]))
+        for j, i in enumerate(keeping):
+            kept[i] = rows[j : j + 1]
+    return [Committed(block[i : i + 1], kept[i], confidence[i : i + 1]) for i in range(len(plans))]
 
 
 def _select(plans: list, x0, prob, logprobs, candidates) -> mx.array:

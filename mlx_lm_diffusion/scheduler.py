@@ -41,10 +41,12 @@ from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _ma
 
 from model_adapters import adapter_for
 
+from . import peers
 from .batch import RowEvent, RunningBatch, family_key
 from .compat import check_decode_fields, fit_max_tokens
 from .engine import Step
 from .options import DecodeOptions, ResolvedOptions, named_options, resolve
+from .stream_batching import ResponseSender
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Job:
     detokenizer: Any
     cache_entry: Optional[Callable[..., None]] = None  # stores prompt + tokens (and their KV) in the prompt cache
     cache_lookup: Optional[Callable[[list], Any]] = None  # the prompt cache's KV of a prompt's prefix
+    logprobs: bool = False  # the client asked for each token's log-prob
     prefix: Any = None  # ... this prompt's (a PrefixKV, or None), once looked up
     looked_up: bool = False
     tokens: list = field(default_factory=list)  # the tokens sent
@@ -69,10 +72,20 @@ class Job:
     ended: bool = False
     row: Any = None
     submitted: float = field(default_factory=time.monotonic)
+    sender: Optional[ResponseSender] = None  # the way to rqueue: tokens in mailboxes (stream_batching)
+
+    def __post_init__(self):
+        if self.sender is None:
+            self.sender = ResponseSender(self.rqueue)
 
     @property
     def group(self) -> tuple:
         return family_key(self.options)
+
+    @property
+    def keeps_logprobs(self) -> bool:
+        """Whether its row keeps each token's log-probs (else none are written or read back)."""
+        return self.logprobs or self.top_logprobs > 0
 
 
 @dataclass
@@ -133,10 +146,11 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         ctx.prompt_cache_count = 0  # usage's cached_tokens: set when the row starts (the KV it reused)
         adapter = adapter_for(model, tokenizer)
         options = _resolve_request(generator, req, args, model, tokenizer, adapter, prompt)
-        drafts = generator._draft_sender(rqueue) if getattr(req, "drafts", False) else None
+        sender = ResponseSender(rqueue)  # (drafts and tokens keep their order through it)
+        drafts = generator._draft_sender(sender) if getattr(req, "drafts", False) else None
         job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
                   args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator),
-                  cache_lookup=_cache_reader(generator))
+                  cache_lookup=_cache_reader(generator), logprobs=bool(args.logprobs), sender=sender)
     except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
         rqueue.put(e)
         return None
@@ -323,7 +337,8 @@ class Scheduler:
             if isinstance(job, ProtocolJob):
                 job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
             else:
-                job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix)
+                job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix,
+                                    keep_logprobs=job.keeps_logprobs)
                 job.prefix = None
                 job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
             if job.group not in self.turns:
@@ -342,9 +357,11 @@ class Scheduler:
 
     def _step(self, group: tuple) -> None:
         batch = self.batches[group]
-        for row in list(batch.rows.values()):  # a client that left frees its row now
+        rows = list(batch.rows.values())
+        gone = peers.closed([getattr(row.payload.check, "socket", None) for row in rows])  # (one poll for all)
+        for row, closed in zip(rows, gone):  # a client that left frees its row now
             try:
-                row.payload.check()
+                row.payload.check() if closed is None else row.payload.check(closed)
             except Exception as e:  # noqa: BLE001 (the client's error; the batch goes on)
                 self._end(batch, row.payload, e)
         if not len(batch):
@@ -380,32 +397,40 @@ class Scheduler:
             self._end(batch, job, None)
 
     def _emit(self, batch: RunningBatch, job: Job, step: Step) -> None:
-        """The row's newly final tokens, one Response each (as stream_generate yields them)."""
+        """The row's newly final tokens, one Response each (as stream_generate yields
+        them), handed to its client together (stream_batching)."""
         P, eos = len(job.prompt), batch.adapter.eos_ids
-        values = _token_logprobs(step, P + job.emitted, P + int(step.final[0])) if job.top_logprobs <= 0 else None
-        while job.emitted < step.final[0]:
-            position = P + job.emitted
-            token = int(step.canvas[0, position])
-            logprobs = step.logprobs(0, position) if values is None else None
-            job.emitted += 1
-            stop = token in eos
-            finish = "stop" if stop else ("length" if job.emitted == job.options.max_tokens else None)
-            if not stop:
-                job.detokenizer.add_token(token)
-            if finish is not None:
-                job.detokenizer.finalize()
-            if job.stop_matcher.advance(token):
-                finish = "stop"
-            if values is not None:
-                logprob = values.get(position, 0.0)
-            else:
-                logprob = logprobs[token].item() if logprobs is not None else 0.0
-            top = _format_top_logprobs(logprobs, job.top_logprobs, self.tokenizer) if logprobs is not None else ()
-            job.tokens.append(token)
-            job.rqueue.put(Response(job.detokenizer.last_segment, token, logprob, finish, top))
-            if finish is not None or job.ctx._should_stop:
-                self._end(batch, job, None)
-                return
+        top = job.top_logprobs > 0
+        values = _token_logprobs(step, P + job.emitted, P + int(step.final[0])) if job.logprobs and not top else None
+        out = []
+        try:
+            while job.emitted < step.final[0]:
+                position = P + job.emitted
+                token = int(step.canvas[0, position])
+                logprobs = step.logprobs(0, position) if top else None
+                job.emitted += 1
+                stop = token in eos
+                finish = "stop" if stop else ("length" if job.emitted == job.options.max_tokens else None)
+                if not stop:
+                    job.detokenizer.add_token(token)
+                if finish is not None:
+                    job.detokenizer.finalize()
+                if job.stop_matcher.advance(token):
+                    finish = "stop"
+                if values is not None:
+                    logprob = values.get(position, 0.0)
+                else:
+                    logprob = logprobs[token].item() if logprobs is not None else 0.0
+                ranked = _format_top_logprobs(logprobs, job.top_logprobs, self.tokenizer) if logprobs is not None else ()
+                job.tokens.append(token)
+                out.append(Response(job.detokenizer.last_segment, token, logprob, finish, ranked))
+                if finish is not None or job.ctx._should_stop:
+                    job.sender.send(out)
+                    out = []
+                    self._end(batch, job, None)
+                    return
+        finally:
+            job.sender.send(out)  # (the tokens made before an error too)
 
     def _end(self, batch: RunningBatch, job: Job, error: Optional[BaseException]) -> None:
         job.ended = True
@@ -415,7 +440,7 @@ class Scheduler:
             return
         if error is None and job.cache_entry is not None:  # (before the client can send its next turn)
             job.cache_entry(job.prompt + job.tokens, job.row.prompt_kv.export if job.row is not None else None)
-        job.rqueue.put(error)  # None: the end of the stream
+        job.sender.put(error)  # None: the end of the stream
 
     def _fail_group(self, group: tuple, error: BaseException) -> None:
         batch = self.batches.pop(group, None)
@@ -435,4 +460,4 @@ class Scheduler:
                     job.end(Cancelled())
                     continue
                 job.ended = True
-                job.rqueue.put(Cancelled())
+                job.sender.put(Cancelled())

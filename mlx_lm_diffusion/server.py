@@ -97,7 +97,7 @@ from mlx_lm.utils import _parse_size
 
 from model_adapters import adapter_for, is_diffusion_model
 
-from . import compat, distributed, distributed_server, images, request_constraints
+from . import compat, distributed, distributed_server, images, request_constraints, stream_batching
 from .decoders.speculative import check_greedy
 from .canvas_view import MASK_GLYPH
 from .engine import Step
@@ -512,12 +512,14 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         cancel = getattr(req, "cancel", None)
         sock = getattr(req, "connection", None)
 
-        def check() -> None:
+        def check(peer_closed: Optional[bool] = None) -> None:
+            """`peer_closed`: whether the client left, when the caller polled it already."""
             if cancel is not None and cancel.is_set():
                 raise req.cancel_error or Cancelled()
-            if sock is not None and _peer_closed(sock):
+            if sock is not None and (_peer_closed(sock) if peer_closed is None else peer_closed):
                 raise ClientGone("the client closed its connection")
 
+        check.socket = sock  # (a running batch polls every row's socket at once: mlx_lm_diffusion.peers)
         return check
 
     def _serve_single(self, request, stream):
@@ -637,7 +639,7 @@ class _Guarded:
     @staticmethod
     def _iterate(responses):
         try:
-            yield from responses
+            yield from stream_batching.unpack(responses)  # (the scheduler's tokens come in mailboxes)
         except _CLIENT_ERRORS:  # writing keepalives or drafts to a gone client
             raise
         except Exception as e:

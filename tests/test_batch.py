@@ -217,3 +217,70 @@ def test_rows_share_model_calls(request, family):
     calls_alone, counting.calls = counting.calls, 0
     assert batched(adapter, PROMPTS, options) == expected
     assert counting.calls < calls_alone * 0.7, (counting.calls, calls_alone)
+
+
+def _drive(batch, prompts, options, keeps=None):
+    """{row index: (canvas, forwards, kept log-probs of its final tokens or None)}."""
+    rows = {batch.add(p, o, keep_logprobs=None if keeps is None else keeps[i]).id: i
+            for i, (p, o) in enumerate(zip(prompts, options))}
+    out = {}
+    for _ in range(1000):  # (bounded: each row's decode is)
+        for event in batch.step():
+            assert event.error is None, event.error
+            step, i = event.row.last, rows[event.row.id]
+            if step is not None and step.block_logprobs is not None:
+                P = len(prompts[i])
+                out.setdefault(("logprobs", i), {}).update(
+                    {q: step.logprobs(0, q)[int(step.canvas[0, q])].item()
+                     for q in range(max(P, step.block[0]), min(step.block[1], P + int(step.final[0])))})
+            if event.finished:
+                out[i] = (step.canvas.tolist(), step.forwards)
+        if not len(batch):
+            break
+    return out
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_pipelined_and_unpipelined_batches_agree(request, family):
+    """pipeline=True (step() returns with its forward in flight, read back at the next
+    call) gives the steps, tokens, forwards and log-probs of pipeline=False; rows
+    removed while a step is in flight leave the others as they were."""
+    model, tok = request.getfixturevalue(family)
+    adapter = adapter_for(model, tok)
+    block = {} if family == "sdar" else {"block_length": 8}
+    options = [resolve(DecodeOptions(max_tokens=n, **block), adapter, len(p)) for p, n in zip(PROMPTS, (16, 12, 10))]
+    runs = [_drive(RunningBatch(adapter, keep_logprobs=True, pipeline=pipe), PROMPTS, options) for pipe in (True, False)]
+    assert runs[0] == runs[1]
+    for i, (p, o) in enumerate(zip(PROMPTS, options)):  # each row as alone
+        tokens, forwards = alone(adapter, p, o)
+        canvas, row_forwards = runs[0][i]
+        assert canvas[0][len(p) : len(p) + len(tokens)] == tokens and row_forwards == forwards
+    batch = RunningBatch(adapter, pipeline=True)
+    rows = [batch.add(p, o) for p, o in zip(PROMPTS, options)]
+    batch.step()
+    batch.step()  # (a step in flight now)
+    batch.remove(rows[1])
+    finished = {}
+    while len(batch):
+        for event in batch.step():
+            if event.finished:
+                finished[event.row.id] = event.row.last
+    for row, i in ((rows[0], 0), (rows[2], 2)):
+        tokens, forwards = alone(adapter, PROMPTS[i], options[i])
+        P = len(PROMPTS[i])
+        assert finished[row.id].canvas[0, P : P + len(tokens)].tolist() == tokens
+
+
+def test_rows_keep_log_probs_or_not(sdar):
+    """keep_logprobs per row: rows that keep them get the log-probs a batch of such rows
+    gets, rows that do not get none, and every row's tokens and forwards are the same."""
+    model, tok = sdar
+    adapter = adapter_for(model, tok)
+    options = [resolve(DecodeOptions(max_tokens=n), adapter, len(p)) for p, n in zip(PROMPTS, (16, 12, 10))]
+    kept = _drive(RunningBatch(adapter, keep_logprobs=True), PROMPTS, options)
+    mixed = _drive(RunningBatch(adapter), PROMPTS, options, keeps=[True, False, True])
+    assert [mixed[i] for i in range(3)] == [kept[i] for i in range(3)]
+    assert ("logprobs", 1) not in mixed
+    for i in (0, 2):
+        assert mixed[("logprobs", i)].keys() == kept[("logprobs", i)].keys() and mixed[("logprobs", i)]
+        assert all(abs(mixed[("logprobs", i)][q] - v) < 1e-5 for q, v in kept[("logprobs", i)].items())
