@@ -21,9 +21,9 @@ from mlx_lm.sample_utils import apply_top_p
 from .. import fused_commit
 from ..commit_rules import StepInputs
 from ..constraints import LeftToRight
-from .gathered_rows import bucket, read_positions, spread, spread_filled, take_rows
+from .gathered_rows import bucket, read_positions, spread, spread_filled
 from .kept_logprobs import KeptLogprobs, KeptRows, committed_rows, kept_arrays, whole_block
-from .vocab_stats import greedy_parts, logprob_rows
+from .vocab_stats import greedy_parts, logprob_rows, vocab_rows
 from .base import (
     BlockState,
     Canvas,
@@ -134,7 +134,10 @@ class MaskedBlockDecoder(Decoder):
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
         candidates = self._candidates(canvas, b)
         rows = self._rows_read(b, candidates, has_mask)
-        x0, prob, logprobs, logits, entropy, take = yield from self._predict(state, canvas, b, rows)
+        read = None if rows is None else self._read_count(b)
+        x0, prob, logprobs, logits, entropy, take = yield from self._predict(state, canvas, b, rows, read)
+        if rows is not None:
+            rows = rows[:, :read]  # (the positions the step's statistics cover: _predict)
         # Under processors a block may outlast the rule's schedule (one commit per step at
         # least): past it the rule selects nothing and the walk commits the next token.
         past_rule = self.ordered is not None and b.step >= rule.step_bound(o.steps, b.end - b.start)
@@ -160,7 +163,7 @@ class MaskedBlockDecoder(Decoder):
             if self.ordered is not None and has_mask:
                 commit, x0, logprobs = self.ordered.verify(canvas, b.start, commit, x0, logits, logprobs,
                                                            self._correction(b), mask_id)
-                take = partial(take_rows, logprobs)  # (the processed log-probs are kept)
+                take = partial(vocab_rows, logprobs)  # (the processed log-probs are kept)
                 prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
             if self.editing:
                 block = canvas.tokens[:, b.start : b.end]
@@ -240,18 +243,28 @@ class MaskedBlockDecoder(Decoder):
         if self.options.sampler is not None or (temperature is not None and temperature >= MIN_TEMPERATURE):
             return None
         width = b.end - b.start
-        # the most candidates a row has, from the host (at the first step: the block's masks)
-        count = b.first_open.sum(axis=1).max() if b.step == 0 else b.masked.max()
-        size = bucket(int(count), width)
+        size = bucket(self._read_count(b), width)
         return None if size >= width else read_positions(candidates, size)
 
-    def _predict(self, state: Any, canvas: Canvas, b: BlockState, rows: Optional[mx.array] = None):
+    def _read_count(self, b: BlockState) -> int:
+        """The most candidates a row has, from the host (at the first step: the block's
+        masks): a step's gathered rows past it are a bucket's padding."""
+        return int(b.first_open.sum(axis=1).max() if b.step == 0 else b.masked.max())
+
+    def _predict(self, state: Any, canvas: Canvas, b: BlockState, rows: Optional[mx.array] = None,
+                 read: Optional[int] = None):
         """The step's (x0, prob) per block position, its log-probs and logits (per row of
         `rows` when given: the proposal of an unread position is its current token, at
         probability 0), for a greedy proposal the entropy per row (else None), and
-        `take(slots (B, k))`: the log-probs at k of their rows, computed at those only."""
+        `take(slots (B, k))`: the log-probs at k of their rows, computed at those only.
+        With `rows`, the head runs over the whole bucket (a few shapes for the model) and
+        the statistics over the first `read` rows only (the others are padding: each pass
+        over the vocabulary costs per row; nothing here is compiled, so their varying
+        shape recompiles nothing)."""
         logits = yield Forward(state, canvas.tokens, b.start, b.end, rows)  # the driver answers it
         canvas.forwards += 1
+        if rows is not None and read is not None and read < rows.shape[1]:
+            logits, rows = logits[:, :read], rows[:, :read]
         logits = self._suppressed(self.process(logits))
         temperature = self._temperature(b)
         if self.options.sampler is None and (temperature is None or temperature < MIN_TEMPERATURE):
@@ -262,7 +275,7 @@ class MaskedBlockDecoder(Decoder):
             # (the full log-probs stay lazy: only a rule that reads them computes them)
             return x0, prob, shifted - log_total, logits, entropy, partial(logprob_rows, shifted, log_total)
         logprobs = log_softmax(logits)  # (_rows_read gathers under a greedy proposal only)
-        take = partial(take_rows, logprobs)
+        take = partial(vocab_rows, logprobs)
         if temperature is not None:
             return (*self._propose_tempered(logprobs, temperature), logprobs, logits, None, take)
         return (*self._propose(logprobs), logprobs, logits, None, take)

@@ -70,8 +70,16 @@ def greedy_parts(logits: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.arr
 def logprob_rows(shifted: mx.array, log_total: mx.array, slots: mx.array) -> mx.array:
     """(B, k, V) the log-probs `shifted - log_total` (B, R, V) at the row slots (B, k):
     the same subtraction, element for element, over k rows instead of R."""
-    index = slots[..., None]
-    return mx.take_along_axis(shifted, index, axis=1) - mx.take_along_axis(log_total, index, axis=1)
+    return vocab_rows(shifted, slots) - vocab_rows(log_total, slots)
 
 
-__all__ = ["greedy_stats", "greedy_parts", "logprob_rows", "slow_cpu_exp", "LOG2E", "LARGE_VOCAB"]
+def vocab_rows(values: mx.array, slots: mx.array) -> mx.array:
+    """values (B, R, V) at the row slots (B, k): (B, k, V). One index per row of V (a
+    take over the flattened rows), not take_along_axis's index per element, which costs
+    about 6 ns an element on the CPU (4x the take at V = 32768)."""
+    B, R = values.shape[:2]
+    flat = (slots + mx.arange(B, dtype=slots.dtype)[:, None] * R).reshape(-1)
+    return mx.take(values.reshape(B * R, -1), flat, axis=0).reshape(B, slots.shape[1], -1)
+
+
+__all__ = ["greedy_stats", "greedy_parts", "logprob_rows", "vocab_rows", "slow_cpu_exp", "LOG2E", "LARGE_VOCAB"]
