@@ -46,7 +46,7 @@ SIZE = dict(n_layers=4, n_heads=8, n_kv_heads=4)
 HIDDEN, MLP = 256, 512
 # --wide-vocabs: a head as wide as a small real model's (see the docstring)
 WIDE = dict(n_layers=2, n_heads=16, n_kv_heads=8)
-WIDE_HIDDEN, WIDE_MLP = 1024, 2048
+WIDE_HIDDEN = 1024  # (--wide-hidden; the MLP is twice as wide)
 CASES = [
     ("LLaDA", dict(block_length=32), 32),
     ("LLaDA", dict(block_length=32, threshold=0.9), 32),
@@ -144,13 +144,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=5, help="decode / bare pairs per case (the median is shown)")
     parser.add_argument("--tokens", type=int, default=GEN, help="tokens per decode (Dream's whole canvas)")
     parser.add_argument("--wide-vocabs", type=int, nargs="*", default=[],
-                        help="also these vocabularies with hidden 1024, 2 layers (a real model's head width)")
+                        help="also these vocabularies with a wider hidden size, 2 layers (see the docstring)")
+    parser.add_argument("--wide-hidden", type=int, default=WIDE_HIDDEN, help="the hidden size of --wide-vocabs")
     args = parser.parse_args()
     if args.tokens != GEN:
         set_tokens(args.tokens)
     rows = []
     models = [(vocab, HIDDEN, MLP, SIZE) for vocab in args.vocabs]
-    models += [(vocab, WIDE_HIDDEN, WIDE_MLP, WIDE) for vocab in args.wide_vocabs]
+    models += [(vocab, args.wide_hidden, 2 * args.wide_hidden, WIDE) for vocab in args.wide_vocabs]
     with tempfile.TemporaryDirectory() as tmp:
         for vocab, hidden, mlp, size in models:
             paths = {
