@@ -16,13 +16,14 @@ output layer cheap per logit (256 multiply-adds), while each pass an exact step 
 the vocabulary of the rows it reads (argmax, exp, sum) costs the same per logit at any
 hidden size, the exp most (mx.power: libm's powf per element on this CPU; see
 decoders/vocab_stats.py): so at hidden 256 those passes are a floor on the overhead that
-no removal of other work gets under. The `--wide-vocabs` rows (hidden 1024, 2 layers: a
-head four times as wide per logit, nearer a real model's, at a micro model's depth) show
-the overhead when the head costs more per logit; they are added rows, the hidden-256 rows
-stay the reference.
+no removal of other work gets under. The `--wide-vocabs` rows (2 layers, hidden
+`--wide-hidden`, 1024 by default: a head four times as wide per logit, nearer a real
+model's, at a micro model's depth) show the overhead when the head costs more per logit;
+they are added rows, the hidden-256 rows stay the reference.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_engine.py [--vocabs 288 32768] [--wide-vocabs 32768] [--repeats 5] [--tokens 128]
+        python bench/bench_engine.py [--vocabs 288 32768] [--wide-vocabs 32768] [--wide-hidden 1024] \
+            [--repeats 5] [--tokens 128]
 """
 
 from __future__ import annotations
