@@ -115,3 +115,22 @@ def test_dense_block_logprobs_match_the_per_token_vectors(llada):
         values = step.token_logprobs(0, start, end)
         for position, value in values.items():
             assert value == pytest.approx(float(dense[0, position - start, step.canvas[0, position]]), abs=0)
+
+
+@pytest.mark.parametrize("options", [dict(block_length=8, steps=16), dict(block_length=8, threshold=0.3)],
+                         ids=["quota", "threshold"])
+def test_a_batch_keeps_each_rows_log_probs(llada, options):
+    """A running batch (its rows' commits fused: fused_commit) records each row's commits
+    as a lone decode does: every token's log-prob equals the lone decode's vector at it."""
+    from mlx_lm_diffusion.batch_generate import generate_batch
+
+    model, tok = llada
+    prompts = [PROMPT, PROMPT[:4], PROMPT[2:]]
+    batch = generate_batch(model, tok, prompts, max_tokens=12, return_logprobs=True, return_token_ids=True,
+                           **options)
+    for prompt, tokens, values in zip(prompts, batch.token_ids, batch.logprobs):
+        alone = list(mld.stream_generate(model, tok, prompt, max_tokens=12, **options))
+        assert tokens == [r.token for r in alone][: len(tokens)]
+        assert len(values) == len(tokens) > 0
+        for value, r in zip(values, alone):
+            assert value == pytest.approx(float(r.logprobs[r.token]), abs=1e-5)
