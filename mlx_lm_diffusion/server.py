@@ -1629,10 +1629,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         httpd, generator = start(args)
     except StartupError as e:
+        _restore_signals(previous)  # (a caller in process, e.g. a test, keeps its Ctrl-C)
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if httpd is None:
         code = distributed_server.follow(generator)
+        _restore_signals(previous)
         return _exit_now(code) if argv is None else code
     host, port = httpd.server_address[:2]
     logging.info(f"Starting httpd at {host} on port {port}...")
@@ -1651,12 +1653,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(s, lambda signum, frame: hurry.set())
     shutdown(httpd, generator, args.shutdown_grace, hurry)
     serving.join(timeout=5)
-    for s, handler in previous.items():
-        signal.signal(s, handler)
+    _restore_signals(previous)
     logging.info("stopped")
     if argv is None:  # the command line: leave without C++ static teardown (see _exit_now)
         _exit_now(0)
     return 0
+
+
+def _restore_signals(previous: dict) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)
 
 
 def _exit_now(code: int) -> None:

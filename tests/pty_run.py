@@ -37,12 +37,14 @@ def run_in_pty(
     last_output = start
     pending = list(inputs)
     seen = 0  # prompts consumed so far
-    status = None
+    status, timed_out = None, False
     try:
         while True:
             if time.monotonic() - start > timeout:
+                waiting = f"{len(pending)} input(s) not typed, {seen} typed" if inputs else "no inputs"
+                out += _hung_report(pid, fd, timeout, waiting).encode()
                 os.kill(pid, signal.SIGKILL)
-                status = None  # (reaped below: reported as killed, never as a clean exit)
+                timed_out = True  # (reaped below: reported as killed, never as a clean exit)
                 break
             text = out.decode("utf-8", "replace")
             # Type only once the program has been quiet for a moment after its prompt: a
@@ -86,11 +88,56 @@ def run_in_pty(
     finally:
         os.close(fd)
     elapsed = time.monotonic() - start
-    if os.WIFSIGNALED(status):
+    if timed_out:
+        code = None
+    elif os.WIFSIGNALED(status):
         code = None if os.WTERMSIG(status) == signal.SIGKILL else -os.WTERMSIG(status)
     else:
         code = os.WEXITSTATUS(status)
     return code, out.decode("utf-8", "replace").replace("\r\n", "\n"), elapsed
+
+
+def _hung_report(pid: int, fd: int, timeout: float, waiting: str) -> str:
+    """What a child that outlived `timeout` was doing, for the failure message: each
+    thread's kernel state, signal masks and system call, the terminal's modes, then
+    SIGABRT (a child run with `python -X faulthandler` prints every thread's Python
+    stack) and what it printed in the next 2 s."""
+    import glob
+    import termios
+
+    lines = [f"\n[pty_run: no exit within {timeout:g} s; {waiting}]"]
+    try:
+        lflag = termios.tcgetattr(fd)[3]
+        lines.append("terminal: " + " ".join(f"{name}={bool(lflag & getattr(termios, name))}"
+                                              for name in ("ICANON", "ECHO", "ISIG")))
+    except OSError as e:
+        lines.append(f"terminal: {e}")
+    for task in sorted(glob.glob(f"/proc/{pid}/task/*")):
+        try:
+            status = dict(line.split(":\t", 1) for line in open(f"{task}/status").read().splitlines() if ":\t" in line)
+            syscall = open(f"{task}/syscall").read().split()[0]
+            fields = " ".join(f"{k}={status[k].strip()}" for k in ("Name", "State", "SigBlk", "SigPnd", "ShdPnd",
+                                                                   "SigCgt", "SigIgn"))
+            lines.append(f"thread {task.rsplit('/', 1)[1]}: {fields} syscall={syscall}")
+        except (OSError, KeyError, IndexError) as e:
+            lines.append(f"thread {task}: {e}")
+    try:
+        os.kill(pid, signal.SIGABRT)
+    except ProcessLookupError:
+        pass
+    dump, until = b"", time.monotonic() + 2.0
+    while time.monotonic() < until:
+        r, _, _ = select.select([fd], [], [], 0.1)
+        if r:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            dump += chunk
+    lines.append("after SIGABRT:\n" + dump.decode("utf-8", "replace"))
+    return "\n".join(lines)
 
 
 def _reap(pid: int, deadline: float) -> int:

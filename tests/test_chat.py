@@ -183,7 +183,8 @@ def _repl(path, inputs, *flags):
 
     from pty_run import run_in_pty
 
-    return run_in_pty([sys.executable, "-m", "mlx_lm_diffusion.chat", "--model", str(path),
+    # (-X faulthandler: a REPL that does not exit prints its threads' stacks when pty_run aborts it)
+    return run_in_pty([sys.executable, "-X", "faulthandler", "-m", "mlx_lm_diffusion.chat", "--model", str(path),
                        "--max-tokens", "4", *flags], inputs, timeout=150, wait_for="\u203a")
 
 

@@ -676,14 +676,18 @@ def test_bad_model_fails_at_start_before_binding(monkeypatch, capsys, tmp_path, 
     bound, restored = [], []
     monkeypatch.setattr(dserver, "make_http_server", lambda *a, **k: bound.append(a))
     monkeypatch.setattr(dserver, "restore_nofile", lambda: restored.append(1))
-    monkeypatch.setattr(signal, "signal", lambda *a: None)  # main's handlers stay out of pytest
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         (tmp_path / "empty").mkdir()
         rc = dserver.main(["--model", str(tmp_path / kind), "--port", "0"])
     finally:
         mld.uninstall()
+        now = {s: signal.getsignal(s) for s in handlers}
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and not bound and restored
+    assert now == handlers  # main gave the caller's Ctrl-C back (the pytest process's, here)
     assert len(err) == 1 and err[0].startswith("mlx_lm_diffusion.server: error: cannot load --model")
 
 
