@@ -11,8 +11,19 @@ Dream's whole-canvas step cost 2.14x it at a 16k vocabulary): below 1 where a st
 fewer rows than its block. Side by side in one run, interleaved; the best of 5 (--repeats)
 of each (a shared machine's load only ever adds time).
 
+The micro models have hidden size 256 (4 layers). At a 32k vocabulary that makes the
+output layer cheap per logit (256 multiply-adds), while each pass an exact step makes over
+the vocabulary of the rows it reads (argmax, exp, sum) costs the same per logit at any
+hidden size, the exp most (mx.power: libm's powf per element on this CPU; see
+decoders/vocab_stats.py): so at hidden 256 those passes are a floor on the overhead that
+no removal of other work gets under. The `--wide-vocabs` rows (2 layers, hidden
+`--wide-hidden`, 1024 by default: a head four times as wide per logit, nearer a real
+model's, at a micro model's depth) show the overhead when the head costs more per logit;
+they are added rows, the hidden-256 rows stay the reference.
+
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_engine.py [--vocabs 288 32768] [--repeats 5] [--tokens 128]
+        python bench/bench_engine.py [--vocabs 288 32768] [--wide-vocabs 32768] [--wide-hidden 1024] \
+            [--repeats 5] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -33,6 +44,10 @@ from model_adapters import adapter_for  # noqa: E402
 
 GEN, PROMPT = 128, list(range(40, 72))
 SIZE = dict(n_layers=4, n_heads=8, n_kv_heads=4)
+HIDDEN, MLP = 256, 512
+# --wide-vocabs: a head as wide as a small real model's (see the docstring)
+WIDE = dict(n_layers=2, n_heads=16, n_kv_heads=8)
+WIDE_HIDDEN = 1024  # (--wide-hidden; the MLP is twice as wide)
 CASES = [
     ("LLaDA", dict(block_length=32), 32),
     ("LLaDA", dict(block_length=32, threshold=0.9), 32),
@@ -126,30 +141,36 @@ def measure(name, model, tok, options, block, repeats=5):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--vocabs", type=int, nargs="+", default=[288, 32768])
+    parser.add_argument("--vocabs", type=int, nargs="*", default=[288, 32768])
     parser.add_argument("--repeats", type=int, default=5, help="decode / bare pairs per case (the median is shown)")
     parser.add_argument("--tokens", type=int, default=GEN, help="tokens per decode (Dream's whole canvas)")
+    parser.add_argument("--wide-vocabs", type=int, nargs="*", default=[],
+                        help="also these vocabularies with a wider hidden size, 2 layers (see the docstring)")
+    parser.add_argument("--wide-hidden", type=int, default=WIDE_HIDDEN, help="the hidden size of --wide-vocabs")
     args = parser.parse_args()
     if args.tokens != GEN:
         set_tokens(args.tokens)
     rows = []
+    models = [(vocab, HIDDEN, MLP, SIZE) for vocab in args.vocabs]
+    models += [(vocab, args.wide_hidden, 2 * args.wide_hidden, WIDE) for vocab in args.wide_vocabs]
     with tempfile.TemporaryDirectory() as tmp:
-        for vocab in args.vocabs:
+        for vocab, hidden, mlp, size in models:
             paths = {
-                "LLaDA": write_llada(Path(tmp) / f"llada{vocab}", d_model=256, mlp=512, vocab=vocab, **SIZE),
-                "Dream": write_dream(Path(tmp) / f"dream{vocab}", hidden=256, inter=512, vocab=vocab, **SIZE),
+                "LLaDA": write_llada(Path(tmp) / f"llada{vocab}-{hidden}", d_model=hidden, mlp=mlp, vocab=vocab, **size),
+                "Dream": write_dream(Path(tmp) / f"dream{vocab}-{hidden}", hidden=hidden, inter=mlp, vocab=vocab, **size),
             }
             loaded = {name: mld.load(str(path)) for name, path in paths.items()}
             for name, options, block in CASES:
                 ratio, whole, wall, tokens, forwards, gathered = measure(name, *loaded[name], options, block, args.repeats)
-                rows.append((vocab, name, options, tokens, forwards, gathered, wall, ratio, whole))
+                rows.append((vocab, hidden, size["n_layers"], name, options, tokens, forwards, gathered, wall, ratio,
+                             whole))
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
-    print(f"{'vocab':>6} {'model':6} {'options':36} {'tokens':>6} {'fwd/tok':>8} {'gathered':>8} {'tok/s':>8}"
-          f" {'overhead':>8} {'vs block fwd':>12}")
-    for vocab, name, options, tokens, forwards, gathered, wall, ratio, whole in rows:
-        print(f"{vocab:6d} {name:6} {str(options):36} {tokens:6d} {forwards / tokens:8.2f} {gathered:8d}"
-              f" {tokens / wall:8.1f} {ratio:8.3f} {whole:12.3f}")
+    print(f"{'vocab':>6} {'hidden':>6} {'layers':>6} {'model':6} {'options':36} {'tokens':>6} {'fwd/tok':>8}"
+          f" {'gathered':>8} {'tok/s':>8} {'overhead':>8} {'vs block fwd':>12}")
+    for vocab, hidden, layers, name, options, tokens, forwards, gathered, wall, ratio, whole in rows:
+        print(f"{vocab:6d} {hidden:6d} {layers:6d} {name:6} {str(options):36} {tokens:6d} {forwards / tokens:8.2f}"
+              f" {gathered:8d} {tokens / wall:8.1f} {ratio:8.3f} {whole:12.3f}")
 
 
 if __name__ == "__main__":

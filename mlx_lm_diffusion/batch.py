@@ -191,7 +191,7 @@ class RunningBatch:
             else:
                 for i, reply in zip(fused, committed):
                     replies[i] = reply
-                    queued += [a for a in (reply.kept, reply.confidence) if a is not None]
+                    queued += [reply.confidence, reply.commit]  # (its kept log-probs are read when emitted)
         for row, reply in zip(waiting, replies):
             row.pending = None
             self._advance(row, reply, events)

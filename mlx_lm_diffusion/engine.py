@@ -31,6 +31,7 @@ import numpy as np
 from model_adapters import Adapter
 
 from .decoders import Canvas, Forward, Queued, ReadBack, decoder_class
+from .decoders.kept_logprobs import KeptLogprobs, kept_arrays
 from .options import ResolvedOptions
 
 
@@ -46,9 +47,17 @@ class Step:
     forwards: int  # model forwards so far
     block: tuple[int, int]
     step: int  # step index within the block
-    block_logprobs: Optional[mx.array] = None  # (B, block, V) log-probs each token had at commit
+    # each token's log-probs at commit: a KeptLogprobs (the masked decoder's records of its
+    # commits) or a (B, block, V) array; read them with `logprobs` (`block_logprobs`: dense)
+    kept: Any = None
     ran_forward: bool = True  # False: a block-over event without a model forward
     block_confidence: Optional[mx.array] = None  # (B, block) each token's confidence at commit
+
+    @property
+    def block_logprobs(self) -> Optional[mx.array]:
+        """(B, block, V) log-probs each token had at commit (zeros where none committed),
+        built from the records when read."""
+        return self.kept.dense() if isinstance(self.kept, KeptLogprobs) else self.kept
 
     @property
     def forward(self) -> bool:
@@ -59,9 +68,24 @@ class Step:
         """(V,) log-probs of the token at `position` when it was committed. Every token
         becomes final while its block is current, so this covers every emitted token."""
         start, end = self.block
-        if self.block_logprobs is None or not start <= position < end:
+        if self.kept is None or not start <= position < end:
             return None
-        return self.block_logprobs[row, position - start]
+        if isinstance(self.kept, KeptLogprobs):
+            return self.kept.row(row, position - start)
+        return self.kept[row, position - start]
+
+    def token_logprobs(self, row: int, lo: int, hi: int) -> dict:
+        """{position: log-prob of its token} for the positions [lo, hi) of the block, read
+        on the host (an MLX op per token would wait for the device each time)."""
+        start, end = self.block
+        lo, hi = max(lo, start), min(hi, end)
+        if self.kept is None or lo >= hi:
+            return {}
+        tokens = np.asarray(self.canvas[row, lo:hi], dtype=np.int64)
+        if isinstance(self.kept, KeptLogprobs):
+            return dict(zip(range(lo, hi), self.kept.values(row, range(lo - start, hi - start), tokens)))
+        rows = np.asarray(self.kept)[row, lo - start : hi - start]  # (hi - lo, V), sliced on the host
+        return dict(zip(range(lo, hi), rows[np.arange(hi - lo), tokens].tolist()))
 
 
 def pipelined(queued: Iterator[Queued], land: Callable[[Queued], Step], finished: Callable[[], bool]) -> Iterator[Step]:
@@ -163,7 +187,7 @@ class Engine:
                 reply = yield item
             else:
                 reply = None
-                yield ReadBack(tuple(a for a in (item.tokens, item.kept, item.confidence) if a is not None))
+                yield ReadBack((item.tokens, *kept_arrays(item.kept), item.confidence))
                 yield self._land(canvas, item)
 
     def _predict(self, f: Forward) -> mx.array:

@@ -23,7 +23,8 @@ a row's draws come from its own key.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +44,7 @@ from .commit_rules import (
     Threshold,
 )
 from .decoders.base import Forward, greedy_proposal, log_softmax, normalized_entropy
+from .decoders.vocab_stats import vocab_rows
 
 # Rules whose selection reads only a per-row quota at the step (stacked over rows here).
 QUOTA_RULES = (LowConfidence, BlockLengthQuota, LowConfidenceDynamic, LowConfidenceStatic)
@@ -61,7 +63,7 @@ class RowCommit:
     masked: np.ndarray  # (1,) masks left in the block (host)
     candidates: mx.array  # (1, W) masked positions that may commit
     block: mx.array  # (1, W) the block's tokens now
-    kept: Optional[mx.array]  # (1, W, V) log-probs at commit so far, or None
+    kept: Any  # the row's kept log-probs (decoders.kept_logprobs), or None: none are kept
     confidence: mx.array  # (1, W)
     takes_all: bool  # every candidate commits (the rule's count covers the masks)
     bias: Optional[mx.array]  # (V,) added to the float32 logits (suppressed / disallowed ids)
@@ -76,11 +78,14 @@ class FusedForward(Forward):
 
 @dataclass
 class Committed:
-    """A fused row's step, answered: the block's new tokens, log-probs and confidence."""
+    """A fused row's step, answered: the block's new tokens and confidence, what it
+    committed (1, W) and, when log-probs are kept, `take(slots (1, k))`: the row's
+    log-probs at those block positions (the row records its commits' only)."""
 
     block: mx.array
-    kept: Optional[mx.array]
     confidence: mx.array
+    commit: mx.array
+    take: Optional[Callable[[mx.array], mx.array]] = None
 
 
 def fusable(decoder: Any) -> bool:
@@ -110,8 +115,10 @@ def row_step(decoder: Any, state: Any, canvas: Any, b: Any):
     result = yield FusedForward(state, canvas.tokens, b.start, b.end, commit=plan)
     canvas.forwards += 1
     canvas.write(result.block, b.start)
-    b.kept, b.confidence = result.kept, result.confidence
+    b.confidence = result.confidence
     yield from decoder._count_open(canvas, b, committed)
+    if result.take is not None:
+        decoder._keep(b, result.commit, None, committed, result.take)
     return False
 
 
@@ -171,14 +178,14 @@ def _commit_group(plans: list, stacked: mx.array) -> list:
     commit = _select(plans, x0, prob, logprobs, candidates)
     block = mx.where(commit, x0, _stack([p.block for p in plans]))
     confidence = mx.where(commit, prob, _stack([p.confidence for p in plans]))
-    keeping = [i for i, p in enumerate(plans) if p.kept is not None]  # (rows whose caller reads log-probs)
-    kept: list = [None] * len(plans)
-    if keeping:
-        take = (lambda a: a) if len(keeping) == len(plans) else (lambda a: mx.take(a, mx.array(keeping), axis=0))
-        rows = mx.where(take(commit)[..., None], take(logprobs), _stack([plans[i].kept for i in keeping]))
-        for j, i in enumerate(keeping):
-            kept[i] = rows[j : j + 1]
-    return [Committed(block[i : i + 1], kept[i], confidence[i : i + 1]) for i in range(len(plans))]
+    return [Committed(block[i : i + 1], confidence[i : i + 1], commit[i : i + 1],
+                      partial(_row_logprobs, logprobs, i) if p.kept is not None else None)  # (rows whose caller reads log-probs)
+            for i, p in enumerate(plans)]
+
+
+def _row_logprobs(logprobs: mx.array, row: int, slots: mx.array) -> mx.array:
+    """(1, k, V) row `row` of the stacked log-probs (R, W, V) at the block positions `slots` (1, k)."""
+    return vocab_rows(logprobs[row : row + 1], slots)
 
 
 def _select(plans: list, x0, prob, logprobs, candidates) -> mx.array:

@@ -162,13 +162,7 @@ def _token_logprobs(step: Step, lo: int, hi: int) -> dict:
     """{position: log-prob of its token} for the positions [lo, hi) of the step's block,
     read on the host (the step's log-probs were evaluated with its tokens): an MLX op per
     emitted token waits for the device each time (~0.3 ms apiece on a 2-core CPU)."""
-    start, end = step.block
-    lo, hi = max(lo, start), min(hi, end)
-    if step.block_logprobs is None or lo >= hi:
-        return {}
-    rows = np.asarray(step.block_logprobs)[0, lo - start : hi - start]  # (hi - lo, V), sliced on the host
-    tokens = np.asarray(step.canvas[0, lo:hi], dtype=np.int64)
-    return dict(zip(range(lo, hi), rows[np.arange(hi - lo), tokens].tolist()))
+    return step.token_logprobs(0, lo, hi)
 
 
 def _resolve_request(generator: Any, req: Any, args: Any, model: Any, tokenizer: Any, adapter: Any,

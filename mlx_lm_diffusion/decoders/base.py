@@ -88,7 +88,7 @@ class BlockState:
     start: int
     end: int
     confidence: mx.array  # (B, end - start) each token's confidence at commit
-    kept: Optional[mx.array] = None  # (B, end - start, V) each token's log-probs at commit
+    kept: Any = None  # each token's log-probs at commit (kept_logprobs.KeptLogprobs), or None
     masked: Optional[np.ndarray] = None  # (B,) host count of masks per row still decoding
     first_open: Optional[np.ndarray] = None  # (B, end - start) the masks at the block's first step
     rule_state: Any = None  # the commit rule's state for this block (CommitRule.start_block)
@@ -101,7 +101,7 @@ class Queued:
     """A step whose arrays may still be computing (a Step's fields, tokens on device)."""
 
     tokens: mx.array
-    kept: Optional[mx.array]
+    kept: Any  # a KeptLogprobs, a (B, width, V) array (uniform canvases, self-speculation) or None
     confidence: mx.array
     forwards: int
     block: tuple[int, int]
@@ -135,7 +135,7 @@ class ReadBack:
     arrays: tuple
 
 
-def queue(canvas: Canvas, block: BlockState, kept: Optional[mx.array], block_over: bool,
+def queue(canvas: Canvas, block: BlockState, kept: Any, block_over: bool,
           ran_forward: bool = True) -> Queued:
     return Queued(canvas.tokens, kept, block.confidence, canvas.forwards, (block.start, block.end),
                   block.step, block_over, ran_forward)

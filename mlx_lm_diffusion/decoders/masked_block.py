@@ -10,7 +10,8 @@ passes).
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from functools import partial
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -20,7 +21,9 @@ from mlx_lm.sample_utils import apply_top_p
 from .. import fused_commit
 from ..commit_rules import StepInputs
 from ..constraints import LeftToRight
-from .gathered_rows import bucket, read_positions, spread, spread_filled, take_rows
+from .gathered_rows import bucket, read_positions, spread, spread_filled
+from .kept_logprobs import KeptLogprobs, KeptRows, committed_rows, kept_arrays, whole_block
+from .vocab_stats import greedy_parts, logprob_rows, vocab_rows
 from .base import (
     BlockState,
     Canvas,
@@ -29,7 +32,6 @@ from .base import (
     Queued,
     ReadBack,
     greedy_proposal,
-    greedy_stats,
     log_softmax,
     normalized_entropy,
     queue,
@@ -113,7 +115,8 @@ class MaskedBlockDecoder(Decoder):
 
     def _start_block(self, state: Any, canvas: Canvas, start: int, end: int) -> BlockState:
         B, width = canvas.rows, end - start
-        kept = mx.zeros((B, width, self.adapter.vocab_size)) if self.keep_logprobs else None
+        # (the log-probs of the tokens this block commits, recorded per step: kept_logprobs)
+        kept = KeptLogprobs(B, width, self.adapter.vocab_size) if self.keep_logprobs else None
         b = BlockState(start, end, confidence=mx.zeros((B, width)), kept=kept)
         self._seed_first_token(state, canvas, b)
         # Nothing has written into this block since the canvas was built (or since the seed
@@ -131,7 +134,10 @@ class MaskedBlockDecoder(Decoder):
         o, rule, mask_id = self.options, self.options.rule, self.adapter.mask_id
         candidates = self._candidates(canvas, b)
         rows = self._rows_read(b, candidates, has_mask)
-        x0, prob, logprobs, logits, entropy = yield from self._predict(state, canvas, b, rows)
+        read = None if rows is None else self._read_count(b)
+        x0, prob, logprobs, logits, entropy, take = yield from self._predict(state, canvas, b, rows, read)
+        if rows is not None:
+            rows = rows[:, :read]  # (the positions the step's statistics cover: _predict)
         # Under processors a block may outlast the rule's schedule (one commit per step at
         # least): past it the rule selects nothing and the walk commits the next token.
         past_rule = self.ordered is not None and b.step >= rule.step_bound(o.steps, b.end - b.start)
@@ -142,7 +148,8 @@ class MaskedBlockDecoder(Decoder):
         edited = False
         if takes_all and b.step == 0 and b.first_open.all() and not self.editing:
             # the step fills the whole block (at block length 1, every step): it is the proposal
-            self._apply(canvas, b, None, x0, prob, logprobs)
+            self._apply(canvas, b, None, x0, prob, None if b.kept is None else whole_block(logprobs))
+            commit = None
         else:
             if not has_mask or past_rule:
                 commit = mx.zeros(candidates.shape, dtype=mx.bool_)
@@ -156,6 +163,7 @@ class MaskedBlockDecoder(Decoder):
             if self.ordered is not None and has_mask:
                 commit, x0, logprobs = self.ordered.verify(canvas, b.start, commit, x0, logits, logprobs,
                                                            self._correction(b), mask_id)
+                take = partial(vocab_rows, logprobs)  # (the processed log-probs are kept)
                 prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
             if self.editing:
                 block = canvas.tokens[:, b.start : b.end]
@@ -166,9 +174,24 @@ class MaskedBlockDecoder(Decoder):
                 edit = edit_transfer(x0, prob, block, editable, o.editing_threshold)
                 commit = commit | edit
                 edited = bool(mx.any(edit).item())
-            self._apply(canvas, b, commit, x0, prob, logprobs, rows)
+            self._apply(canvas, b, commit, x0, prob)
         yield from self._count_open(canvas, b, committed)
+        if commit is not None:  # (after the read-back: a count only the commits tell is read then)
+            self._keep(b, commit, rows, None if committed is None or self.editing else committed, take)
         return edited
+
+    def _keep(self, b: BlockState, commit: mx.array, rows: Optional[mx.array], committed: Any,
+              take: Callable[[mx.array], mx.array]) -> None:
+        """Record the log-probs of the positions the step committed (kept_logprobs). The
+        commit count per row is the rule's (`committed`, host) or, where edits or the
+        processors decide (None), read from `commit` (evaluated by the step's read-back)."""
+        if b.kept is None:
+            return
+        counts = np.array(commit).sum(axis=1) if committed is None else np.asarray(committed)
+        record = committed_rows(commit, rows, int(counts.max()) if counts.size else 0, take)
+        b.kept = b.kept.add(record)
+        if record is not None and self.queue_eagerly:
+            mx.async_eval(*record.arrays())
 
     def _count_open(self, canvas: Canvas, b: BlockState, committed: Optional[mx.array]):
         """Update `b.masked` after a step: from the rule's known commit counts, or, when
@@ -196,9 +219,10 @@ class MaskedBlockDecoder(Decoder):
         seeded = mx.where(open_row, x0[:, 0], canvas.tokens[:, start])[:, None]
         canvas.write(seeded, start)
         b.confidence[:, 0] = mx.where(open_row, prob[:, 0], b.confidence[:, 0])
-        if b.kept is not None:
-            b.kept[:, 0] = mx.where(open_row[:, None], logprobs[:, 0], b.kept[:, 0])
-        mx.eval(canvas.tokens, b.kept, b.confidence)
+        if b.kept is not None:  # (position 0, in the rows it was seeded in)
+            first = mx.zeros((canvas.rows, 1), mx.int32)
+            b.kept = b.kept.add(KeptRows(first, mx.array(open_row)[:, None], logprobs[:, :1]))
+        mx.eval(canvas.tokens, *kept_arrays(b.kept), b.confidence)
         canvas.sync()
 
     def _candidates(self, canvas: Canvas, b: BlockState) -> mx.array:
@@ -219,29 +243,42 @@ class MaskedBlockDecoder(Decoder):
         if self.options.sampler is not None or (temperature is not None and temperature >= MIN_TEMPERATURE):
             return None
         width = b.end - b.start
-        # the most candidates a row has, from the host (at the first step: the block's masks)
-        count = b.first_open.sum(axis=1).max() if b.step == 0 else b.masked.max()
-        size = bucket(int(count), width)
+        size = bucket(self._read_count(b), width)
         return None if size >= width else read_positions(candidates, size)
 
-    def _predict(self, state: Any, canvas: Canvas, b: BlockState, rows: Optional[mx.array] = None):
+    def _read_count(self, b: BlockState) -> int:
+        """The most candidates a row has, from the host (at the first step: the block's
+        masks): a step's gathered rows past it are a bucket's padding."""
+        return int(b.first_open.sum(axis=1).max() if b.step == 0 else b.masked.max())
+
+    def _predict(self, state: Any, canvas: Canvas, b: BlockState, rows: Optional[mx.array] = None,
+                 read: Optional[int] = None):
         """The step's (x0, prob) per block position, its log-probs and logits (per row of
         `rows` when given: the proposal of an unread position is its current token, at
-        probability 0) and, for a greedy proposal, the entropy per row (else None)."""
+        probability 0), for a greedy proposal the entropy per row (else None), and
+        `take(slots (B, k))`: the log-probs at k of their rows, computed at those only.
+        With `rows`, the head runs over the whole bucket (a few shapes for the model) and
+        the statistics over the first `read` rows only (the others are padding: each pass
+        over the vocabulary costs per row; nothing here is compiled, so their varying
+        shape recompiles nothing)."""
         logits = yield Forward(state, canvas.tokens, b.start, b.end, rows)  # the driver answers it
         canvas.forwards += 1
+        if rows is not None and read is not None and read < rows.shape[1]:
+            logits, rows = logits[:, :read], rows[:, :read]
         logits = self._suppressed(self.process(logits))
         temperature = self._temperature(b)
         if self.options.sampler is None and (temperature is None or temperature < MIN_TEMPERATURE):
-            x0, prob, entropy, logprobs = greedy_stats(logits)
+            x0, prob, entropy, shifted, log_total = greedy_parts(logits)
             if rows is not None:
                 x0 = spread(x0, rows, canvas.tokens[:, b.start : b.end])
                 prob = spread_filled(prob, rows, b.end - b.start)
-            return x0, prob, logprobs, logits, entropy
+            # (the full log-probs stay lazy: only a rule that reads them computes them)
+            return x0, prob, shifted - log_total, logits, entropy, partial(logprob_rows, shifted, log_total)
         logprobs = log_softmax(logits)  # (_rows_read gathers under a greedy proposal only)
+        take = partial(vocab_rows, logprobs)
         if temperature is not None:
-            return (*self._propose_tempered(logprobs, temperature), logprobs, logits, None)
-        return (*self._propose(logprobs), logprobs, logits, None)
+            return (*self._propose_tempered(logprobs, temperature), logprobs, logits, None, take)
+        return (*self._propose(logprobs), logprobs, logits, None, take)
 
     def _temperature(self, b: BlockState) -> Optional[float]:
         temperatures = self.options.temperature_schedule
@@ -254,24 +291,19 @@ class MaskedBlockDecoder(Decoder):
             return lambda logprobs: self._propose_tempered(logprobs, temperature)[0]
         return lambda logprobs: self._propose(logprobs)[0]
 
-    def _apply(self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob, logprobs,
-               rows: Optional[mx.array] = None) -> None:
-        """Write the committed proposals into the canvas (commit None: the whole block);
-        `logprobs` has a row per position of `rows` when given."""
+    def _apply(self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob,
+               whole: Optional[KeptRows] = None) -> None:
+        """Write the committed proposals into the canvas (commit None: the whole block,
+        whose log-probs `whole` records)."""
         if commit is None:
             block, b.confidence = x0, prob
-            b.kept = None if b.kept is None else logprobs
+            b.kept = None if b.kept is None else b.kept.add(whole)
         else:
             block = mx.where(commit, x0, canvas.tokens[:, b.start : b.end])
-            if b.kept is not None and rows is None:
-                b.kept = mx.where(commit[..., None], logprobs, b.kept)
-            elif b.kept is not None:  # only read positions commit: update those rows
-                kept = mx.where(take_rows(commit, rows)[..., None], logprobs, take_rows(b.kept, rows))
-                b.kept = spread(kept, rows, b.kept)
             b.confidence = mx.where(commit, prob, b.confidence)
         canvas.write(block, b.start)
-        if self.queue_eagerly:
-            mx.async_eval(canvas.tokens, b.kept, b.confidence)  # computes while the host goes on
+        if self.queue_eagerly:  # computes while the host goes on
+            mx.async_eval(canvas.tokens, b.confidence, *(whole.arrays() if whole is not None else ()))
 
     def _suppressed(self, logits: mx.array) -> mx.array:
         return logits if self.suppress is None else logits + self.suppress
