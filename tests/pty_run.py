@@ -70,18 +70,7 @@ def run_in_pty(
             done, exited = os.waitpid(pid, os.WNOHANG)  # ((0, 0) while it runs)
             if done:
                 status = exited
-                # drain what is left
-                while True:
-                    r, _, _ = select.select([fd], [], [], 0.2)
-                    if not r:
-                        break
-                    try:
-                        chunk = os.read(fd, 65536)
-                    except OSError:
-                        break
-                    if not chunk:
-                        break
-                    out += chunk
+                out += _drain(fd, quiet=0.2, limit=timeout)  # what is left
                 break
         if status is None:
             status = _reap(pid, start + timeout)
@@ -125,19 +114,27 @@ def _hung_report(pid: int, fd: int, timeout: float, waiting: str) -> str:
         os.kill(pid, signal.SIGABRT)
     except ProcessLookupError:
         pass
-    dump, until = b"", time.monotonic() + 2.0
-    while time.monotonic() < until:
-        r, _, _ = select.select([fd], [], [], 0.1)
-        if r:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            dump += chunk
+    dump = _drain(fd, quiet=2.0, limit=2.0)
     lines.append("after SIGABRT:\n" + dump.decode("utf-8", "replace"))
     return "\n".join(lines)
+
+
+def _drain(fd: int, quiet: float, limit: float) -> bytes:
+    """What the terminal still has to read: until it closes, stays silent for `quiet`
+    seconds, or `limit` seconds have passed."""
+    out, until = b"", time.monotonic() + limit
+    while time.monotonic() < until:
+        r, _, _ = select.select([fd], [], [], min(quiet, max(until - time.monotonic(), 0)))
+        if not r:
+            break
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
 
 
 def _reap(pid: int, deadline: float) -> int:
