@@ -158,13 +158,6 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
     return job
 
 
-def _token_logprobs(step: Step, lo: int, hi: int) -> dict:
-    """{position: log-prob of its token} for the positions [lo, hi) of the step's block,
-    read on the host (the step's log-probs were evaluated with its tokens): an MLX op per
-    emitted token waits for the device each time (~0.3 ms apiece on a 2-core CPU)."""
-    return step.token_logprobs(0, lo, hi)
-
-
 def _resolve_request(generator: Any, req: Any, args: Any, model: Any, tokenizer: Any, adapter: Any,
                      prompt: list) -> Any:
     """The request's resolved decoding options. The HTTP thread checked its fields without
@@ -395,7 +388,7 @@ class Scheduler:
         them), handed to its client together (stream_batching)."""
         P, eos = len(job.prompt), batch.adapter.eos_ids
         top = job.top_logprobs > 0
-        values = _token_logprobs(step, P + job.emitted, P + int(step.final[0])) if job.logprobs and not top else None
+        values = step.token_logprobs(0, P + job.emitted, P + int(step.final[0])) if job.logprobs and not top else None
         out = []
         try:
             while job.emitted < step.final[0]:
