@@ -71,9 +71,6 @@ class KeptLogprobs:
         """The newest record's arrays (what a step queues; older ones are evaluated)."""
         return self.records[-1].arrays() if self.records else ()
 
-    def arrays(self) -> list:
-        return [a for record in self.records for a in record.arrays()]
-
     def find(self, row: int, position: int) -> Optional[tuple]:
         """(record, slot) of the latest commit of block `position` in `row`, or None."""
         for record in reversed(self.records):
