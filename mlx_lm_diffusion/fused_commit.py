@@ -44,7 +44,7 @@ from .commit_rules import (
     Threshold,
 )
 from .decoders.base import Forward, greedy_proposal, log_softmax, normalized_entropy
-from .decoders.vocab_stats import vocab_rows
+from .decoders.gathered_rows import take_rows
 
 # Rules whose selection reads only a per-row quota at the step (stacked over rows here).
 QUOTA_RULES = (LowConfidence, BlockLengthQuota, LowConfidenceDynamic, LowConfidenceStatic)
@@ -185,7 +185,7 @@ def _commit_group(plans: list, stacked: mx.array) -> list:
 
 def _row_logprobs(logprobs: mx.array, row: int, slots: mx.array) -> mx.array:
     """(1, k, V) row `row` of the stacked log-probs (R, W, V) at the block positions `slots` (1, k)."""
-    return vocab_rows(logprobs[row : row + 1], slots)
+    return take_rows(logprobs[row : row + 1], slots)
 
 
 def _select(plans: list, x0, prob, logprobs, candidates) -> mx.array:
