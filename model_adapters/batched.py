@@ -75,12 +75,12 @@ def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> li
         # (a GPU builds kernels per shape: few widths pay. On a CPU nothing is built per shape,
         # and every padded column costs the full canvas's attention row: pad to the widest only)
         width = bucketed(width)
-    rows = [_pad_right(r.canvas, width) for r in requests]
+    tokens = token_matrix([(r, 0, length, 0, width - length) for r, length in zip(requests, lengths)])
     mask = None
     if min(lengths) < width:  # (B, 1, 1, K): each row attends to its own tokens only
         valid = np.arange(width)[None, :] < np.array(lengths)[:, None]
         mask = mx.array(valid)[:, None, None, :]
-    hidden = adapter.model.backbone(mx.concatenate(rows, axis=0), mask)
+    hidden = adapter.model.backbone(tokens, mask)
     return stacked_head(adapter, hidden, [(r.start - shift, r.end - r.start) for r in requests])
 
 
@@ -108,9 +108,26 @@ def stacked_head(adapter: Any, hidden: mx.array, reads: Sequence[tuple]) -> RowL
     return out
 
 
-def _pad_right(canvas: mx.array, width: int) -> mx.array:
-    missing = width - canvas.shape[1]
-    return canvas if not missing else mx.concatenate([canvas, mx.zeros((1, missing), canvas.dtype)], axis=1)
+def token_matrix(spans: Sequence[tuple]) -> mx.array:
+    """(B, width) int32: per row (request, lo, hi, left, right), its canvas's tokens
+    [lo, hi) with `left` zeros before and `right` after. Built on the host from the rows'
+    host copies where the requests carry a current one (`host`, fused_commit.FusedForward),
+    so that the device gets one array instead of a slice, a pad and a concatenation per
+    row; on the device for the others."""
+    if all(getattr(r, "host", None) is not None for r, *_ in spans):
+        return mx.array(np.concatenate([np.pad(r.host[:, lo:hi], ((0, 0), (left, right))).astype(np.int32)
+                                        for r, lo, hi, left, right in spans], axis=0))
+    rows = []
+    for r, lo, hi, left, right in spans:
+        host = getattr(r, "host", None)
+        if host is not None:
+            rows.append(mx.array(np.pad(host[:, lo:hi], ((0, 0), (left, right))).astype(np.int32)))
+            continue
+        row = r.canvas if (lo, hi) == (0, r.canvas.shape[1]) else r.canvas[:, lo:hi]
+        parts = ([mx.zeros((1, left), row.dtype)] if left else []) + [row] + (
+            [mx.zeros((1, right), row.dtype)] if right else [])
+        rows.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1))
+    return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
 
 
 def _pad_left(x: mx.array, width: int, axis: int) -> mx.array:
@@ -149,9 +166,7 @@ def block_causal_batch(adapter: Any, requests: Sequence[Any]) -> list:
     width = -(-max(stop - offset for offset, stop in plans) // block) * block
     stored = max(offset for offset, _ in plans)
     stored = bucketed(stored) if stored else 0
-    tokens = mx.concatenate(
-        [_pad_left(r.canvas[:, offset:stop], width, axis=1) for r, (offset, stop) in zip(requests, plans)], axis=0
-    )
+    tokens = token_matrix([(r, offset, stop, width - (stop - offset), 0) for r, (offset, stop) in zip(requests, plans)])
     first = np.array([offset - (width - (stop - offset)) for offset, stop in plans])  # position of column 0
     # (each row's cached prefix: positions [0, offset) at columns [0, offset), kept stacked across steps)
     prefixes = stacked_prefix_of(adapter).read([r.state for r in requests], stored) if stored else [None] * layers
