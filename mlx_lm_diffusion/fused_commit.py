@@ -44,8 +44,7 @@ from .commit_rules import (
     Threshold,
 )
 from .decoders.base import Forward, greedy_proposal, log_softmax, normalized_entropy
-from .decoders.gathered_rows import bucket, read_positions
-from .decoders.vocab_stats import vocab_rows
+from .decoders.gathered_rows import bucket, read_positions, take_rows
 
 # Rules whose selection reads only a per-row quota at the step (stacked over rows here).
 QUOTA_RULES = (LowConfidence, BlockLengthQuota, LowConfidenceDynamic, LowConfidenceStatic)
@@ -240,7 +239,7 @@ class SharedRecord:
         if most <= 0:
             return dict.fromkeys(self.rows)
         slots = read_positions(commit, bucket(most, commit.shape[1]))
-        stacked = (slots, mx.take_along_axis(commit, slots, axis=1), vocab_rows(pick(self.logprobs), slots))
+        stacked = (slots, mx.take_along_axis(commit, slots, axis=1), take_rows(pick(self.logprobs), slots))
         return {row: KeptRows(*stacked, row_offset=j, rows=1) if counts[j] > 0 else None
                 for j, row in enumerate(self.rows)}
 
@@ -265,7 +264,7 @@ def _shared_records(plans: list, commit: mx.array, logprobs: mx.array) -> list:
 
 def _row_logprobs(logprobs: mx.array, row: int, slots: mx.array) -> mx.array:
     """(1, k, V) row `row` of the stacked log-probs (R, W, V) at the block positions `slots` (1, k)."""
-    return vocab_rows(logprobs[row : row + 1], slots)
+    return take_rows(logprobs[row : row + 1], slots)
 
 
 def _select(plans: list, x0, prob, logprobs, candidates) -> mx.array:

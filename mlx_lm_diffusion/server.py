@@ -70,7 +70,6 @@ import os
 import re
 import resource
 import secrets
-import select
 import signal
 import socket
 import sys
@@ -97,7 +96,7 @@ from mlx_lm.utils import _parse_size
 
 from model_adapters import adapter_for, is_diffusion_model
 
-from . import compat, distributed, distributed_server, images, request_constraints, stream_batching
+from . import compat, distributed, distributed_server, images, peers, request_constraints, stream_batching
 from .decoders.speculative import check_greedy
 from .canvas_view import MASK_GLYPH
 from .engine import Step
@@ -291,22 +290,6 @@ def render_draft(tokenizer: Any, step: Step, mask_id: Optional[int]) -> str:
     if run:
         pieces.append(tokenizer.decode(run))
     return "".join(pieces)
-
-
-def _peer_closed(sock: Any) -> bool:
-    """Whether the client closed its end (its request has been read in full, so a
-    readable socket means end of stream). Never blocks."""
-    try:
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))
-        events = poller.poll(0)
-        if not events:
-            return False
-        if events[0][1] & (select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)):
-            return True
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):
-        return True
 
 
 def _model_names(name: str) -> List[str]:
@@ -516,7 +499,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             """`peer_closed`: whether the client left, when the caller polled it already."""
             if cancel is not None and cancel.is_set():
                 raise req.cancel_error or Cancelled()
-            if sock is not None and (_peer_closed(sock) if peer_closed is None else peer_closed):
+            if sock is not None and (peers.closed([sock])[0] if peer_closed is None else peer_closed):
                 raise ClientGone("the client closed its connection")
 
         check.socket = sock  # (a running batch polls every row's socket at once: mlx_lm_diffusion.peers)
@@ -1629,15 +1612,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
+        return _serve(args, stop, signals, command_line=argv is None)
+    finally:
+        _restore_signals(previous)  # (a caller in process, e.g. a test, keeps its Ctrl-C)
+
+
+def _serve(args, stop: threading.Event, signals: List[int], command_line: bool) -> int:
+    """Start, serve until `stop` (a signal) or the accept loop ends, then shut down in order."""
+    try:
         httpd, generator = start(args)
     except StartupError as e:
-        _restore_signals(previous)  # (a caller in process, e.g. a test, keeps its Ctrl-C)
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     if httpd is None:
         code = distributed_server.follow(generator)
-        _restore_signals(previous)
-        return _exit_now(code) if argv is None else code
+        return _exit_now(code) if command_line else code
     host, port = httpd.server_address[:2]
     logging.info(f"Starting httpd at {host} on port {port}...")
     serving = threading.Thread(target=httpd.serve_forever, name="http-accept", daemon=True)
@@ -1651,13 +1640,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name = signal.Signals(signals[0]).name if signals else "stop"
     logging.info(f"{name}: no new connections; waiting up to {args.shutdown_grace:g} s for requests in flight")
     hurry = threading.Event()  # a second signal cancels what is left at once
-    for s in previous:
+    for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda signum, frame: hurry.set())
     shutdown(httpd, generator, args.shutdown_grace, hurry)
     serving.join(timeout=5)
-    _restore_signals(previous)
     logging.info("stopped")
-    if argv is None:  # the command line: leave without C++ static teardown (see _exit_now)
+    if command_line:  # leave without C++ static teardown (see _exit_now)
         _exit_now(0)
     return 0
 

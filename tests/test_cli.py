@@ -1,22 +1,10 @@
 """The generate and convert CLIs: output, --show-canvas, and one-line errors with exit 2."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-
-def run(*args, stdin=None):
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        capture_output=True,
-        text=True,
-        input=stdin,
-        timeout=120,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+from cli_run import run, run_main
 
 
 def test_generate_prints_text_and_stats(llada_path):
@@ -52,7 +40,7 @@ def test_show_canvas_and_stdin_prompt(llada_path):
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(llada_path, flags, word):
-    r = run("mlx_lm_diffusion.generate", "--model", str(llada_path), *(["--prompt", "Hi"] + flags))
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(llada_path), *(["--prompt", "Hi"] + flags))
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and word in lines[0], r.stderr
@@ -60,7 +48,7 @@ def test_bad_input_is_one_line_and_exit_2(llada_path, flags, word):
 
 def test_unsupported_model_and_missing_path(tmp_path, llada_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    r = run("mlx_lm_diffusion.generate", "--model", str(tmp_path), "--prompt", "Hi")
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(tmp_path), "--prompt", "Hi")
     assert r.returncode == 2 and "llada" in r.stderr and "Traceback" not in r.stderr
-    r = run("mlx_lm_diffusion.convert", "--hf-path", str(llada_path), "--mlx-path", str(tmp_path))
+    r = run_main("mlx_lm_diffusion.convert", "--hf-path", str(llada_path), "--mlx-path", str(tmp_path))
     assert r.returncode == 2 and "exists" in r.stderr

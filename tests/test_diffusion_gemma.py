@@ -351,15 +351,10 @@ def test_quantized_convert_and_reload(tmp_path, gemma_path, gemma):
 
 
 def test_cli_generates_and_shows_the_canvas(gemma_path):
-    import os
-    import subprocess
-    import sys
+    from cli_run import run_main
 
-    r = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(gemma_path), "--prompt", "Hi",
-         "--max-tokens", "8", "--steps", "4", "--seed", "0", "--show-canvas"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(gemma_path), "--prompt", "Hi",
+                 "--max-tokens", "8", "--steps", "4", "--seed", "0", "--show-canvas")
     assert r.returncode == 0, r.stderr
     assert "forwards" in r.stdout and "[forward 1]" in r.stderr and "Traceback" not in r.stderr
 

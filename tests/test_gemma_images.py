@@ -7,8 +7,6 @@ CLI, chat, server, protocol), bad images, the server's path restriction.
 import base64
 import io
 import json
-import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -24,6 +22,7 @@ from model_adapters import adapter_for
 from model_adapters.gemma_vision import VisionInputs
 
 from checkpoints import VOCAB
+from cli_run import run_main
 from checkpoints_gemma_images import IMAGE_ID, MAX_SOFT_TOKENS, PATCH, POOL, make_image, write_gemma_with_vision
 from test_diffusion_gemma import _NoText
 
@@ -329,8 +328,7 @@ def test_limits_and_mismatches(loaded, llada):
 
 
 def run_cli(*argv):
-    return subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.generate", *argv], capture_output=True,
-                          text=True, timeout=240, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return run_main("mlx_lm_diffusion.generate", *argv)
 
 
 def test_cli_image_flag(loaded, vision_path, picture_files):

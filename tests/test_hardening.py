@@ -625,7 +625,11 @@ def test_slow_clients_are_closed_while_others_are_served(port, client, reference
     assert "Traceback" not in capfd.readouterr().err  # closed quietly
 
 
-def test_a_non_streaming_client_that_leaves_cancels_its_decode(port, client, monkeypatch):
+def test_a_non_streaming_client_that_leaves_cancels_its_decode(port, client, served, monkeypatch):
+    # the serial path, whose decode this counts (batched: test_scheduler's disconnected
+    # client); without this the test passed only after another test had loaded a second
+    # model, which sends the served one down the serial path
+    monkeypatch.setattr(served[1], "scheduler", None)
     yielded = []
     dispatch = mlx_lm.server.stream_generate
 

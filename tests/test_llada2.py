@@ -312,20 +312,15 @@ def test_stream_contract_with_editing(llada2):
 
 
 def test_cli_and_bad_input(llada2, llada2_path):
-    import os
-    import subprocess
-    import sys
+    from cli_run import run_main
 
     model, tok = llada2
     with pytest.raises(ValueError, match="mask token"):
         api.generate(model, tok, "x <|mask|> y", max_tokens=4)
     capped = list(api.stream_generate(model, tok, "Hi", max_tokens=2000, threshold=0.0))
     assert len(capped) <= model.max_length  # past the context: capped, not an error
-    r = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(llada2_path), "--prompt", "Hi",
-         "--max-tokens", "8", "--threshold", "0.5", "--steps", "4", "--show-canvas"],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=120,
-    )
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(llada2_path), "--prompt", "Hi",
+                 "--max-tokens", "8", "--threshold", "0.5", "--steps", "4", "--show-canvas")
     assert r.returncode == 0 and "forwards" in r.stdout, r.stderr
     assert r.stderr.startswith("[forward 1]")  # --show-canvas draws the canvas on stderr
 

@@ -306,14 +306,9 @@ def test_quantized_convert_and_reload(tmp_path, nemotron_path, nemotron):
 
 
 def test_cli_generates(nemotron_path):
-    import os
-    import subprocess
-    import sys
+    from cli_run import run_main
 
-    r = subprocess.run(
-        [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(nemotron_path), "--prompt", "Hi",
-         "--max-tokens", "8", "--block-length", "4", "--show-canvas"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(nemotron_path), "--prompt", "Hi",
+                 "--max-tokens", "8", "--block-length", "4", "--show-canvas")
     assert r.returncode == 0, r.stderr
     assert "forwards" in r.stdout and "[forward 1]" in r.stderr

@@ -236,9 +236,7 @@ def test_generate_stream_batch_and_eos(sdar):
 
 
 def test_bad_input_and_cli(sdar, sdar_path):
-    import os
-    import subprocess
-    import sys
+    from cli_run import run_main
 
     model, tok = sdar
     with pytest.raises(ValueError, match="mask token"):
@@ -247,10 +245,8 @@ def test_bad_input_and_cli(sdar, sdar_path):
         api.generate(model, tok, [VOCAB + 1], max_tokens=4)
     with pytest.raises(ValueError, match="threshold applies"):
         api.generate(model, tok, "Hi", max_tokens=4, strategy="entropy_bounded", threshold=0.5)
-    cli = [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(sdar_path), "--prompt", "Hi"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run(cli + ["--max-tokens", "8", "--strategy", "low_confidence_static", "--steps", "2"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(sdar_path), "--prompt", "Hi",
+                 "--max-tokens", "8", "--strategy", "low_confidence_static", "--steps", "2")
     assert r.returncode == 0 and "forwards" in r.stdout, r.stderr
 
 

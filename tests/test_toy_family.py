@@ -3,10 +3,6 @@ option of its own) decodes through generate, the CLI and the server, with no cha
 to the engine, the options or the front doors."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import openai
 import pytest
@@ -16,10 +12,10 @@ from mlx_lm_diffusion.options import named_options
 
 import toy_family  # noqa: F401  (registers the family: the one registry line)
 from checkpoints import write_dream
+from cli_run import run_main
 from serving import running_server
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +46,11 @@ def test_generate_with_the_family_option(paths):
 
 
 def test_the_cli_has_the_family_flag(paths):
-    dream, toy = paths
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import toy_family; "
-            "from mlx_lm_diffusion.generate import main; sys.exit(main(sys.argv[2:]))")
-    base = [sys.executable, "-c", code, str(TESTS), "--model", str(toy), "--prompt", "Hi",
-            "--ignore-chat-template", "--max-tokens", "8"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    ok = subprocess.run(base + ["--logit-shift", "0"], capture_output=True, text=True, env=env, timeout=120)
+    _, toy = paths
+    base = ["--model", str(toy), "--prompt", "Hi", "--ignore-chat-template", "--max-tokens", "8"]
+    ok = run_main("mlx_lm_diffusion.generate", *base, "--logit-shift", "0")
     assert ok.returncode == 0, ok.stderr
-    bad = subprocess.run(base + ["--logit-shift", "5"], capture_output=True, text=True, env=env, timeout=120)
+    bad = run_main("mlx_lm_diffusion.generate", *base, "--logit-shift", "5")
     assert bad.returncode == 2 and "logit_shift" in bad.stderr
 
 

@@ -44,9 +44,14 @@ def read_positions(read: mx.array, size: int) -> mx.array:
 
 
 def take_rows(values: mx.array, rows: mx.array) -> mx.array:
-    """values (B, W, ...) at block positions rows (B, K): (B, K, ...)."""
-    index = rows.reshape(rows.shape + (1,) * (values.ndim - 2))
-    return mx.take_along_axis(values, index, axis=1)
+    """values (B, W, ...) at block positions rows (B, K): (B, K, ...). One index per row
+    of the trailing dimensions (a take over the flattened rows), not take_along_axis's
+    index per element, which costs about 6 ns an element on the CPU (4x the take for
+    rows of a 32k vocabulary)."""
+    B, W = values.shape[:2]
+    flat = (rows + mx.arange(B, dtype=rows.dtype)[:, None] * W).reshape(-1)
+    taken = mx.take(values.reshape(B * W, *values.shape[2:]), flat, axis=0)
+    return taken.reshape(*rows.shape, *values.shape[2:])
 
 
 def spread(values: mx.array, rows: mx.array, base: mx.array) -> mx.array:

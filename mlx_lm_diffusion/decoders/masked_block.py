@@ -21,9 +21,9 @@ from mlx_lm.sample_utils import apply_top_p
 from .. import fused_commit
 from ..commit_rules import StepInputs
 from ..constraints import LeftToRight
-from .gathered_rows import bucket, read_positions, spread, spread_filled
+from .gathered_rows import bucket, read_positions, spread, spread_filled, take_rows
 from .kept_logprobs import KeptLogprobs, KeptRows, committed_rows, kept_arrays, whole_block
-from .vocab_stats import greedy_parts, logprob_rows, vocab_rows
+from .vocab_stats import greedy_parts, logprob_rows
 from .base import (
     BlockState,
     Canvas,
@@ -163,7 +163,7 @@ class MaskedBlockDecoder(Decoder):
             if self.ordered is not None and has_mask:
                 commit, x0, logprobs = self.ordered.verify(canvas, b.start, commit, x0, logits, logprobs,
                                                            self._correction(b), mask_id)
-                take = partial(vocab_rows, logprobs)  # (the processed log-probs are kept)
+                take = partial(take_rows, logprobs)  # (the processed log-probs are kept)
                 prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
             if self.editing:
                 block = canvas.tokens[:, b.start : b.end]
@@ -275,7 +275,7 @@ class MaskedBlockDecoder(Decoder):
             # (the full log-probs stay lazy: only a rule that reads them computes them)
             return x0, prob, shifted - log_total, logits, entropy, partial(logprob_rows, shifted, log_total)
         logprobs = log_softmax(logits)  # (_rows_read gathers under a greedy proposal only)
-        take = partial(vocab_rows, logprobs)
+        take = partial(take_rows, logprobs)
         if temperature is not None:
             return (*self._propose_tempered(logprobs, temperature), logprobs, logits, None, take)
         return (*self._propose(logprobs), logprobs, logits, None, take)

@@ -27,6 +27,8 @@ from __future__ import annotations
 import platform
 import mlx.core as mx
 
+from .gathered_rows import take_rows
+
 LOG2E = 1.4426950408889634  # (what MLX's exp multiplies by before its base-2 reduction)
 LARGE_VOCAB = 4096  # from here the passes over the vocabulary dominate a step's added cost
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -70,16 +72,7 @@ def greedy_parts(logits: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.arr
 def logprob_rows(shifted: mx.array, log_total: mx.array, slots: mx.array) -> mx.array:
     """(B, k, V) the log-probs `shifted - log_total` (B, R, V) at the row slots (B, k):
     the same subtraction, element for element, over k rows instead of R."""
-    return vocab_rows(shifted, slots) - vocab_rows(log_total, slots)
+    return take_rows(shifted, slots) - take_rows(log_total, slots)
 
 
-def vocab_rows(values: mx.array, slots: mx.array) -> mx.array:
-    """values (B, R, V) at the row slots (B, k): (B, k, V). One index per row of V (a
-    take over the flattened rows), not take_along_axis's index per element, which costs
-    about 6 ns an element on the CPU (4x the take at V = 32768)."""
-    B, R = values.shape[:2]
-    flat = (slots + mx.arange(B, dtype=slots.dtype)[:, None] * R).reshape(-1)
-    return mx.take(values.reshape(B * R, -1), flat, axis=0).reshape(B, slots.shape[1], -1)
-
-
-__all__ = ["greedy_stats", "greedy_parts", "logprob_rows", "vocab_rows", "slow_cpu_exp", "LOG2E", "LARGE_VOCAB"]
+__all__ = ["greedy_stats", "greedy_parts", "logprob_rows", "slow_cpu_exp", "LOG2E", "LARGE_VOCAB"]
