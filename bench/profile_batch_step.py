@@ -8,6 +8,7 @@ lengths and max_tokens, the server's options: keep_logprobs) and report, per ste
 batch (per round of B single-row steps), the median milliseconds of:
   forward  predict_batch, evaluated (the model forward and the stacked LM head)
   attn     (--attention) the attention calls alone, each evaluated on its own inputs
+           (the batched forwards then run uncompiled: model_adapters.batched.COMPILE_WINDOWS)
   commit   the fused commit, evaluated
   readback the rows' read-backs (_settle's mx.eval)
   host     everything else: the rows' Python, building their Steps
@@ -136,6 +137,9 @@ def instrument(timer: Timer, adapter, attention: bool):
     settle = batch_module.RunningBatch._settle
     batch_module.RunningBatch._settle = timed_settle
     if attention:
+        from model_adapters import batched
+
+        batched.COMPILE_WINDOWS = False  # (the timed attention evaluates inside the forward: nothing to trace)
         for module in (llama, qwen3):
             sdpa = module.scaled_dot_product_attention
 
