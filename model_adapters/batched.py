@@ -28,7 +28,7 @@ few while rows join and leave.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -89,21 +89,30 @@ def canvas_backbone(adapter: Any, tokens: mx.array, mask: Optional[mx.array]) ->
     `window_backbone` (COMPILE_WINDOWS)."""
     if not COMPILE_WINDOWS:
         return adapter.model.backbone(tokens, mask)
-    compiled = _compiled(adapter)
-    key = ("canvas", mask is None)
-    if key not in compiled:
-        model = adapter.model
-        compiled[key] = mx.compile((lambda t: model.backbone(t, None)) if mask is None else
-                                   (lambda t, m: model.backbone(t, m)))
-    return compiled[key](tokens) if mask is None else compiled[key](tokens, mask)
+    model = adapter.model
+    if mask is None:
+        return _compiled(adapter, ("canvas", None), lambda: lambda t: model.backbone(t, None), tokens)(tokens)
+    return _compiled(adapter, ("canvas", "mask"), lambda: lambda t, m: model.backbone(t, m), tokens, mask)(tokens, mask)
 
 
-def _compiled(adapter: Any) -> dict:
-    """The adapter's compiled backbone calls, by kind (made on first use)."""
-    compiled = getattr(adapter, "_compiled_backbones", None)
-    if compiled is None:
-        compiled = adapter._compiled_backbones = {}
-    return compiled
+MAX_TRACES = 64  # distinct input shapes one compiled backbone call keeps before it is made afresh
+
+
+def _compiled(adapter: Any, kind: tuple, make: Callable[[], Callable], *inputs: mx.array) -> Callable:
+    """The adapter's compiled backbone call `kind` (mx.compile(make()), made on first use)
+    for these inputs. MLX keeps one trace per distinct input shape with a compiled function
+    and frees them with it. A server's rows come in many widths and counts (a LLaDA
+    canvas is padded to its widest row only), so once MAX_TRACES shapes are held a new
+    one makes the function afresh: memory stays bounded in a long-running server."""
+    table = getattr(adapter, "_compiled_backbones", None)
+    if table is None:
+        table = adapter._compiled_backbones = {}
+    shapes = tuple(tuple(a.shape) for a in inputs)
+    entry = table.get(kind)
+    if entry is None or (shapes not in entry[1] and len(entry[1]) >= MAX_TRACES):
+        entry = table[kind] = (mx.compile(make()), set())
+    entry[1].add(shapes)
+    return entry[0]
 
 
 class RowLogits(list):
@@ -214,17 +223,16 @@ def window_backbone(adapter: Any, tokens: mx.array, mask: mx.array, first: mx.ar
     each dispatched from the calling thread; compiled, the elementwise runs are fused and a
     shape seen before is not traced again in Python (a 1-row forward and head measured
     1.7 -> 0.9 ms, 8 rows 5.5 -> 4.2 ms, the same logits bit for bit). A new shape is traced
-    once (the widths are bucketed: few shapes); each new fused kernel is built once by
+    once (the widths are bucketed: few shapes; at most MAX_TRACES are kept); each new fused kernel is built once by
     MLX's CPU JIT and cached on disk."""
     if not COMPILE_WINDOWS:
         views = [_BatchLayerView(first, prefix) for prefix in prefixes]
         return adapter.model.backbone(tokens, mask, views), views
     with_prefix = prefixes[0] is not None
-    compiled, key = _compiled(adapter), ("window", with_prefix)
-    if key not in compiled:
-        compiled[key] = mx.compile(_pure_window(adapter.model, len(prefixes), with_prefix))
     flat = [a for prefix in prefixes for a in prefix] if with_prefix else []
-    hidden, *kv = compiled[key](tokens, mask, first, *flat)
+    window = _compiled(adapter, ("window", with_prefix),
+                       lambda: _pure_window(adapter.model, len(prefixes), with_prefix), tokens, mask, *flat)
+    hidden, *kv = window(tokens, mask, first, *flat)
     views = []
     for layer, prefix in enumerate(prefixes):
         view = _BatchLayerView(first, prefix)

@@ -173,3 +173,29 @@ def test_the_compiled_batched_forward_gives_the_plain_one(request, family, monke
         assert tokens_c == tokens_p and kept_c.keys() == kept_p.keys()
         for q in kept_p:
             assert kept_c[q][0] == kept_p[q][0] and (kept_c[q][1] == kept_p[q][1]).all()
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_a_compiled_forward_keeps_at_most_max_traces_shapes(request, family, monkeypatch):
+    """Past MAX_TRACES distinct input shapes a compiled backbone call is made afresh (its
+    traces freed with it), and the rows' tokens and forwards stay those of the plain forward."""
+    from model_adapters import batched
+
+    model, tok = request.getfixturevalue(family)
+
+    def decode(compiled: bool, adapter):
+        monkeypatch.setattr(batched, "COMPILE_WINDOWS", compiled)
+        options = [resolve(DecodeOptions(max_tokens=n, **FIELDS[family]), adapter, len(p))
+                   for p, n in zip(PROMPTS, MAX_TOKENS)]
+        return [kept_of(row, len(p))[1] for row, p in zip(batched_steps(adapter, options), PROMPTS)]
+
+    made = []
+    compile_ = mx.compile
+    monkeypatch.setattr(batched.mx, "compile", lambda f: made.append(f) or compile_(f))
+    monkeypatch.setattr(batched, "MAX_TRACES", 2)
+    adapter = adapter_for(model, tok)
+    got = decode(True, adapter)
+    table = adapter._compiled_backbones
+    assert table and all(len(shapes) <= 2 for _, shapes in table.values())
+    assert len(made) > len(table)  # (some call met a third shape: made afresh)
+    assert got == decode(False, adapter_for(model, tok))
