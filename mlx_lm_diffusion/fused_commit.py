@@ -44,7 +44,7 @@ from .commit_rules import (
     Threshold,
 )
 from .decoders.base import Forward, greedy_proposal, log_softmax, normalized_entropy
-from .decoders.gathered_rows import take_rows
+from .decoders.gathered_rows import bucket, read_positions, take_rows
 
 # Rules whose selection reads only a per-row quota at the step (stacked over rows here).
 QUOTA_RULES = (LowConfidence, BlockLengthQuota, LowConfidenceDynamic, LowConfidenceStatic)
@@ -61,19 +61,26 @@ class RowCommit:
     step: int
     steps: int
     masked: np.ndarray  # (1,) masks left in the block (host)
-    candidates: mx.array  # (1, W) masked positions that may commit
-    block: mx.array  # (1, W) the block's tokens now
+    # (1, W) masked positions that may commit, and the block's tokens now: numpy arrays
+    # when the row's host copy of its canvas is current (the batch stacks them on the host
+    # and hands the device one array, instead of a slice and a compare per row)
+    candidates: Any
+    block: Any
     kept: Any  # the row's kept log-probs (decoders.kept_logprobs), or None: none are kept
     confidence: mx.array  # (1, W)
     takes_all: bool  # every candidate commits (the rule's count covers the masks)
     bias: Optional[mx.array]  # (V,) added to the float32 logits (suppressed / disallowed ids)
+    committed: Optional[np.ndarray] = None  # (1,) how many it commits, when the rule knows beforehand
 
 
 @dataclass
 class FusedForward(Forward):
-    """A forward request whose commit the batch does (reply: a `Committed`)."""
+    """A forward request whose commit the batch does (reply: a `Committed`). `host`: the
+    host copy of `canvas` when it is current (a batched forward builds its token matrix
+    from it on the host), else None."""
 
     commit: Optional[RowCommit] = None
+    host: Optional[np.ndarray] = None
 
 
 @dataclass
@@ -86,6 +93,9 @@ class Committed:
     confidence: mx.array
     commit: mx.array
     take: Optional[Callable[[mx.array], mx.array]] = None
+    # the record of its commits' log-probs (a view of one record for every such row of its
+    # group, kept_logprobs.KeptRows), built when first asked; None: use `take`
+    record: Optional[Callable[[], Any]] = None
 
 
 def fusable(decoder: Any) -> bool:
@@ -109,15 +119,22 @@ def row_step(decoder: Any, state: Any, canvas: Any, b: Any):
     o, rule = decoder.options, decoder.options.rule
     committed = rule.known_commits(b.rule_state, b.step, o.steps, b.masked)
     takes_all = committed is not None and bool((committed == b.masked).all())
-    candidates = decoder._candidates(canvas, b)
-    plan = RowCommit(rule, b.rule_state, b.step, o.steps, b.masked, candidates, canvas.tokens[:, b.start : b.end],
-                     b.kept, b.confidence, takes_all, _bias(decoder))
-    result = yield FusedForward(state, canvas.tokens, b.start, b.end, commit=plan)
+    host = canvas.host if canvas.synced is canvas.tokens else None  # (None: a write not read back yet)
+    if host is not None:  # (what decoder._candidates builds on the device, from the host copy)
+        candidates = b.first_open if b.step == 0 else canvas.open_rows(b.start, b.end, decoder.adapter.mask_id)
+        block = host[:, b.start : b.end]
+    else:
+        candidates, block = decoder._candidates(canvas, b), canvas.tokens[:, b.start : b.end]
+    plan = RowCommit(rule, b.rule_state, b.step, o.steps, b.masked, candidates, block, b.kept, b.confidence,
+                     takes_all, _bias(decoder), committed)
+    result = yield FusedForward(state, canvas.tokens, b.start, b.end, commit=plan, host=host)
     canvas.forwards += 1
     canvas.write(result.block, b.start)
     b.confidence = result.confidence
     yield from decoder._count_open(canvas, b, committed)
-    if result.take is not None:
+    if result.record is not None:  # (after the read-back: a count only the commits tell is read then)
+        b.kept = b.kept.add(result.record())
+    elif result.take is not None:
         decoder._keep(b, result.commit, None, committed, result.take)
     return False
 
@@ -159,6 +176,9 @@ def _from_origin(origins: list, width: int) -> Optional[mx.array]:
 
 
 def _stack(arrays: list) -> mx.array:
+    if all(isinstance(a, np.ndarray) for a in arrays):  # (host copies: one array for the device)
+        return mx.array(arrays[0] if len(arrays) == 1 else np.concatenate(arrays, axis=0))
+    arrays = [mx.array(a) if isinstance(a, np.ndarray) else a for a in arrays]
     return arrays[0] if len(arrays) == 1 else mx.concatenate(arrays, axis=0)
 
 
@@ -178,9 +198,68 @@ def _commit_group(plans: list, stacked: mx.array) -> list:
     commit = _select(plans, x0, prob, logprobs, candidates)
     block = mx.where(commit, x0, _stack([p.block for p in plans]))
     confidence = mx.where(commit, prob, _stack([p.confidence for p in plans]))
+    records = _shared_records(plans, commit, logprobs)
     return [Committed(block[i : i + 1], confidence[i : i + 1], commit[i : i + 1],
-                      partial(_row_logprobs, logprobs, i) if p.kept is not None else None)  # (rows whose caller reads log-probs)
+                      partial(_row_logprobs, logprobs, i) if p.kept is not None else None,  # (rows whose caller reads log-probs)
+                      records[i])
             for i, p in enumerate(plans)]
+
+
+class SharedRecord:
+    """The kept log-probs of the commits of every row of a commit group that keeps them, as
+    one record (kept_logprobs.committed_rows over the stacked commits: one gather of the
+    positions and one of the log-probs for all rows, each row's record a view of it),
+    built when the first row asks, once the commit counts are known on the host. Each
+    row's committed positions and their vectors are those of its own record: its slots
+    are the first of the same per-row order, and the more slots another row needs are
+    padding (not valid) in this one."""
+
+    def __init__(self, rows: list, counts: list, commit: mx.array, logprobs: mx.array):
+        self.rows = rows  # the group's rows that keep log-probs, in order
+        self.counts = counts  # per such row, (1,) host commit counts, or None: read from `commit`
+        self.commit, self.logprobs = commit, logprobs
+        self.views: Optional[dict] = None
+
+    def view(self, row: int):
+        if self.views is None:
+            self.views = self._build()
+        return self.views[row]
+
+    def _build(self) -> dict:
+        from .decoders.kept_logprobs import KeptRows
+
+        pick = (lambda a: a) if self.rows == list(range(self.commit.shape[0])) else (
+            lambda a, index=mx.array(self.rows): mx.take(a, index, axis=0))
+        commit = pick(self.commit)
+        if any(c is None for c in self.counts):  # (the rows' counts: their step was read back)
+            counts = np.array(self.commit)[self.rows].sum(axis=1)
+        else:
+            counts = np.concatenate([np.asarray(c).reshape(-1) for c in self.counts])
+        most = int(counts.max()) if counts.size else 0
+        if most <= 0:
+            return dict.fromkeys(self.rows)
+        slots = read_positions(commit, bucket(most, commit.shape[1]))
+        stacked = (slots, mx.take_along_axis(commit, slots, axis=1), take_rows(pick(self.logprobs), slots))
+        return {row: KeptRows(*stacked, row_offset=j, rows=1) if counts[j] > 0 else None
+                for j, row in enumerate(self.rows)}
+
+
+def _shared_records(plans: list, commit: mx.array, logprobs: mx.array) -> list:
+    """Per row, a thunk giving its record of a SharedRecord, or None (the row keeps no
+    log-probs, or it is the only one of its kind: it records them itself). Rows whose
+    commit counts are known beforehand share one record, and rows whose counts the commits
+    tell share another: those read their step back before they record, and a record for
+    both kinds would make the first kind wait for the second's read-back."""
+    keeping = [i for i, p in enumerate(plans) if p.kept is not None]
+    out: list = [None] * len(plans)
+    for known in (True, False):
+        rows = [i for i in keeping if (plans[i].committed is not None) == known]
+        if len(rows) < 2:
+            continue
+        shared = SharedRecord(rows, [plans[i].committed for i in rows], commit, logprobs)
+        for i in rows:
+            out[i] = partial(shared.view, i)
+    return out
 
 
 def _row_logprobs(logprobs: mx.array, row: int, slots: mx.array) -> mx.array:

@@ -45,3 +45,34 @@ def test_both_paths_agree():
     total = mx.sum(e, axis=-1)
     np.testing.assert_array_equal(np.array(large[0]), np.array(mx.argmax(logits, axis=-1)))
     np.testing.assert_allclose(np.array(large[1]), np.array(1.0 / total), rtol=1e-6)
+
+
+def unchunked_parts(logits: mx.array):
+    """The large-vocabulary statistics as one pass each over every row (the formulation
+    before the chunks and the clamp): exp as bare MLX computes it on this machine."""
+    x0 = mx.argmax(logits, axis=-1)
+    shifted = logits - mx.take_along_axis(logits, x0[..., None], axis=-1)
+    e = vocab_stats._fast_exp(shifted)
+    total = mx.sum(e, axis=-1, keepdims=True)
+    entropy = mx.log(total)[..., 0] - mx.sum(mx.where(e > 0, e * shifted, 0.0), axis=-1) / total[..., 0]
+    return x0.astype(mx.int32), 1.0 / total[..., 0], entropy
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_chunked_passes_are_bit_identical(rows, monkeypatch):
+    """Over chunks of rows (here a chunk is 2 rows, so 17 rows make 9 chunks, the last
+    one short) and with the clamped entropy terms, the statistics are the one-pass ones
+    bit for bit, -inf logits (suppressed ids) and underflowing tails included."""
+    vocab = vocab_stats.LARGE_VOCAB
+    monkeypatch.setattr(vocab_stats, "CHUNK_LOGITS", 2 * vocab)
+    rng = np.random.default_rng(rows)
+    logits = (rng.standard_normal((2, rows, vocab)) * 8).astype(np.float32)
+    logits[:, :, 5] = -np.inf
+    logits[0, 0, : vocab // 2] = -np.inf
+    logits[1, -1, :] -= 200.0  # (a shifted tail far below exp's underflow)
+    logits = mx.array(logits)
+    got = vocab_stats.greedy_parts(logits)[:3]
+    for have, want in zip(got, unchunked_parts(logits)):
+        assert have.shape == want.shape and have.dtype == want.dtype
+        assert np.array_equal(np.array(have), np.array(want)), "not bit-identical"
+    assert np.isfinite(np.array(got[2])).all()

@@ -31,22 +31,37 @@ from .gathered_rows import bucket, read_positions, take_rows
 class KeptRows:
     """One step's commits: `logprobs` (B, k, V) of the block positions `positions`
     (B, k, start-relative); `valid` (B, k): the position committed at this step (False:
-    padding, a position of the row that did not)."""
+    padding, a position of the row that did not). A record may be a view of a record
+    stacked over more rows (a running batch's fused rows, one gather for all of them:
+    mlx_lm_diffusion.fused_commit): the decode's rows are then the arrays' rows
+    [row_offset, row_offset + rows)."""
 
-    __slots__ = ("positions", "valid", "logprobs", "_index")
+    __slots__ = ("positions", "valid", "logprobs", "_index", "row_offset", "rows")
 
-    def __init__(self, positions: mx.array, valid: mx.array, logprobs: mx.array):
+    def __init__(self, positions: mx.array, valid: mx.array, logprobs: mx.array, row_offset: int = 0,
+                 rows: Optional[int] = None):
         self.positions, self.valid, self.logprobs = positions, valid, logprobs
+        self.row_offset, self.rows = row_offset, rows
         self._index: Optional[dict] = None  # {(row, position): slot}, built on the first lookup
 
     def arrays(self) -> tuple:
         return self.positions, self.valid, self.logprobs
+
+    def own(self) -> tuple:
+        """(positions, valid, logprobs) of the decode's rows only (sliced from a stacked record)."""
+        if self.row_offset == 0 and self.rows in (None, self.positions.shape[0]):
+            return self.arrays()
+        lo, hi = self.row_offset, self.row_offset + self.rows
+        return self.positions[lo:hi], self.valid[lo:hi], self.logprobs[lo:hi]
 
     def index(self) -> dict:
         """{(row, position): slot} of the committed positions (read back once; by then
         the step that built them has been evaluated)."""
         if self._index is None:
             positions, valid = np.array(self.positions), np.array(self.valid)
+            if self.rows is not None:
+                positions = positions[self.row_offset : self.row_offset + self.rows]
+                valid = valid[self.row_offset : self.row_offset + self.rows]
             rows, slots = np.nonzero(valid)
             self._index = {(int(r), int(positions[r, s])): int(s) for r, s in zip(rows, slots)}
         return self._index
@@ -85,7 +100,7 @@ class KeptLogprobs:
         if found is None:
             return mx.zeros((self.vocab,), mx.float32)
         record, slot = found
-        return record.logprobs[row, slot]
+        return record.logprobs[record.row_offset + row, slot]
 
     def values(self, row: int, positions: range, tokens: np.ndarray) -> list[float]:
         """The log-prob of `tokens[i]` at block position `positions[i]`, on the host (each
@@ -100,7 +115,7 @@ class KeptLogprobs:
             record, slot = found
             if id(record) not in host:
                 host[id(record)] = np.asarray(record.logprobs)
-            out.append(float(host[id(record)][row, slot, token]))
+            out.append(float(host[id(record)][record.row_offset + row, slot, token]))
         return out
 
     def dense(self) -> mx.array:
@@ -108,9 +123,10 @@ class KeptLogprobs:
         if self._dense is None:
             dense = mx.zeros((self.rows, self.width, self.vocab), mx.float32)
             for record in self.records:
-                index = record.positions[..., None]
+                positions, valid, logprobs = record.own()
+                index = positions[..., None]
                 now = mx.take_along_axis(dense, index, axis=1)
-                new = mx.where(record.valid[..., None], record.logprobs, now)
+                new = mx.where(valid[..., None], logprobs, now)
                 dense = mx.put_along_axis(dense, index, new, axis=1)
             self._dense = dense
         return self._dense
