@@ -36,13 +36,17 @@ unchanged (the block's first token is committed when the rule picks it).
 
 The caches are mlx-lm cache objects handed to the layers: mlx-lm's llama and qwen2
 attention rotate the queries and keys by `cache.offset` and then call
-`cache.update_and_fetch(keys, values)` for the keys and values to attend to.
+`cache.update_and_fetch(keys, values)` for the keys and values to attend to. A later
+step's forward writes its window into a kept copy of the whole canvas's keys and values
+(no concatenation per layer and step) and is compiled (`window_forward`): tokens are
+those of the uncompiled forward (the fused kernels compute the same float32 operations).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from functools import partial
+from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
 
@@ -78,31 +82,58 @@ class CaptureCache:
         return keys, values
 
 
-class FrozenCache:
-    """One layer's kept keys and values for a block's later steps: the window's positions
-    start at `offset`; the window's own keys and values are placed between the kept
-    prefix and suffix for attention and never stored."""
+class WindowCache:
+    """One layer's cache in a block's later step: the kept keys and values of the whole
+    canvas (as the block's first forward computed them) with the window's own written
+    over its positions, which start at `offset` (a scalar int32 array: the compiled
+    window forward takes it as an input, so blocks at other offsets reuse its trace).
+    The layer attends to the kept prefix, the window and the kept suffix in canvas order,
+    as after a concatenation, without copying the kept part: MLX's slice update writes
+    in place when nothing else holds the buffer (see CacheState.kept)."""
 
-    def __init__(self, offset: int, prefix: Optional[tuple], suffix: Optional[tuple]):
+    def __init__(self, offset: mx.array, keys: mx.array, values: mx.array):
         self.offset = offset
-        self.prefix, self.suffix = prefix, suffix
+        self.keys, self.values = keys, values
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        parts = [p for p in (self.prefix, (keys, values), self.suffix) if p is not None]
-        if len(parts) == 1:
-            return keys, values
-        return (mx.concatenate([k for k, _ in parts], axis=2),
-                mx.concatenate([v for _, v in parts], axis=2))
+        start = self.offset.reshape(1)
+        self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, start, axes=(2,))
+        return self.keys, self.values
+
+
+def window_forward(backbone: Callable, window: mx.array, offset: mx.array, *kept: mx.array) -> tuple:
+    """The backbone over `window` (B, W) at positions offset ... over the kept keys and
+    values (k0, v0, k1, v1, ...: (B, H, L, D) per layer, the canvas's): the hidden states
+    (B, W, hidden) and the kept arrays with the window written in (nothing of them is
+    read again but by the step after next, which writes its own window over it)."""
+    caches = [WindowCache(offset, kept[i], kept[i + 1]) for i in range(0, len(kept), 2)]
+    hidden = backbone(window, None, caches)
+    return (hidden, *[a for c in caches for a in (c.keys, c.values)])
 
 
 @dataclass
 class CacheState:
-    """Per-decode state: the block whose outside keys and values are kept."""
+    """Per-decode state: the block whose outside keys and values are kept.
+
+    `kept` holds two copies of the canvas's keys and values (a flat list per copy: k0,
+    v0, k1, v1, ...), and the block's later steps write their window into them in turn.
+    The engine queues step t + 1 before step t is read back (pipelining), so the buffer
+    step t attends to is still read when step t + 1 is queued: writing into it would
+    copy it whole (as a concatenation of prefix, window and suffix does). Step t + 1
+    writes the buffer step t - 1 read instead, which has been read back by then, so the
+    write works in place. (Each copy's first write in a block copies it: both start as
+    the block's first forward's keys and values, which that forward's graph still holds.)"""
 
     mode: str
     start: Optional[int] = None  # the kept block's start; None before the first block
-    layers: list = field(default_factory=list)  # a FrozenCache per layer
+    kept: list = field(default_factory=list)  # [copy 0, copy 1], each [k0, v0, k1, v1, ...]
+    turn: int = 0  # the copy the next step writes into
     first_hidden: Optional[mx.array] = None  # Dream: (B, 1, H) the hidden state predicting the block's first position
+    # `window_forward` over the adapter's backbone, compiled (MLX fuses the layers' elementwise
+    # operations: on the CPU a small model's step costs about what it dispatches); traced once
+    # per window shape, with the weights the decode started with
+    forward: Optional[Callable] = None
 
 
 class BidirectionalCacheAdapter(_BaseAdapter):
@@ -121,7 +152,9 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         self.cache_mode = options.family.get("cache")
 
     def start(self, prompt: mx.array) -> Optional[CacheState]:
-        return CacheState(self.cache_mode) if self.cache_mode else None
+        if not self.cache_mode:
+            return None
+        return CacheState(self.cache_mode, forward=mx.compile(partial(window_forward, self.model.backbone)))
 
     def predict(self, state: Optional[CacheState], canvas: mx.array, start: int, end: int) -> mx.array:
         return self.model.head(self.block_hidden(state, canvas, start, end))
@@ -146,19 +179,15 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         return bidirectional_batch(self, requests, self.shift)
 
     def _open_block(self, state: CacheState, canvas: mx.array, start: int, end: int) -> mx.array:
-        """The block's first step: the whole canvas, keeping the keys and values outside
-        the block (prefix: before it only)."""
+        """The block's first step: the whole canvas, keeping every layer's keys and values
+        (the block's own positions are overwritten by each later step's window; under
+        prefix, the window runs to the canvas's end, so only those before it are read)."""
         captured = [CaptureCache() for _ in self.model.layers]
         hidden = self.model.backbone(canvas, None, captured)[:, start - self.shift : end - self.shift]
-        dual = state.mode == "dual" and end < canvas.shape[1]
-        state.layers = [
-            FrozenCache(
-                start,
-                (c.keys[:, :, :start], c.values[:, :, :start]),
-                (c.keys[:, :, end:], c.values[:, :, end:]) if dual else None,
-            )
-            for c in captured
-        ]
+        # prefix: the window is the block and everything after it, dual: the block only;
+        # either way the kept canvas outside the window is what its steps attend to
+        kept = [a for c in captured for a in (c.keys, c.values)]
+        state.kept, state.turn = [kept, list(kept)], 0
         state.start = start
         state.first_hidden = hidden[:, :1] if self.shift else None
         return hidden
@@ -167,11 +196,14 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         """A later step: the window (block, plus everything after it for prefix) over the
         kept keys and values."""
         stop = end if state.mode == "dual" else canvas.shape[1]
-        hidden = self.model.backbone(canvas[:, start:stop], None, state.layers)
+        kept, state.kept[state.turn] = state.kept[state.turn], None  # (the write must hold its only reference)
+        hidden, *written = state.forward(canvas[:, start:stop], mx.array(start, mx.int32), *kept)
+        del kept
+        state.kept[state.turn], state.turn = written, 1 - state.turn
         if not self.shift:
             return hidden[:, : end - start]
         # positions start + 1 ... end - 1 from the window, `start` from the block's first forward
         return mx.concatenate([state.first_hidden.astype(hidden.dtype), hidden[:, : end - start - 1]], axis=1)
 
 
-__all__ = ["BidirectionalCacheAdapter", "CACHE_MODES", "CACHE_OPTION", "CaptureCache", "FrozenCache", "FAST_PRESET"]
+__all__ = ["BidirectionalCacheAdapter", "CACHE_MODES", "CACHE_OPTION", "CaptureCache", "WindowCache", "window_forward", "FAST_PRESET"]

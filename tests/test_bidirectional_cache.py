@@ -269,6 +269,32 @@ def test_caches_cut_the_work_not_the_forwards(llada):
     assert len({tuple(tokens) for tokens, _ in runs.values()}) == 3
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_window_writes_work_in_place(llada, mode, monkeypatch):
+    """A later step writes its window into a kept copy of the canvas's keys and values;
+    the copies take turns, so even a pipelined decode (step t + 1 queued while step t,
+    which reads the other copy, may still run) writes in place: within a block each copy
+    keeps its memory once its first write has copied it (the first forward's keys and
+    values, which that forward's graph may still hold)."""
+    from model_adapters.bidirectional_cache import BidirectionalCacheAdapter
+
+    def address(array):
+        return np.asarray(memoryview(array)).__array_interface__["data"][0]
+
+    seen = {}  # (block start, copy) -> data address of layer 0's keys before each write
+    cached_step = BidirectionalCacheAdapter._cached_step
+
+    def spy(self, state, canvas, start, end):  # (holds no array: a held one cannot be written in place)
+        seen.setdefault((start, state.turn), []).append(address(state.kept[state.turn][0]))
+        return cached_step(self, state, canvas, start, end)
+
+    monkeypatch.setattr(BidirectionalCacheAdapter, "_cached_step", spy)
+    model, tok = llada
+    engine_decode(model, tok, PROMPTS[0], max_tokens=24, block_length=8, cache=mode)  # one token per step
+    assert len(seen) == 6 and all(len(addresses) >= 3 for addresses in seen.values())
+    assert all(len(set(addresses[1:])) == 1 for addresses in seen.values()), seen
+
+
 # --- composition -------------------------------------------------------------------
 
 
