@@ -11,6 +11,7 @@ import time
 from typing import Optional, Sequence, Tuple
 
 QUIET_SECONDS = 0.5
+TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)  # (default at a person's terminal)
 
 
 def run_in_pty(
@@ -30,6 +31,13 @@ def run_in_pty(
     pid, fd = pty.fork()
     if pid == 0:  # the child
         try:
+            # A person's terminal starts a program with the default dispositions. A test run
+            # started in the background by a non-interactive shell (`pytest &`, nohup, some CI
+            # runners) inherits SIGINT and SIGQUIT ignored, and exec keeps what is ignored:
+            # the child would then never see the terminal's Ctrl-C (and Python installs no
+            # KeyboardInterrupt handler for a SIGINT ignored at start).
+            for number in TERMINAL_SIGNALS:
+                signal.signal(number, signal.SIG_DFL)
             os.execvpe(argv[0], list(argv), env)
         finally:
             os._exit(127)
