@@ -228,9 +228,8 @@ class SharedRecord:
     def _build(self) -> dict:
         from .decoders.kept_logprobs import KeptRows
 
-        pick = (lambda a: a) if self.rows == list(range(self.commit.shape[0])) else (
-            lambda a, index=mx.array(self.rows): mx.take(a, index, axis=0))
-        commit = pick(self.commit)
+        take = None if self.rows == list(range(self.commit.shape[0])) else mx.array(self.rows)
+        commit = _pick_rows(self.commit, take)
         if any(c is None for c in self.counts):  # (the rows' counts: their step was read back)
             counts = np.array(self.commit)[self.rows].sum(axis=1)
         else:
@@ -239,7 +238,7 @@ class SharedRecord:
         if most <= 0:
             return dict.fromkeys(self.rows)
         slots = read_positions(commit, bucket(most, commit.shape[1]))
-        stacked = (slots, mx.take_along_axis(commit, slots, axis=1), take_rows(pick(self.logprobs), slots))
+        stacked = (slots, mx.take_along_axis(commit, slots, axis=1), take_rows(_pick_rows(self.logprobs, take), slots))
         return {row: KeptRows(*stacked, row_offset=j, rows=1) if counts[j] > 0 else None
                 for j, row in enumerate(self.rows)}
 
@@ -260,6 +259,11 @@ def _shared_records(plans: list, commit: mx.array, logprobs: mx.array) -> list:
         for i in rows:
             out[i] = partial(shared.view, i)
     return out
+
+
+def _pick_rows(a: mx.array, take: Optional[mx.array]) -> mx.array:
+    """Rows `take` of `a` (along its first axis); all of `a` when `take` is None."""
+    return a if take is None else mx.take(a, take, axis=0)
 
 
 def _row_logprobs(logprobs: mx.array, row: int, slots: mx.array) -> mx.array:
@@ -286,7 +290,7 @@ def _select(plans: list, x0, prob, logprobs, candidates) -> mx.array:
     index = {}
     for rows in groups.values():
         take = mx.array(rows) if len(rows) < len(plans) else None
-        pick = (lambda a: a) if take is None else (lambda a: mx.take(a, take, axis=0))
+        pick = partial(_pick_rows, take=take)
         first = plans[rows[0]]
         state, step = _joint_state([plans[i] for i in rows]) if _joint(first.rule) else (first.rule_state, first.step)
         masked = np.concatenate([plans[i].masked for i in rows])

@@ -58,10 +58,8 @@ class KeptRows:
         """{(row, position): slot} of the committed positions (read back once; by then
         the step that built them has been evaluated)."""
         if self._index is None:
-            positions, valid = np.array(self.positions), np.array(self.valid)
-            if self.rows is not None:
-                positions = positions[self.row_offset : self.row_offset + self.rows]
-                valid = valid[self.row_offset : self.row_offset + self.rows]
+            positions, valid, _ = self.own()
+            positions, valid = np.array(positions), np.array(valid)
             rows, slots = np.nonzero(valid)
             self._index = {(int(r), int(positions[r, s])): int(s) for r, s in zip(rows, slots)}
         return self._index
