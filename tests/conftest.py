@@ -9,6 +9,14 @@ def llada_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def slow_llada_path(tmp_path_factory):
+    """A LLaDA wider and deeper than `llada_path`, with room for a 1,600-token answer: a
+    decode of one forward per token over its whole canvas takes minutes on a CPU, so the
+    shutdown tests' long request outlasts any grace period they set by a wide margin."""
+    return write_llada(tmp_path_factory.mktemp("llada-slow"), d_model=256, n_layers=4, max_len=2048)
+
+
+@pytest.fixture(scope="session")
 def dream_path(tmp_path_factory):
     return write_dream(tmp_path_factory.mktemp("dream"))
 

@@ -757,20 +757,22 @@ def _events(received):
     return [l[6:] for l in received.decode().split("\n") if l.startswith("data: ")]
 
 
-def test_sigterm_finishes_in_flight_cancels_the_rest_exits_0(llada_path, tmp_path):
+def test_sigterm_finishes_in_flight_cancels_the_rest_exits_0(slow_llada_path, tmp_path):
     """SIGTERM during a decode: the request in flight is answered in full, the one
     still streaming when the grace period ends gets an SSE error and [DONE], the one
     still queued a 503, and the server exits 0 without accepting new connections."""
-    grace = 6.0
+    # (the first request: 96 forwards over a short canvas, seconds; the long one: 1,600
+    # over a 1,600-position canvas, minutes: conftest.slow_llada_path)
+    grace = 10.0
     # served one at a time, so that a request is still queued (batched: test_scheduler)
-    proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace), "--no-batch")
+    proc, port = _start_server(slow_llada_path, tmp_path, "--shutdown-grace", str(grace), "--no-batch")
     try:
         results = {}
 
         def long_stream():  # starts after the first, streams far longer than the grace period
             with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
                 sock.sendall(request_bytes(json.dumps(
-                    {"messages": USER, "stream": True, "max_tokens": 400, "logit_bias": NO_STOP}).encode()))
+                    {"messages": USER, "stream": True, "max_tokens": 1600, "logit_bias": NO_STOP}).encode()))
                 results["stream"] = _read_all(sock)
 
         def queued():  # behind both

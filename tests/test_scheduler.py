@@ -193,18 +193,25 @@ def test_error_after_a_batched_stream_began_is_an_sse_event(served, monkeypatch)
     wait_for(lambda: served[1].scheduler.stats()["running_rows"] == 0)
 
 
-def test_sigterm_finishes_running_rows_within_grace_cancels_the_rest(llada_path, tmp_path):
+def test_sigterm_finishes_running_rows_within_grace_cancels_the_rest(slow_llada_path, tmp_path):
     """Batched shutdown: a short row running when SIGTERM comes is answered in full, a row
     still decoding when the grace period ends gets an SSE error and [DONE]; exit 0."""
     import signal
 
     from test_hardening import _events, _read_all, _start_server, _stop, request_bytes
 
-    grace = 15.0  # (the short row needs a few seconds on a loaded CPU; the long one a minute)
-    proc, port = _start_server(llada_path, tmp_path, "--shutdown-grace", str(grace))
+    # The long row takes one forward per token (steps that commit nothing are skipped, so a
+    # long mask schedule would not make it longer) over its whole ~1,620-position canvas:
+    # minutes (conftest.slow_llada_path). The short row has 8
+    # forwards to run when SIGTERM comes, each as wide as the long row's canvas (the batch
+    # pads it to that): seconds, more than the server takes to act on the signal (with a
+    # grace of 0 this test fails) and well under the grace, on a loaded CPU too. (Its first
+    # event cannot mark its start: a row's events reach its client in as few chunks as the
+    # HTTP thread reads, here one for the whole answer.)
+    grace = 30.0
+    proc, port = _start_server(slow_llada_path, tmp_path, "--shutdown-grace", str(grace))
     try:
-        # (a mask schedule of 150 steps a block, most committing nothing: minutes of decode)
-        long = long_stream(port, {"schedule": "linear", "steps": 150})
+        long = long_stream(port, {"max_tokens": 1600})
         short = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
         short.sendall(request_bytes(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stream": True,
                                                 "max_tokens": 8, "block_length": 4}).encode()))
