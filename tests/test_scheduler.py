@@ -202,12 +202,12 @@ def test_sigterm_finishes_running_rows_within_grace_cancels_the_rest(slow_llada_
 
     # The long row takes one forward per token (steps that commit nothing are skipped, so a
     # long mask schedule would not make it longer) over its whole ~1,620-position canvas:
-    # minutes (conftest.slow_llada_path). The short row has 8
-    # forwards to run when SIGTERM comes, each as wide as the long row's canvas (the batch
-    # pads it to that): seconds, more than the server takes to act on the signal (with a
-    # grace of 0 this test fails) and well under the grace, on a loaded CPU too. (Its first
-    # event cannot mark its start: a row's events reach its client in as few chunks as the
-    # HTTP thread reads, here one for the whole answer.)
+    # minutes (conftest.slow_llada_path). The short row has 8 forwards to run when SIGTERM
+    # comes, each as wide as the long row's canvas (the batch pads it to that): seconds,
+    # more than the server takes to act on the signal (with a grace of 0 this test fails)
+    # and well under the grace, on a loaded CPU too. (Its first event cannot mark its
+    # start: a row's events reach its client in as few chunks as the HTTP thread reads,
+    # here one for the whole answer.)
     grace = 30.0
     proc, port = _start_server(slow_llada_path, tmp_path, "--shutdown-grace", str(grace))
     try:
