@@ -219,6 +219,10 @@ def _commit_ops(plans: list, stacked: mx.array) -> tuple:
 
 # Commit a group whose rows share one rule through mx.compile (`_compiled_commit`)
 COMPILE_COMMITS = True
+# Rules whose selection reads nothing on the host (a compiled function cannot): the quota
+# rules at a quota that is a plain int (Quota.step_quota), and the threshold-like ones.
+# Not EntropyBounded: its per-row count goes to topk_transfer as an array, checked on the host.
+COMPILED_RULES = QUOTA_RULES + (Threshold, Factor, EntropyBound)
 MAX_COMMIT_FUNCTIONS = 32  # compiled commit functions kept (per rule, quota and bias kind)
 _commit_functions: dict = {}
 
@@ -233,7 +237,7 @@ def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tup
     for bit: tests/test_batch_ops.py). MLX keeps one trace per input shape."""
     selecting = [p for p in plans if not p.takes_all]
     rule = (selecting or plans)[0].rule
-    if not _joint(rule) or any(_rule_key(p.rule) != _rule_key(rule) for p in selecting):
+    if type(rule) not in COMPILED_RULES or any(_rule_key(p.rule) != _rule_key(rule) for p in selecting):
         return None
     bias = plans[0].bias
     if any(p.bias is not bias for p in plans):

@@ -242,7 +242,7 @@ def test_the_compiled_fused_commit_gives_the_plain_one(request, family, fields, 
 def test_a_compiled_commit_answers_only_groups_that_share_one_rule_and_quota():
     """Rows whose rules or quotas at their steps differ, or whose biases differ, are committed
     op by op (None: the compiled commit does not take the group)."""
-    from mlx_lm_diffusion.commit_rules import LowConfidence, Quota, Threshold
+    from mlx_lm_diffusion.commit_rules import EntropyBounded, LowConfidence, Quota, Threshold
 
     def plan(rule, quota=None, bias=None, takes_all=False):
         state = None if quota is None else Quota(mx.array([[quota]]), np.array([[quota]]))
@@ -256,3 +256,5 @@ def test_a_compiled_commit_answers_only_groups_that_share_one_rule_and_quota():
     assert take([plan(LowConfidence(), 1), plan(LowConfidence(), 2, takes_all=True)], logits, False) is not None
     assert take([plan(LowConfidence(), 1), plan(Threshold(), None)], logits, False) is None
     assert take([plan(Threshold()), plan(Threshold(), bias=mx.zeros((8,)))], logits, False) is None
+    # (its per-row count goes to topk_transfer as an array, range-checked on the host)
+    assert take([plan(EntropyBounded()), plan(EntropyBounded())], logits, False) is None
