@@ -77,7 +77,7 @@ class NameLog:
     def _run(self):
         while not self.stop:
             self.snap()
-            time.sleep(0.005)
+            time.sleep(0.05)
 
     def snap(self):
         for t in threading.enumerate():
