@@ -224,7 +224,10 @@ COMPILE_COMMITS = True
 # Not EntropyBounded: its per-row count goes to topk_transfer as an array, checked on the host.
 COMPILED_RULES = QUOTA_RULES + (Threshold, Factor, EntropyBound)
 MAX_COMMIT_FUNCTIONS = 32  # compiled commit functions kept (per rule, quota and bias kind)
-_commit_functions: dict = {}
+# distinct input shapes (rows, block width, vocabulary, dtype) one compiled commit keeps
+# traced before it is made afresh (its traces freed with it), as batched._compiled's forwards
+MAX_COMMIT_TRACES = 64
+_commit_functions: dict = {}  # key -> (compiled function, the input shapes it has traced)
 
 
 def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tuple]:
@@ -250,15 +253,17 @@ def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tup
         quota = quotas.pop() if quotas else 0
     steps = (selecting or plans)[0].steps  # (the step budget StepInputs shows, as _select's)
     key = (_rule_key(rule), quota, bias is not None, keep, steps)
-    function = _commit_functions.get(key)
-    if function is None:
-        if len(_commit_functions) >= MAX_COMMIT_FUNCTIONS:
+    shape = (tuple(stacked.shape), stacked.dtype)
+    entry = _commit_functions.get(key)
+    if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_COMMIT_TRACES):
+        if entry is None and len(_commit_functions) >= MAX_COMMIT_FUNCTIONS:
             _commit_functions.clear()
-        function = _commit_functions[key] = mx.compile(_pure_commit(rule, quota, steps, keep))
+        entry = _commit_functions[key] = (mx.compile(_pure_commit(rule, quota, steps, keep)), set())
+    entry[1].add(shape)
     takes_all = mx.array(np.array([p.takes_all for p in plans]))
     inputs = [stacked, _stack([p.candidates for p in plans]), _stack([p.block for p in plans]),
               _stack([p.confidence for p in plans]), takes_all]
-    return function(*inputs, *([bias] if bias is not None else []))
+    return entry[0](*inputs, *([bias] if bias is not None else []))
 
 
 def _pure_commit(rule: Any, quota: Optional[int], steps: int, keep: bool) -> Callable:

@@ -258,3 +258,23 @@ def test_a_compiled_commit_answers_only_groups_that_share_one_rule_and_quota():
     assert take([plan(Threshold()), plan(Threshold(), bias=mx.zeros((8,)))], logits, False) is None
     # (its per-row count goes to topk_transfer as an array, range-checked on the host)
     assert take([plan(EntropyBounded()), plan(EntropyBounded())], logits, False) is None
+
+
+def test_a_compiled_commit_keeps_at_most_max_commit_traces_shapes(request, monkeypatch):
+    """Past MAX_COMMIT_TRACES input shapes (rows joining and leaving change the row count) a
+    compiled commit is made afresh, and the rows' tokens and forwards stay the op-by-op ones."""
+    model, tok = request.getfixturevalue("sdar")
+    monkeypatch.setattr(fused_commit, "_commit_functions", {})
+    made = []  # (one _pure_commit per compiled commit function made)
+    pure = fused_commit._pure_commit
+    monkeypatch.setattr(fused_commit, "_pure_commit", lambda *a: made.append(a) or pure(*a))
+    monkeypatch.setattr(fused_commit, "MAX_COMMIT_TRACES", 2)
+    results = []
+    for compiled in (True, False):
+        monkeypatch.setattr(fused_commit, "COMPILE_COMMITS", compiled)
+        adapter = adapter_for(model, tok)
+        options = [resolve(DecodeOptions(max_tokens=n), adapter, len(p)) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        results.append([kept_of(row, len(p))[1] for row, p in zip(batched_steps(adapter, options), PROMPTS)])
+    assert results[0] == results[1]
+    assert all(len(shapes) <= 2 for _, shapes in fused_commit._commit_functions.values())
+    assert len(made) > len(fused_commit._commit_functions)  # (some function met a third shape: made afresh)
