@@ -191,7 +191,9 @@ class RunningBatch:
             else:
                 for i, reply in zip(fused, committed):
                     replies[i] = reply
-                    queued += [reply.confidence, reply.commit]  # (its kept log-probs are read when emitted)
+                    # (its kept log-probs are read when emitted; a row that keeps none reads
+                    # its commit nowhere: it is not evaluated, nor its slice built)
+                    queued += [reply.confidence] + ([reply.commit] if reply.take or reply.record else [])
         for row, reply in zip(waiting, replies):
             row.pending = None
             self._advance(row, reply, events)

@@ -183,6 +183,22 @@ def _stack(arrays: list) -> mx.array:
 
 
 def _commit_group(plans: list, stacked: mx.array) -> list:
+    keep = any(p.kept is not None for p in plans)
+    compiled = _compiled_commit(plans, stacked, keep) if COMPILE_COMMITS else None
+    if compiled is not None:
+        block, confidence, commit, *rest = compiled
+        logprobs = rest[0] if keep else None
+    else:
+        block, confidence, commit, logprobs = _commit_ops(plans, stacked)
+    records = _shared_records(plans, commit, logprobs) if keep else [None] * len(plans)
+    return [Committed(block[i : i + 1], confidence[i : i + 1], commit[i : i + 1],
+                      partial(_row_logprobs, logprobs, i) if p.kept is not None else None,  # (rows whose caller reads log-probs)
+                      records[i])
+            for i, p in enumerate(plans)]
+
+
+def _commit_ops(plans: list, stacked: mx.array) -> tuple:
+    """The group's (block, confidence, commit, logprobs), op by op."""
     if stacked.dtype != mx.float32:
         stacked = stacked.astype(mx.float32)
     biases = [p.bias for p in plans]
@@ -198,11 +214,80 @@ def _commit_group(plans: list, stacked: mx.array) -> list:
     commit = _select(plans, x0, prob, logprobs, candidates)
     block = mx.where(commit, x0, _stack([p.block for p in plans]))
     confidence = mx.where(commit, prob, _stack([p.confidence for p in plans]))
-    records = _shared_records(plans, commit, logprobs)
-    return [Committed(block[i : i + 1], confidence[i : i + 1], commit[i : i + 1],
-                      partial(_row_logprobs, logprobs, i) if p.kept is not None else None,  # (rows whose caller reads log-probs)
-                      records[i])
-            for i, p in enumerate(plans)]
+    return block, confidence, commit, logprobs
+
+
+# Commit a group whose rows share one rule through mx.compile (`_compiled_commit`)
+COMPILE_COMMITS = True
+# Rules whose selection reads nothing on the host (a compiled function cannot): the quota
+# rules at a quota that is a plain int (Quota.step_quota), and the threshold-like ones.
+# Not EntropyBounded: its per-row count goes to topk_transfer as an array, checked on the host.
+COMPILED_RULES = QUOTA_RULES + (Threshold, Factor, EntropyBound)
+MAX_COMMIT_FUNCTIONS = 32  # compiled commit functions kept (per rule, quota and bias kind)
+# distinct input shapes (rows, block width, vocabulary, dtype) one compiled commit keeps
+# traced before it is made afresh (its traces freed with it), as batched._compiled's forwards
+MAX_COMMIT_TRACES = 64
+_commit_functions: dict = {}  # key -> (compiled function, the input shapes it has traced)
+
+
+def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tuple]:
+    """`_commit_ops`' (block, confidence, commit[, logprobs]) through one compiled
+    function, or None where the group does not fit one: its rows must share one joint
+    rule (or take all their candidates), one bias (or none) and, for a quota rule, one
+    quota at their steps (a plain int: the trace holds it). On MLX's CPU backend each op
+    of a step is dispatched from the caller's thread: compiled, the commit's elementwise
+    runs are fused and its graph is not rebuilt in Python each step (the same values bit
+    for bit: tests/test_batch_ops.py). MLX keeps one trace per input shape."""
+    selecting = [p for p in plans if not p.takes_all]
+    rule = (selecting or plans)[0].rule
+    if type(rule) not in COMPILED_RULES or any(_rule_key(p.rule) != _rule_key(rule) for p in selecting):
+        return None
+    bias = plans[0].bias
+    if any(p.bias is not bias for p in plans):
+        return None
+    quota = None
+    if type(rule) in QUOTA_RULES:
+        quotas = {int(p.rule_state.host[0, p.step]) for p in selecting}
+        if len(quotas) > 1:
+            return None
+        quota = quotas.pop() if quotas else 0
+    steps = (selecting or plans)[0].steps  # (the step budget StepInputs shows, as _select's)
+    key = (_rule_key(rule), quota, bias is not None, keep, steps)
+    shape = (tuple(stacked.shape), stacked.dtype)
+    entry = _commit_functions.get(key)
+    if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_COMMIT_TRACES):
+        if entry is None and len(_commit_functions) >= MAX_COMMIT_FUNCTIONS:
+            _commit_functions.clear()
+        entry = _commit_functions[key] = (mx.compile(_pure_commit(rule, quota, steps, keep)), set())
+    entry[1].add(shape)
+    takes_all = mx.array(np.array([p.takes_all for p in plans]))
+    inputs = [stacked, _stack([p.candidates for p in plans]), _stack([p.block for p in plans]),
+              _stack([p.confidence for p in plans]), takes_all]
+    return entry[0](*inputs, *([bias] if bias is not None else []))
+
+
+def _pure_commit(rule: Any, quota: Optional[int], steps: int, keep: bool) -> Callable:
+    """`_commit_ops` for rows sharing `rule` as a pure function of arrays (what mx.compile
+    traces): the rule selects at step 0 of a one-column quota holding `quota`."""
+
+    def commit(stacked, candidates, block, confidence, takes_all, *bias):
+        if stacked.dtype != mx.float32:
+            stacked = stacked.astype(mx.float32)
+        if bias:
+            stacked = stacked + bias[0]
+        logprobs = log_softmax(stacked)
+        x0, prob = greedy_proposal(logprobs)
+        state = None
+        if quota is not None:
+            column = np.full((candidates.shape[0], 1), quota, dtype=np.int32)
+            state = Quota(mx.array(column), column)
+        inputs = StepInputs(x0, prob, normalized_entropy(logprobs), logprobs, candidates, 0, steps, None)
+        selected = mx.where(takes_all[:, None], candidates, rule.select(inputs, state))
+        block = mx.where(selected, x0, block)
+        confidence = mx.where(selected, prob, confidence)
+        return (block, confidence, selected, logprobs) if keep else (block, confidence, selected)
+
+    return commit
 
 
 class SharedRecord:

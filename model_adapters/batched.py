@@ -146,8 +146,11 @@ def token_matrix(spans: Sequence[tuple]) -> mx.array:
     so that the device gets one array instead of a slice, a pad and a concatenation per
     row; on the device for the others."""
     if all(getattr(r, "host", None) is not None for r, *_ in spans):
-        return mx.array(np.concatenate([np.pad(r.host[:, lo:hi], ((0, 0), (left, right))).astype(np.int32)
-                                        for r, lo, hi, left, right in spans], axis=0))
+        # (one zero matrix filled by slices: np.pad per row costs ~20 us of Python each)
+        out = np.zeros((len(spans), max(left + hi - lo + right for _, lo, hi, left, right in spans)), np.int32)
+        for i, (r, lo, hi, left, _) in enumerate(spans):
+            out[i, left : left + hi - lo] = r.host[0, lo:hi]
+        return mx.array(out)
     rows = []
     for r, lo, hi, left, right in spans:
         host = getattr(r, "host", None)

@@ -199,3 +199,82 @@ def test_a_compiled_forward_keeps_at_most_max_traces_shapes(request, family, mon
     assert table and all(len(shapes) <= 2 for _, shapes in table.values())
     assert len(made) > len(table)  # (some call met a third shape: made afresh)
     assert got == decode(False, adapter_for(model, tok))
+
+
+def confidences_of(steps) -> list:
+    """Each Step's block confidence, on the host (the values the commits wrote)."""
+    return [np.array(step.block_confidence) for step in steps if step.block_confidence is not None]
+
+
+@pytest.mark.parametrize("family, fields", [
+    ("sdar", {}),  # low_confidence_dynamic: threshold, else the step's quota
+    ("sdar", {"threshold": 0.2}),
+    ("llada", {"block_length": 8}),  # low_confidence: the quota
+    ("llada", {"block_length": 8, "steps": 3}),  # quotas that differ between rows' steps
+    ("llada", {"block_length": 8, "strategy": "threshold", "threshold": 0.3}),
+    ("llada", {"block_length": 8, "strategy": "entropy_bound"}),  # reads the entropy
+])
+def test_the_compiled_fused_commit_gives_the_plain_one(request, family, fields, monkeypatch):
+    """The rows' fused commit through mx.compile (COMPILE_COMMITS) and op by op: the same
+    tokens, forwards, kept log-probs and confidences per row, bit for bit; and the compiled
+    function did commit the steps (it answers a group whose rows share one rule and quota)."""
+    model, tok = request.getfixturevalue(family)
+    compiled_calls = []
+    real = fused_commit._compiled_commit
+    monkeypatch.setattr(fused_commit, "_compiled_commit",
+                        lambda *a: (lambda out: compiled_calls.append(out is not None) or out)(real(*a)))
+    results = []
+    for compiled in (True, False):
+        monkeypatch.setattr(fused_commit, "COMPILE_COMMITS", compiled)
+        adapter = adapter_for(model, tok)
+        options = [resolve(DecodeOptions(max_tokens=n, **{**FIELDS[family], **fields}), adapter, len(p))
+                   for p, n in zip(PROMPTS, MAX_TOKENS)]
+        steps = batched_steps(adapter, options)
+        results.append([(kept_of(row, len(p)), confidences_of(row)) for row, p in zip(steps, PROMPTS)])
+    assert sum(compiled_calls) >= 5  # (the compiled function committed steps)
+    for ((kept_c, tokens_c), conf_c), ((kept_p, tokens_p), conf_p) in zip(*results):
+        assert tokens_c == tokens_p and kept_c.keys() == kept_p.keys() and kept_p
+        for q in kept_p:
+            assert kept_c[q][0] == kept_p[q][0] and (kept_c[q][1] == kept_p[q][1]).all()
+        assert len(conf_c) == len(conf_p) and all((a == b).all() for a, b in zip(conf_c, conf_p))
+
+
+def test_a_compiled_commit_answers_only_groups_that_share_one_rule_and_quota():
+    """Rows whose rules or quotas at their steps differ, or whose biases differ, are committed
+    op by op (None: the compiled commit does not take the group)."""
+    from mlx_lm_diffusion.commit_rules import EntropyBounded, LowConfidence, Quota, Threshold
+
+    def plan(rule, quota=None, bias=None, takes_all=False):
+        state = None if quota is None else Quota(mx.array([[quota]]), np.array([[quota]]))
+        return fused_commit.RowCommit(rule, state, 0, 4, np.array([2]), np.ones((1, 4), bool),
+                                      np.zeros((1, 4), np.int32), None, mx.zeros((1, 4)), takes_all, bias)
+
+    logits = mx.zeros((2, 4, 8))
+    take = fused_commit._compiled_commit
+    assert take([plan(LowConfidence(), 1), plan(LowConfidence(), 1)], logits, False) is not None
+    assert take([plan(LowConfidence(), 1), plan(LowConfidence(), 2)], logits, False) is None
+    assert take([plan(LowConfidence(), 1), plan(LowConfidence(), 2, takes_all=True)], logits, False) is not None
+    assert take([plan(LowConfidence(), 1), plan(Threshold(), None)], logits, False) is None
+    assert take([plan(Threshold()), plan(Threshold(), bias=mx.zeros((8,)))], logits, False) is None
+    # (its per-row count goes to topk_transfer as an array, range-checked on the host)
+    assert take([plan(EntropyBounded()), plan(EntropyBounded())], logits, False) is None
+
+
+def test_a_compiled_commit_keeps_at_most_max_commit_traces_shapes(request, monkeypatch):
+    """Past MAX_COMMIT_TRACES input shapes (rows joining and leaving change the row count) a
+    compiled commit is made afresh, and the rows' tokens and forwards stay the op-by-op ones."""
+    model, tok = request.getfixturevalue("sdar")
+    monkeypatch.setattr(fused_commit, "_commit_functions", {})
+    made = []  # (one _pure_commit per compiled commit function made)
+    pure = fused_commit._pure_commit
+    monkeypatch.setattr(fused_commit, "_pure_commit", lambda *a: made.append(a) or pure(*a))
+    monkeypatch.setattr(fused_commit, "MAX_COMMIT_TRACES", 2)
+    results = []
+    for compiled in (True, False):
+        monkeypatch.setattr(fused_commit, "COMPILE_COMMITS", compiled)
+        adapter = adapter_for(model, tok)
+        options = [resolve(DecodeOptions(max_tokens=n), adapter, len(p)) for p, n in zip(PROMPTS, MAX_TOKENS)]
+        results.append([kept_of(row, len(p))[1] for row, p in zip(batched_steps(adapter, options), PROMPTS)])
+    assert results[0] == results[1]
+    assert all(len(shapes) <= 2 for _, shapes in fused_commit._commit_functions.values())
+    assert len(made) > len(fused_commit._commit_functions)  # (some function met a third shape: made afresh)

@@ -42,6 +42,26 @@ from .base import (
 MIN_TEMPERATURE = 1e-4
 
 
+def suppress_bias(adapter: Any) -> Optional[mx.array]:
+    """(V,) -inf at the adapter's suppressed ids, 0 elsewhere (None: none), one array per
+    adapter: the rows of a running batch then share it, and their fused commit adds one
+    vector for all of them (fused_commit) instead of stacking one per row."""
+    if not adapter.suppress_ids:
+        return None
+    key = (adapter.vocab_size, tuple(sorted(adapter.suppress_ids)))
+    cached = getattr(adapter, "_suppress_bias", None)
+    if cached is None or cached[0] != key:
+        bias = mx.zeros((adapter.vocab_size,), mx.float32)
+        bias[mx.array(sorted(adapter.suppress_ids))] = -mx.inf
+        mx.eval(bias)
+        cached = (key, bias)
+        try:
+            adapter._suppress_bias = cached
+        except AttributeError:  # (an adapter that takes no attributes: each decoder its own)
+            pass
+    return cached[1]
+
+
 class MaskedBlockDecoder(Decoder):
     name = "masked_block"
 
@@ -53,10 +73,7 @@ class MaskedBlockDecoder(Decoder):
         # only extend the left-to-right prefix: no committed token is left that an edit could
         # revise, so editing (editing_threshold) does not run under them.
         self.editing = options.editing_threshold is not None and not options.logits_processors
-        self.suppress = None  # added to the logits: the suppressed ids are never proposed
-        if adapter.suppress_ids:
-            self.suppress = mx.zeros((adapter.vocab_size,), mx.float32)
-            self.suppress[mx.array(sorted(adapter.suppress_ids))] = -mx.inf
+        self.suppress = suppress_bias(adapter)  # added to the logits: the suppressed ids are never proposed
         # mlx-lm logits processors: fed the committed prefix in order (constraints.py)
         self.ordered = None
         if options.logits_processors:
