@@ -52,7 +52,8 @@ def take_rows(values: mx.array, rows: mx.array) -> mx.array:
     index per element, which costs about 6 ns an element on the CPU (4x the take for
     rows of a 32k vocabulary)."""
     B, W = values.shape[:2]
-    flat = (rows + mx.arange(B, dtype=rows.dtype)[:, None] * W).reshape(-1)
+    # (one row: its positions are the flat indices, no offsets to add: five ops fewer)
+    flat = rows.reshape(-1) if B == 1 else (rows + mx.arange(B, dtype=rows.dtype)[:, None] * W).reshape(-1)
     taken = mx.take(values.reshape(B * W, *values.shape[2:]), flat, axis=0)
     return taken.reshape(*rows.shape, *values.shape[2:])
 

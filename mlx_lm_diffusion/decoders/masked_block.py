@@ -22,7 +22,7 @@ from .. import fused_commit
 from ..commit_rules import StepInputs
 from ..constraints import LeftToRight
 from .gathered_rows import bucket, read_positions, spread, spread_filled, take_rows
-from .kept_logprobs import KeptLogprobs, KeptRows, committed_rows, kept_arrays, whole_block
+from .kept_logprobs import KeptLogprobs, KeptRows, committed_rows, committed_rows_read_back, kept_arrays, whole_block
 from .vocab_stats import greedy_parts, logprob_rows
 from .base import (
     BlockState,
@@ -187,8 +187,11 @@ class MaskedBlockDecoder(Decoder):
         processors decide (None), read from `commit` (evaluated by the step's read-back)."""
         if b.kept is None:
             return
-        counts = np.array(commit).sum(axis=1) if committed is None else np.asarray(committed)
-        record = committed_rows(commit, rows, int(counts.max()) if counts.size else 0, take)
+        if committed is None:  # (the commits are on the host: so are the record's positions)
+            record = committed_rows_read_back(np.array(commit), None if rows is None else np.array(rows), take)
+        else:
+            counts = np.asarray(committed)
+            record = committed_rows(commit, rows, int(counts.max()) if counts.size else 0, take)
         b.kept = b.kept.add(record)
         if record is not None and self.queue_eagerly:
             mx.async_eval(*record.arrays())
