@@ -172,6 +172,7 @@ def plain_loop(model, tok, options: dict) -> tuple:
             forwards += 1
             x0, prob, entropy = greedy_parts(logits + suppress)[:3]
             scores = -entropy if o.rule.name == "entropy" else prob
+            mx.eval(x0, scores)  # (one wait for both: read one by one, the second waits again)
             x0, scores = np.array(x0[0]), np.array(scores[0])
             k = step_counts(o.rule.name, first_masks if o.rule.name == "low_confidence" else n, o.steps, step,
                             scores, o.rule.threshold if o.rule.name == "threshold" else None)
