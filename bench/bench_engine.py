@@ -28,7 +28,8 @@ they are added rows, the hidden-256 rows stay the reference.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
         python bench/bench_engine.py [--vocabs 288 32768] [--wide-vocabs 32768] [--wide-hidden 1024] \
-            [--repeats 5] [--tokens 128]
+            [--repeats 5] [--tokens 128] \\
+            [--cases llada-block llada-threshold dream-canvas dream-block]
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ CASES = [
     ("Dream", dict(), GEN),
     ("Dream", dict(block_length=32), 32),
 ]
+# --cases: the names of CASES, in order
+CASE_NAMES = ["llada-block", "llada-threshold", "dream-canvas", "dream-block"]
 
 
 def set_tokens(tokens: int) -> None:
@@ -169,6 +172,7 @@ def plain_loop(model, tok, options: dict) -> tuple:
             forwards += 1
             x0, prob, entropy = greedy_parts(logits + suppress)[:3]
             scores = -entropy if o.rule.name == "entropy" else prob
+            mx.eval(x0, scores)  # (one wait for both: read one by one, the second waits again)
             x0, scores = np.array(x0[0]), np.array(scores[0])
             k = step_counts(o.rule.name, first_masks if o.rule.name == "low_confidence" else n, o.steps, step,
                             scores, o.rule.threshold if o.rule.name == "threshold" else None)
@@ -227,20 +231,27 @@ def main():
     parser.add_argument("--wide-vocabs", type=int, nargs="*", default=[],
                         help="also these vocabularies with a wider hidden size, 2 layers (see the docstring)")
     parser.add_argument("--wide-hidden", type=int, default=WIDE_HIDDEN, help="the hidden size of --wide-vocabs")
+    parser.add_argument("--cases", nargs="*", choices=CASE_NAMES, default=CASE_NAMES,
+                        help="the cases to run (default: all): LLaDA block 32, LLaDA threshold 0.9, "
+                             "Dream's whole canvas, Dream block 32")
     args = parser.parse_args()
     if args.tokens != GEN:
         set_tokens(args.tokens)
+    cases = [case for name, case in zip(CASE_NAMES, CASES) if name in args.cases]
     rows = []
     models = [(vocab, HIDDEN, MLP, SIZE) for vocab in args.vocabs]
     models += [(vocab, args.wide_hidden, 2 * args.wide_hidden, WIDE) for vocab in args.wide_vocabs]
     with tempfile.TemporaryDirectory() as tmp:
         for vocab, hidden, mlp, size in models:
-            paths = {
-                "LLaDA": write_llada(Path(tmp) / f"llada{vocab}-{hidden}", d_model=hidden, mlp=mlp, vocab=vocab, **size),
-                "Dream": write_dream(Path(tmp) / f"dream{vocab}-{hidden}", hidden=hidden, inter=mlp, vocab=vocab, **size),
+            writers = {
+                "LLaDA": lambda: write_llada(Path(tmp) / f"llada{vocab}-{hidden}", d_model=hidden, mlp=mlp,
+                                             vocab=vocab, **size),
+                "Dream": lambda: write_dream(Path(tmp) / f"dream{vocab}-{hidden}", hidden=hidden, inter=mlp,
+                                             vocab=vocab, **size),
             }
-            loaded = {name: mld.load(str(path)) for name, path in paths.items()}
-            for name, options, block in CASES:
+            # (only the families the cases decode)
+            loaded = {name: mld.load(str(writers[name]())) for name in dict.fromkeys(name for name, *_ in cases)}
+            for name, options, block in cases:
                 ratio, whole, plain, wall, tokens, forwards, gathered = measure(
                     name, *loaded[name], options, block, args.repeats)
                 rows.append((vocab, hidden, size["n_layers"], name, options, tokens, forwards, gathered, wall, ratio,

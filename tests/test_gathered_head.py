@@ -152,6 +152,33 @@ def test_dream_caches_with_the_shift(dream, rule, cache):
     assert_same_decode(model, tok, max_tokens=24, block_length=8, cache=cache, **rule)
 
 
+@pytest.mark.parametrize("family, options", [
+    ("llada", dict(max_tokens=16, block_length=8, steps=16)),  # one commit a step: 8, 7, ..., 1 masks
+    ("dream", dict(max_tokens=12, steps=12)),  # the whole canvas, Dream's counts
+])
+def test_statistics_cover_the_rows_read_only(request, monkeypatch, family, options):
+    """A step whose bucket of masks is the block's width (7 masks of 8: bucket 8) runs the
+    head over the whole block, but the passes over the vocabulary (greedy_parts) cover the
+    masked rows only, as at every smaller bucket: each step's statistics have exactly as
+    many rows as the block had masks before it."""
+    from mlx_lm_diffusion.decoders import masked_block
+
+    rows, real = [], masked_block.greedy_parts
+    monkeypatch.setattr(masked_block, "greedy_parts", lambda logits: rows.append(logits.shape[1]) or real(logits))
+    adapter = adapter_for(*request.getfixturevalue(family))
+    adapter.eos_ids = frozenset()
+    resolved = resolve(DecodeOptions(**options), adapter, len(PROMPT))
+    masks, before = [], None
+    for step in Engine(adapter, resolved).run(mx.array([PROMPT])):
+        start, end = step.block
+        if step.ran_forward:
+            masks.append(end - start if step.step == 0 else before)
+        before = int((step.canvas[0, start:end] == adapter.mask_id).sum())
+    assert rows == masks
+    width = options.get("block_length", options["max_tokens"])
+    assert any(m < width and bucket(m, width) == width for m in masks), masks  # (the case is exercised)
+
+
 def test_sampled_proposals_are_not_gathered(llada):
     """A sampler draws per position: gathering would change the draw's shape and its
     random stream, so those steps run the whole block (same tokens, no gather)."""

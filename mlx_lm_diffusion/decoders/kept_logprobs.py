@@ -144,6 +144,24 @@ def committed_rows(commit: mx.array, rows: Optional[mx.array], count: int,
     return KeptRows(positions, mx.take_along_axis(read, slots, axis=1), take_logprobs(slots))
 
 
+def committed_rows_read_back(commit: np.ndarray, rows: Optional[np.ndarray],
+                             take_logprobs: Callable[[mx.array], mx.array]) -> Optional[KeptRows]:
+    """`committed_rows` for a step whose commits were read back (host arrays: `commit`
+    (B, W), `rows` (B, R) or None): the same record, slot for slot, its positions and
+    slots found on the host; the device gathers the log-probs only (a step of the
+    threshold rule, whose commit count only its commits tell, built some thirty small
+    MLX operations for positions it had already read back)."""
+    read = commit if rows is None else np.take_along_axis(commit, rows, axis=1)  # (B, R): the committed slots
+    count = int(read.sum(axis=1).max()) if read.size else 0
+    if count <= 0:
+        return None
+    # read_positions' order: each row's committed slots in order, then the others in order
+    slots = np.argsort(~read, axis=1, kind="stable")[:, : bucket(count, read.shape[1])].astype(np.int32)
+    positions = slots if rows is None else np.take_along_axis(rows, slots, axis=1)
+    return KeptRows(mx.array(positions.astype(np.int32)), mx.array(np.take_along_axis(read, slots, axis=1)),
+                    take_logprobs(mx.array(slots)))
+
+
 def whole_block(logprobs: mx.array) -> KeptRows:
     """The record of a step that committed every position of the block (B, W, V)."""
     B, W = logprobs.shape[:2]
@@ -159,4 +177,4 @@ def kept_arrays(kept) -> tuple:
     return kept.latest_arrays() if isinstance(kept, KeptLogprobs) else (kept,)
 
 
-__all__ = ["KeptRows", "KeptLogprobs", "committed_rows", "whole_block", "kept_arrays"]
+__all__ = ["KeptRows", "KeptLogprobs", "committed_rows", "committed_rows_read_back", "whole_block", "kept_arrays"]

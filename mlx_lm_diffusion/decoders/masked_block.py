@@ -22,7 +22,7 @@ from .. import fused_commit
 from ..commit_rules import StepInputs
 from ..constraints import LeftToRight
 from .gathered_rows import bucket, read_positions, spread, spread_filled, take_rows
-from .kept_logprobs import KeptLogprobs, KeptRows, committed_rows, kept_arrays, whole_block
+from .kept_logprobs import KeptLogprobs, KeptRows, committed_rows, committed_rows_read_back, kept_arrays, whole_block
 from .vocab_stats import greedy_parts, logprob_rows
 from .base import (
     BlockState,
@@ -204,8 +204,11 @@ class MaskedBlockDecoder(Decoder):
         processors decide (None), read from `commit` (evaluated by the step's read-back)."""
         if b.kept is None:
             return
-        counts = np.array(commit).sum(axis=1) if committed is None else np.asarray(committed)
-        record = committed_rows(commit, rows, int(counts.max()) if counts.size else 0, take)
+        if committed is None:  # (the commits are on the host: so are the record's positions)
+            record = committed_rows_read_back(np.array(commit), None if rows is None else np.array(rows), take)
+        else:
+            counts = np.asarray(committed)
+            record = committed_rows(commit, rows, int(counts.max()) if counts.size else 0, take)
         b.kept = b.kept.add(record)
         if record is not None and self.queue_eagerly:
             mx.async_eval(*record.arrays())
@@ -253,15 +256,16 @@ class MaskedBlockDecoder(Decoder):
         or None: every position. Only the candidates are read, unless editing (committed
         tokens are revised too) or logits processors (fed logits per position) run, or the
         proposal is drawn at random (the draw's shape, hence its random stream, would
-        change); and gathering pays only below the block's width."""
+        change). A bucket as wide as the block (K = width) still names the rows read: the
+        head then runs over the whole block (`_predict`: gathering hidden states pays only
+        below the block's width) and the statistics over the rows read only."""
         if not (self.gather_rows and has_mask) or self.editing or self.ordered is not None:
             return None
         temperature = self._temperature(b)
         if self.options.sampler is not None or (temperature is not None and temperature >= MIN_TEMPERATURE):
             return None
-        width = b.end - b.start
-        size = bucket(self._read_count(b), width)
-        return None if size >= width else read_positions(candidates, size)
+        width, read = b.end - b.start, self._read_count(b)
+        return None if read >= width else read_positions(candidates, bucket(read, width))
 
     def _read_count(self, b: BlockState) -> int:
         """The most candidates a row has, from the host (at the first step: the block's
@@ -277,11 +281,16 @@ class MaskedBlockDecoder(Decoder):
         With `rows`, the head runs over the whole bucket (a few shapes for the model) and
         the statistics over the first `read` rows only (the others are padding: each pass
         over the vocabulary costs per row; nothing here is compiled, so their varying
-        shape recompiles nothing)."""
-        logits = yield Forward(state, canvas.tokens, b.start, b.end, rows)  # the driver answers it
+        shape recompiles nothing). A bucket as wide as the block asks for the whole block
+        (`predict`, the head in position order) and takes the rows read from its logits,
+        as a loop that gathers after the head does: a step that reads 100 of 128 rows
+        then pays the passes over the vocabulary on 100, not 128."""
+        whole = rows is not None and rows.shape[1] >= b.end - b.start
+        logits = yield Forward(state, canvas.tokens, b.start, b.end, None if whole else rows)  # the driver answers it
         canvas.forwards += 1
         if rows is not None and read is not None and read < rows.shape[1]:
-            logits, rows = logits[:, :read], rows[:, :read]
+            rows = rows[:, :read]
+            logits = take_rows(logits, rows) if whole else logits[:, :read]
         logits = self._suppressed(self.process(logits))
         temperature = self._temperature(b)
         if self.options.sampler is None and (temperature is None or temperature < MIN_TEMPERATURE):
