@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from model_adapters.batched import bounded_compile
+
 from .commit_rules import (
     BlockLengthQuota,
     DreamConfidence,
@@ -253,17 +255,14 @@ def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tup
         quota = quotas.pop() if quotas else 0
     steps = (selecting or plans)[0].steps  # (the step budget StepInputs shows, as _select's)
     key = (_rule_key(rule), quota, bias is not None, keep, steps)
-    shape = (tuple(stacked.shape), stacked.dtype)
-    entry = _commit_functions.get(key)
-    if entry is None or (shape not in entry[1] and len(entry[1]) >= MAX_COMMIT_TRACES):
-        if entry is None and len(_commit_functions) >= MAX_COMMIT_FUNCTIONS:
-            _commit_functions.clear()
-        entry = _commit_functions[key] = (mx.compile(_pure_commit(rule, quota, steps, keep)), set())
-    entry[1].add(shape)
+    if key not in _commit_functions and len(_commit_functions) >= MAX_COMMIT_FUNCTIONS:
+        _commit_functions.clear()
+    function = bounded_compile(_commit_functions, key, lambda: _pure_commit(rule, quota, steps, keep),
+                               (tuple(stacked.shape), stacked.dtype), MAX_COMMIT_TRACES)
     takes_all = mx.array(np.array([p.takes_all for p in plans]))
     inputs = [stacked, _stack([p.candidates for p in plans]), _stack([p.block for p in plans]),
               _stack([p.confidence for p in plans]), takes_all]
-    return entry[0](*inputs, *([bias] if bias is not None else []))
+    return function(*inputs, *([bias] if bias is not None else []))
 
 
 def _pure_commit(rule: Any, quota: Optional[int], steps: int, keep: bool) -> Callable:

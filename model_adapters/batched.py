@@ -107,10 +107,16 @@ def _compiled(adapter: Any, kind: tuple, make: Callable[[], Callable], *inputs: 
     table = getattr(adapter, "_compiled_backbones", None)
     if table is None:
         table = adapter._compiled_backbones = {}
-    shapes = tuple(tuple(a.shape) for a in inputs)
-    entry = table.get(kind)
-    if entry is None or (shapes not in entry[1] and len(entry[1]) >= MAX_TRACES):
-        entry = table[kind] = (mx.compile(make()), set())
+    return bounded_compile(table, kind, make, tuple(tuple(a.shape) for a in inputs), MAX_TRACES)
+
+
+def bounded_compile(table: dict, key: Any, make: Callable[[], Callable], shapes: Any, max_traces: int) -> Callable:
+    """`table[key]`'s mx.compile(make()) for inputs of `shapes`, made on first use and made
+    afresh (its traces freed with the old function) once it holds `max_traces` other shapes.
+    `table` maps key -> (compiled function, the shapes it has traced)."""
+    entry = table.get(key)
+    if entry is None or (shapes not in entry[1] and len(entry[1]) >= max_traces):
+        entry = table[key] = (mx.compile(make()), set())
     entry[1].add(shapes)
     return entry[0]
 
