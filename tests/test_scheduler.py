@@ -200,9 +200,10 @@ def test_sigterm_finishes_running_rows_within_grace_cancels_the_rest(slow_llada_
 
     from test_hardening import _events, _read_all, _start_server, _stop, request_bytes
 
-    # The long row takes one forward per token (steps that commit nothing are skipped, so a
-    # long mask schedule would not make it longer) over its whole ~1,620-position canvas:
-    # minutes (conftest.slow_llada_path). The short row has 8 forwards to run when SIGTERM
+    # The long row takes one forward per token over its whole ~1,620-position canvas: minutes
+    # (conftest.slow_llada_path). (A long mask schedule would not make it longer: its
+    # logit_bias runs as a logits processor, and under processors a step commits at least
+    # the next token left to right.) The short row has 8 forwards to run when SIGTERM
     # comes, each as wide as the long row's canvas (the batch pads it to that): seconds,
     # more than the server takes to act on the signal (with a grace of 0 this test fails)
     # and well under the grace, on a loaded CPU too. (Its first event cannot mark its
