@@ -32,15 +32,20 @@ from bench_server import Server, checkpoints, requests  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def stat_cpu(path: str) -> float:
+    """CPU seconds (user + system) in a /proc stat file (fields after the command's ')')."""
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def thread_cpu() -> dict:
     """native thread id -> CPU seconds (user + system) of this process's threads."""
     out = {}
     for task in os.listdir("/proc/self/task"):
         try:
-            fields = Path(f"/proc/self/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            out[int(task)] = stat_cpu(f"/proc/self/task/{task}/stat")
+        except OSError:  # (the thread ended meanwhile)
             continue
-        out[int(task)] = (int(fields[11]) + int(fields[12])) / TICK
     return out
 
 
@@ -86,8 +91,7 @@ class NameLog:
 
 
 def process_cpu() -> float:
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return stat_cpu("/proc/self/stat")
 
 
 def run_round(server: Server, batch: list, clients: int, names: NameLog) -> dict:
