@@ -40,6 +40,13 @@ attention rotate the queries and keys by `cache.offset` and then call
 step's forward writes its window into a kept copy of the whole canvas's keys and values
 (no concatenation per layer and step) and is compiled (`window_forward`): tokens are
 those of the uncompiled forward (the fused kernels compute the same float32 operations).
+
+In a batch (`predict_batch`: many decodes, mlx_lm_diffusion.batch), the rows at a later
+step of their block share one forward (`cached_window_batch`): their kept keys and values
+stacked (right-padded to one width, the padding masked out), each row's window written
+over its own positions and rotated from its own offset, so that each row attends to what
+it attends to alone, in the same order. A block's first step stays one call per row (the
+canvases differ in width, and it comes once a block).
 """
 
 from __future__ import annotations
@@ -49,9 +56,10 @@ from functools import partial
 from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .base import Adapter as _BaseAdapter
-from .batched import bidirectional_batch
+from .batched import _compiled, bidirectional_batch, stacked_head, token_matrix
 from .option import Option
 
 CACHE_MODES = ("prefix", "dual")
@@ -100,6 +108,30 @@ class WindowCache:
         self.keys = mx.slice_update(self.keys, keys, start, axes=(2,))
         self.values = mx.slice_update(self.values, values, start, axes=(2,))
         return self.keys, self.values
+
+
+class BatchWindowCache:
+    """One layer's cache in a batched later step (`cached_window_batch`): the rows' kept
+    keys and values, stacked (B, H, K, D), with each row's window written over its own
+    positions (`positions`: (B, 1, W, 1), the row's offset onwards); RoPE from `offset` (B,)."""
+
+    def __init__(self, offset: mx.array, positions: mx.array, keys: mx.array, values: mx.array):
+        self.offset, self.positions = offset, positions
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.keys = mx.put_along_axis(self.keys, self.positions, keys, axis=2)
+        self.values = mx.put_along_axis(self.values, self.positions, values, axis=2)
+        return self.keys, self.values
+
+
+def batch_window_forward(backbone: Callable, tokens: mx.array, offset: mx.array, positions: mx.array,
+                         mask: mx.array, *kept: mx.array) -> mx.array:
+    """The backbone over the rows' windows `tokens` (B, W) over their stacked kept keys and
+    values (k0, v0, k1, v1, ...: (B, H, K, D) per layer); `mask` (B, 1, 1, K): the keys a
+    row has (its canvas's positions). The hidden states (B, W, hidden)."""
+    caches = [BatchWindowCache(offset, positions, kept[i], kept[i + 1]) for i in range(0, len(kept), 2)]
+    return backbone(tokens, mask, caches)
 
 
 def window_forward(backbone: Callable, window: mx.array, offset: mx.array, *kept: mx.array) -> tuple:
@@ -171,12 +203,24 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         return self._cached_step(state, canvas, start, end)
 
     def predict_batch(self, requests: list) -> list:
-        if self.cache_mode is not None or len(requests) == 1:
-            # (Fast-dLLM's kept keys and values differ per row and block: one call per row)
+        if len(requests) == 1:
             return super().predict_batch(requests)
         if any(r.start < self.shift for r in requests):
             raise ValueError(f"{self.family} needs at least one prompt token before the canvas")
-        return bidirectional_batch(self, requests, self.shift)
+        if self.cache_mode is None:
+            return bidirectional_batch(self, requests, self.shift)
+        # a block's first step (the whole canvas, keeping its keys and values): one call per
+        # row; the rows at a later step of their block: one call
+        later = [i for i, r in enumerate(requests) if r.state.start == r.start]
+        if len(later) < 2:
+            return super().predict_batch(requests)
+        logits = cached_window_batch(self, [requests[i] for i in later])
+        if len(later) == len(requests):
+            return logits  # (its RowLogits: one stacked head)
+        out = [None if i in later else self.predict(r.state, r.canvas, r.start, r.end) for i, r in enumerate(requests)]
+        for i, row_logits in zip(later, logits):
+            out[i] = row_logits
+        return out
 
     def _open_block(self, state: CacheState, canvas: mx.array, start: int, end: int) -> mx.array:
         """The block's first step: the whole canvas, keeping every layer's keys and values
@@ -206,4 +250,49 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         return mx.concatenate([state.first_hidden.astype(hidden.dtype), hidden[:, : end - start - 1]], axis=1)
 
 
-__all__ = ["BidirectionalCacheAdapter", "CACHE_MODES", "CACHE_OPTION", "CaptureCache", "WindowCache", "window_forward", "FAST_PRESET"]
+def cached_window_batch(adapter: BidirectionalCacheAdapter, requests: list) -> list:
+    """The logits each row's `_cached_step` gives, from one forward: every row's window
+    (dual: its block; prefix: its block to its canvas's end) right-padded to one width W,
+    over its kept keys and values stacked to one width K (`stacked_kept`). The padding's
+    keys (beyond a row's canvas) are masked out and its queries are not read; a row's
+    window is written over its own positions, so it attends to its keys in canvas order,
+    as alone."""
+    lengths = np.array([r.canvas.shape[1] for r in requests])
+    starts = np.array([r.start for r in requests])
+    stops = np.array([r.end if r.state.mode == "dual" else r.canvas.shape[1] for r in requests])
+    width = int((stops - starts).max())
+    keys_width = int(max(lengths.max(), starts.max() + width))  # (padded windows stay inside)
+    tokens = token_matrix([(r, r.start, int(stop), 0, width - int(stop) + r.start) for r, stop in zip(requests, stops)])
+    positions = mx.array((starts[:, None] + np.arange(width)[None, :]).astype(np.int32))[:, None, :, None]
+    mask = mx.array(np.arange(keys_width)[None, :] < lengths[:, None])[:, None, None, :]
+    kept = stacked_kept(adapter, [r.state for r in requests], keys_width)
+    forward = _compiled(adapter, ("fast-dllm window",), lambda: partial(batch_window_forward, adapter.model.backbone),
+                        tokens, positions, mask, *kept)
+    hidden = forward(tokens, mx.array(starts.astype(np.int32)), positions, mask, *kept)
+    if adapter.shift:  # position `start` from the block's first forward, start + i from window row i - 1
+        first = mx.concatenate([r.state.first_hidden for r in requests], axis=0).astype(hidden.dtype)
+        hidden = mx.concatenate([first, hidden[:, :-1]], axis=1)
+    return stacked_head(adapter, hidden, [(0, r.end - r.start) for r in requests])
+
+
+def stacked_kept(adapter: Any, states: list, width: int) -> list:
+    """The rows' kept keys and values, per layer (B, H, width, D), right-padded with zeros.
+    Kept from the previous call while its rows hold the same kept arrays (a row's change
+    only when it starts a block): stacking costs a pad and a concatenation per row and layer."""
+    rows = [s.kept[s.turn] for s in states]
+    memo = getattr(adapter, "_stacked_kept", None)
+    if memo is not None and memo[0] == width and len(memo[1]) == len(rows) and all(
+            a is b[0] for a, b in zip(memo[1], rows)):
+        return memo[2]
+
+    def padded(a: mx.array) -> mx.array:
+        missing = width - a.shape[2]
+        return a if not missing else mx.pad(a, [(0, 0), (0, 0), (0, missing), (0, 0)])
+
+    stacked = [mx.concatenate([padded(row[j]) for row in rows], axis=0) for j in range(len(rows[0]))]
+    # (the rows' first arrays are held, so that `is` compares live arrays, never reused ids)
+    adapter._stacked_kept = (width, [row[0] for row in rows], stacked)
+    return stacked
+
+
+__all__ = ["BatchWindowCache", "batch_window_forward", "cached_window_batch", "stacked_kept", "BidirectionalCacheAdapter", "CACHE_MODES", "CACHE_OPTION", "CaptureCache", "WindowCache", "window_forward", "FAST_PRESET"]

@@ -284,3 +284,28 @@ def test_rows_keep_log_probs_or_not(sdar):
     for i in (0, 2):
         assert mixed[("logprobs", i)].keys() == kept[("logprobs", i)].keys() and mixed[("logprobs", i)]
         assert all(abs(mixed[("logprobs", i)][q] - v) < 1e-5 for q, v in kept[("logprobs", i)].items())
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_fast_dllm_cache_rows_share_a_forward(llada, dream, cache, monkeypatch):
+    """Rows at a later step of their block (Fast-dLLM's kept keys and values, which differ
+    per row and block) share one window forward, and each still gives what it gives alone
+    (canvases of different widths: padded keys masked; rows joining late: some rows open a
+    block while others are inside one)."""
+    from model_adapters import bidirectional_cache
+
+    calls = []
+    shared = bidirectional_cache.cached_window_batch
+
+    def counted(adapter, requests):
+        calls.append(len(requests))
+        return shared(adapter, requests)
+
+    monkeypatch.setattr(bidirectional_cache, "cached_window_batch", counted)
+    for model in (llada, dream):
+        calls.clear()
+        check_ragged(*model, block_length=8, cache=cache)
+        assert max(calls) == 3, calls
+        calls.clear()
+        check_ragged(*model, block_length=8, cache=cache, join_late=(1,))
+        assert len(calls) > 3, calls
