@@ -2,9 +2,11 @@
 (continuous batching, mlx_lm_diffusion.scheduler) against one request at a time (--no-batch).
 
     python bench/bench_server.py [--clients 1 4 8 16] [--requests 16] [--max-tokens 32]
+                                 [--models sdar llada llada-fast]
 
 Side by side in one run, for each micro model (tiny random checkpoints written by
-tests/checkpoints*.py: SDAR with block 4, LLaDA with block 32) two servers run
+tests/checkpoints*.py: SDAR with block 4, LLaDA with block 32, and with --models
+llada-fast the same LLaDA with Fast-dLLM's preset: dual cache, threshold 0.9) two servers run
 in-process on 127.0.0.1, one batched and one with --no-batch; at each client count both
 serve the same `--requests` streamed chat requests (prompt lengths and max_tokens vary a
 little; temperature 0), the batched server first, then the serial one. Reported per
@@ -26,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 
 def percentile(values, q):
@@ -35,13 +38,20 @@ def percentile(values, q):
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def checkpoints(folder: Path) -> dict:
+MODELS = {"sdar": "SDAR (block 4)", "llada": "LLaDA (block 32)", "llada-fast": "LLaDA (fast preset)"}
+
+
+def checkpoints(folder: Path, models: Sequence[str] = ("sdar", "llada")) -> dict:
+    """{name: (checkpoint, request fields)} of the chosen `models` (MODELS' keys)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from checkpoints import write_llada
     from checkpoints_block import write_sdar
 
-    return {"SDAR (block 4)": (str(write_sdar(folder / "sdar")), {}),
-            "LLaDA (block 32)": (str(write_llada(folder / "llada")), {"block_length": 32})}
+    llada = str(write_llada(folder / "llada")) if {"llada", "llada-fast"} & set(models) else None
+    chosen = {"sdar": lambda: (str(write_sdar(folder / "sdar")), {}),
+              "llada": lambda: (llada, {"block_length": 32}),
+              "llada-fast": lambda: (llada, {"preset": "fast"})}
+    return {MODELS[m]: chosen[m]() for m in models}
 
 
 class Server:
@@ -111,11 +121,11 @@ def bench_model(name: str, path: str, fields: dict, args) -> list:
     return rows
 
 
-HEADER = f"{'model':<18}{'clients':>8}{'mode':>9}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'ttft50':>8}{'ttft95':>8}"
+HEADER = f"{'model':<20}{'clients':>8}{'mode':>9}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'ttft50':>8}{'ttft95':>8}"
 
 
 def print_row(r: dict, flush: bool = False) -> None:
-    print(f"{r['model']:<18}{r['clients']:>8}{r['mode']:>9}{r['req_per_s']:>8.2f}{r['tok_per_s']:>9.1f}"
+    print(f"{r['model']:<20}{r['clients']:>8}{r['mode']:>9}{r['req_per_s']:>8.2f}{r['tok_per_s']:>9.1f}"
           f"{r['p50_s']:>8.2f}{r['p95_s']:>8.2f}{r['ttft_p50_s']:>8.2f}{r['ttft_p95_s']:>8.2f}", flush=flush)
 
 
@@ -126,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--history", type=int, default=1000, help="Second-turn history, tokens (0: skip)")
     p.add_argument("--json", default=None, help="Also write the figures to this file")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=["sdar", "llada"])
     args = p.parse_args(argv)
 
     from transformers.utils import logging as hf_logging
@@ -134,7 +145,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         print(HEADER, flush=True)
-        for name, (path, fields) in checkpoints(Path(tmp)).items():
+        for name, (path, fields) in checkpoints(Path(tmp), args.models).items():
             rows += bench_model(name, path, fields, args)
     print(f"\nmax_tokens {args.max_tokens}, {args.requests} streamed requests per client count and mode\n")
     print(HEADER)
@@ -145,7 +156,7 @@ def main(argv=None) -> int:
         if r["mode"] == "batched":
             serial = next(s for s in rows if s["model"] == r["model"] and s["clients"] == r["clients"]
                           and s["mode"] == "serial")
-            print(f"  {r['model']:<18} {r['clients']:>2} clients: {r['tok_per_s'] / serial['tok_per_s']:.2f}x")
+            print(f"  {r['model']:<20} {r['clients']:>2} clients: {r['tok_per_s'] / serial['tok_per_s']:.2f}x")
     if args.history:
         turns = second_turns(args)
         print(f"\nsecond chat turn, ~{args.history}-token history, 16 new tokens (SDAR micro model "

@@ -308,7 +308,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--attention", action="store_true", help="time the attention calls on their own")
-    parser.add_argument("--models", nargs="+", default=["sdar", "llada"])
+    parser.add_argument("--models", nargs="+", default=["sdar", "llada"], help="bench_server.MODELS' names")
     parser.add_argument("--ops-detail", action="store_true", help="list the ops of a step by name")
     parser.add_argument("--ops-only", action="store_true", help="count the ops, time nothing")
     args = parser.parse_args()
@@ -317,11 +317,9 @@ def main() -> None:
     from bench_server import checkpoints
 
     with tempfile.TemporaryDirectory() as folder:
-        models = checkpoints(Path(folder))
-        for name, (path, fields) in models.items():
-            if name.split()[0].lower() in args.models:
-                profile(name, path, fields, args.rows, args.steps, args.attention, counter, args.ops_detail,
-                        args.ops_only)
+        for name, (path, fields) in checkpoints(Path(folder), args.models).items():
+            profile(name, path, fields, args.rows, args.steps, args.attention, counter, args.ops_detail,
+                    args.ops_only)
 
 
 if __name__ == "__main__":

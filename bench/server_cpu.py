@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_server import Server, checkpoints, requests  # noqa: E402
+from bench_server import MODELS, Server, checkpoints, requests  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -124,7 +124,7 @@ def run_round(server: Server, batch: list, clients: int, names: NameLog) -> dict
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="sdar", choices=["sdar", "llada"])
+    p.add_argument("--model", default="sdar", choices=list(MODELS))
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -140,8 +140,7 @@ def main(argv=None) -> int:
     names = NameLog()
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
-        name, (path, fields) = next((k, v) for k, v in checkpoints(Path(tmp)).items()
-                                    if k.lower().startswith(args.model))
+        [(name, (path, fields))] = checkpoints(Path(tmp), [args.model]).items()
         servers = {"batched": Server(path, args.max_tokens, True), "serial": Server(path, args.max_tokens, False)}
         try:
             for server in servers.values():  # warm up both (the batched one: every row count it will see)
