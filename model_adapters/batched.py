@@ -28,6 +28,7 @@ few while rows join and leave.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -56,19 +57,23 @@ def width_groups(widths: Sequence[int], spread: float = WIDTH_SPREAD) -> list:
     return groups
 
 
-def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int) -> list:
-    """Full-canvas bidirectional forwards: one model call per group of similar widths."""
+def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int,
+                        keep: Optional[Callable[[Any, mx.array, list], None]] = None) -> list:
+    """Full-canvas bidirectional forwards: one model call per group of similar widths.
+    `keep(request, hidden, kept)`: with it, every layer's keys and values are captured too
+    (Fast-dLLM's block-first forward keeps them), and each row's are handed to it: the row's
+    hidden states (1, T_i, H) and its keys and values (k0, v0, k1, v1, ...: (1, H, T_i, D))."""
     groups = width_groups([r.canvas.shape[1] for r in requests])
     if len(groups) == 1 and groups[0] == list(range(len(requests))):
-        return _bidirectional_call(adapter, requests, shift)  # (its RowLogits: one stacked head)
+        return _bidirectional_call(adapter, requests, shift, keep)  # (its RowLogits: one stacked head)
     out: list = [None] * len(requests)
     for group in groups:
-        for i, logits in zip(group, _bidirectional_call(adapter, [requests[i] for i in group], shift)):
+        for i, logits in zip(group, _bidirectional_call(adapter, [requests[i] for i in group], shift, keep)):
             out[i] = logits
     return out
 
 
-def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> list:
+def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int, keep: Optional[Callable]) -> list:
     lengths = [r.canvas.shape[1] for r in requests]
     width = max(lengths)
     if len(set(lengths)) > 1 and mx.default_device() == mx.gpu:
@@ -80,19 +85,52 @@ def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int) -> li
     if min(lengths) < width:  # (B, 1, 1, K): each row attends to its own tokens only
         valid = np.arange(width)[None, :] < np.array(lengths)[:, None]
         mask = mx.array(valid)[:, None, None, :]
-    hidden = canvas_backbone(adapter, tokens, mask)
+    if keep is None:
+        hidden = canvas_backbone(adapter, tokens, mask)
+    else:
+        hidden, *kept = canvas_backbone(adapter, tokens, mask, capture=True)
+        for row, (r, length) in enumerate(zip(requests, lengths)):
+            keep(r, hidden[row : row + 1, :length], [a[row : row + 1, :, :length] for a in kept])
     return stacked_head(adapter, hidden, [(r.start - shift, r.end - r.start) for r in requests])
 
 
-def canvas_backbone(adapter: Any, tokens: mx.array, mask: Optional[mx.array]) -> mx.array:
+class CaptureCache:
+    """One layer's cache that keeps the keys and values it is given (rotated, as the layer
+    computed them), positions from 0: a forward that attends to its own tokens only and
+    hands its keys and values on (Fast-dLLM's block-first forward)."""
+
+    offset = 0
+
+    def __init__(self):
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+        return keys, values
+
+
+def captured_forward(backbone: Callable, layers: int, tokens: mx.array, mask: Optional[mx.array] = None) -> tuple:
+    """The backbone over `tokens` (B, T), keeping each layer's keys and values: (hidden,
+    k0, v0, k1, v1, ...)."""
+    caches = [CaptureCache() for _ in range(layers)]
+    hidden = backbone(tokens, mask, caches)
+    return (hidden, *[a for c in caches for a in (c.keys, c.values)])
+
+
+def canvas_backbone(adapter: Any, tokens: mx.array, mask: Optional[mx.array], capture: bool = False):
     """The backbone over batched full canvases (no cache), through mx.compile as
-    `window_backbone` (COMPILE_WINDOWS)."""
-    if not COMPILE_WINDOWS:
-        return adapter.model.backbone(tokens, mask)
+    `window_backbone` (COMPILE_WINDOWS). `capture`: `captured_forward`'s tuple instead of
+    the hidden states."""
     model = adapter.model
-    if mask is None:
-        return _compiled(adapter, ("canvas", None), lambda: lambda t: model.backbone(t, None), tokens)(tokens)
-    return _compiled(adapter, ("canvas", "mask"), lambda: lambda t, m: model.backbone(t, m), tokens, mask)(tokens, mask)
+    if capture:
+        call = partial(captured_forward, model.backbone, len(model.layers))
+    else:
+        call = lambda t, m=None: model.backbone(t, m)  # noqa: E731
+    inputs = (tokens,) if mask is None else (tokens, mask)
+    if not COMPILE_WINDOWS:
+        return call(*inputs)
+    return _compiled(adapter, ("canvas", mask is not None, capture), lambda: call, *inputs)(*inputs)
 
 
 MAX_TRACES = 64  # distinct input shapes one compiled backbone call keeps before it is made afresh

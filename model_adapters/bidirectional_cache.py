@@ -41,12 +41,13 @@ step's forward writes its window into a kept copy of the whole canvas's keys and
 (no concatenation per layer and step) and is compiled (`window_forward`): tokens are
 those of the uncompiled forward (the fused kernels compute the same float32 operations).
 
-In a batch (`predict_batch`: many decodes, mlx_lm_diffusion.batch), the rows at a later
-step of their block share one forward (`cached_window_batch`): their kept keys and values
-stacked (right-padded to one width, the padding masked out), each row's window written
-over its own positions and rotated from its own offset, so that each row attends to what
-it attends to alone, in the same order. A block's first step stays one call per row (the
-canvases differ in width, and it comes once a block).
+In a batch (`predict_batch`: many decodes, mlx_lm_diffusion.batch), the rows at their
+block's first step share full-canvas forwards as rows without a cache do (padded canvases,
+model_adapters.batched.bidirectional_batch), each keeping its own keys and values; the rows
+at a later step share one window forward (`cached_window_batch`): their kept keys and
+values stacked (right-padded to one width, the padding masked out), each row's window
+written over its own positions and rotated from its own offset, so that each row attends
+to what it attends to alone, in the same order.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Adapter as _BaseAdapter
-from .batched import _compiled, bidirectional_batch, stacked_head, token_matrix
+from .batched import CaptureCache, _compiled, bidirectional_batch, stacked_head, token_matrix
 from .option import Option
 
 CACHE_MODES = ("prefix", "dual")
@@ -73,21 +74,6 @@ CACHE_OPTION = Option(
 
 # Fast-dLLM's defaults: threshold 0.9 with the dual cache, blocks of 32.
 FAST_PRESET = {"threshold": 0.9, "cache": "dual", "block_length": 32}
-
-
-class CaptureCache:
-    """One layer's cache for a block's first forward: positions from 0; keeps the keys
-    and values it is given (rotated, as the layer computed them)."""
-
-    offset = 0
-
-    def __init__(self):
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.keys, self.values = keys, values
-        return keys, values
 
 
 class WindowCache:
@@ -209,32 +195,45 @@ class BidirectionalCacheAdapter(_BaseAdapter):
             raise ValueError(f"{self.family} needs at least one prompt token before the canvas")
         if self.cache_mode is None:
             return bidirectional_batch(self, requests, self.shift)
-        # a block's first step (the whole canvas, keeping its keys and values): one call per
-        # row; the rows at a later step of their block: one call
+        # rows at their block's first step (the whole canvas, keeping its keys and values) and
+        # rows at a later step (the window over them): one call for each kind
+        opening = [i for i, r in enumerate(requests) if r.state.start != r.start]
         later = [i for i, r in enumerate(requests) if r.state.start == r.start]
-        if len(later) < 2:
-            return super().predict_batch(requests)
-        logits = cached_window_batch(self, [requests[i] for i in later])
-        if len(later) == len(requests):
-            return logits  # (its RowLogits: one stacked head)
-        out = [None if i in later else self.predict(r.state, r.canvas, r.start, r.end) for i, r in enumerate(requests)]
-        for i, row_logits in zip(later, logits):
-            out[i] = row_logits
+        out: list = [None] * len(requests)
+        for rows, answer in ((opening, self._open_blocks), (later, partial(cached_window_batch, self))):
+            if len(rows) == len(requests):
+                return answer(requests)  # (its RowLogits: one stacked head, where one call answered)
+            if len(rows) == 1:
+                r = requests[rows[0]]
+                out[rows[0]] = self.predict(r.state, r.canvas, r.start, r.end)
+            elif rows:
+                for i, logits in zip(rows, answer([requests[i] for i in rows])):
+                    out[i] = logits
         return out
+
+    def _open_blocks(self, requests: list) -> list:
+        """Several rows' block-first steps: full-canvas forwards batched as without a cache
+        (bidirectional_batch), each row keeping its own keys and values as `_open_block` does."""
+        return bidirectional_batch(self, requests, self.shift,
+                                   keep=lambda r, hidden, kept: self._keep(r.state, r.start, hidden, kept))
 
     def _open_block(self, state: CacheState, canvas: mx.array, start: int, end: int) -> mx.array:
         """The block's first step: the whole canvas, keeping every layer's keys and values
         (the block's own positions are overwritten by each later step's window; under
         prefix, the window runs to the canvas's end, so only those before it are read)."""
         captured = [CaptureCache() for _ in self.model.layers]
-        hidden = self.model.backbone(canvas, None, captured)[:, start - self.shift : end - self.shift]
+        hidden = self.model.backbone(canvas, None, captured)
         # prefix: the window is the block and everything after it, dual: the block only;
         # either way the kept canvas outside the window is what its steps attend to
-        kept = [a for c in captured for a in (c.keys, c.values)]
+        self._keep(state, start, hidden, [a for c in captured for a in (c.keys, c.values)])
+        return hidden[:, start - self.shift : end - self.shift]
+
+    def _keep(self, state: CacheState, start: int, hidden: mx.array, kept: list) -> None:
+        """A block's first forward over the canvas (hidden (1, T, H), each layer's keys and
+        values `kept`) starts the block at `start` in `state`."""
         state.kept, state.turn = [kept, list(kept)], 0
         state.start = start
-        state.first_hidden = hidden[:, :1] if self.shift else None
-        return hidden
+        state.first_hidden = hidden[:, start - 1 : start] if self.shift else None
 
     def _cached_step(self, state: CacheState, canvas: mx.array, start: int, end: int) -> mx.array:
         """A later step: the window (block, plus everything after it for prefix) over the

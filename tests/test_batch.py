@@ -288,24 +288,35 @@ def test_rows_keep_log_probs_or_not(sdar):
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_fast_dllm_cache_rows_share_a_forward(llada, dream, cache, monkeypatch):
-    """Rows at a later step of their block (Fast-dLLM's kept keys and values, which differ
-    per row and block) share one window forward, and each still gives what it gives alone
-    (canvases of different widths: padded keys masked; rows joining late: some rows open a
-    block while others are inside one)."""
+    """Fast-dLLM's kept keys and values differ per row and block, yet rows share forwards:
+    those at their block's first step one full-canvas call (each keeping its own keys and
+    values), those at a later step one window call; and each row still gives what it gives
+    alone (canvases of different widths: padded keys masked; rows joining late: some rows
+    open a block while others are inside one)."""
     from model_adapters import bidirectional_cache
 
-    calls = []
-    shared = bidirectional_cache.cached_window_batch
+    calls = {"open": [], "window": []}
+    opened, windows = bidirectional_cache.bidirectional_batch, bidirectional_cache.cached_window_batch
 
-    def counted(adapter, requests):
-        calls.append(len(requests))
-        return shared(adapter, requests)
+    def counted_open(adapter, requests, shift, keep=None):
+        calls["open"].append(len(requests))
+        return opened(adapter, requests, shift, keep)
 
-    monkeypatch.setattr(bidirectional_cache, "cached_window_batch", counted)
+    def counted_window(adapter, requests):
+        calls["window"].append(len(requests))
+        return windows(adapter, requests)
+
+    monkeypatch.setattr(bidirectional_cache, "bidirectional_batch", counted_open)
+    monkeypatch.setattr(bidirectional_cache, "cached_window_batch", counted_window)
     for model in (llada, dream):
-        calls.clear()
+        for kind in calls.values():
+            kind.clear()
         check_ragged(*model, block_length=8, cache=cache)
-        assert max(calls) == 3, calls
-        calls.clear()
+        assert max(calls["open"]) == 3 and max(calls["window"]) == 3, calls
+        for kind in calls.values():
+            kind.clear()
         check_ragged(*model, block_length=8, cache=cache, join_late=(1,))
-        assert len(calls) > 3, calls
+        assert calls["open"] and len(calls["window"]) > 3, calls
+        # a narrow row opens its block beside a wide one, which ends early: it goes on alone
+        # over the keys and values it kept from the padded forward (its own positions only)
+        check_ragged(*model, prompts=[PROMPTS[2], PROMPTS[0]], max_tokens=(12, 16), block_length=8, cache=cache)
