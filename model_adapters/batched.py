@@ -334,8 +334,9 @@ def _causal_prefix_call(adapter: Any, requests: list, caches: list, width: int) 
     return stacked_head(adapter, hidden, [(0, width)] * len(requests))
 
 
-def _stacked_caches(layer_caches: list, stored: int) -> Optional[tuple]:
-    """(B, H, stored, D) keys and values of one layer's caches, left-padded; None: no prefix."""
+def _stacked_caches(layer_caches: list, stored: int, window: Optional[int] = None) -> Optional[tuple]:
+    """(B, H, stored, D) keys and values of one layer's caches, left-padded; None: no prefix.
+    `window`: each cache's last `window - 1` positions only (a sliding-window layer's)."""
     if not stored:
         return None
     filled = [c for c in layer_caches if c.offset]
@@ -343,9 +344,34 @@ def _stacked_caches(layer_caches: list, stored: int) -> Optional[tuple]:
         return None
     like = filled[0].keys[..., :1, :]
     zeros = mx.zeros((1, like.shape[1], stored, like.shape[3]), like.dtype)
-    keys = [zeros if not c.offset else _pad_left(c.keys[..., : c.offset, :], stored, axis=2) for c in layer_caches]
-    values = [zeros if not c.offset else _pad_left(c.values[..., : c.offset, :], stored, axis=2) for c in layer_caches]
+
+    def kept(c: Any, a: mx.array) -> mx.array:
+        lo = max(0, c.offset - window + 1) if window else 0
+        return zeros if not c.offset else _pad_left(a[..., lo : c.offset, :], stored, axis=2)
+
+    keys = [kept(c, c.keys) for c in layer_caches]
+    values = [kept(c, c.values) for c in layer_caches]
     return mx.concatenate(keys, axis=0), mx.concatenate(values, axis=0)
+
+
+def stacked_prefix_views(layer_caches: Sequence[list], windows: Sequence[Optional[int]], width: int) -> tuple:
+    """Per layer, a view of many rows' caches for a batched forward of `width` new positions each,
+    attending to each row's cached prefix and the new positions (no causal order among
+    them): (views, masks). A view holds the layer's prefixes left-padded to one width
+    (bucketed; `windows[layer]`: the last window - 1 positions only) and rotates from each
+    row's own offset; a mask (B, 1, 1, stored + width) hides the padding (None where no
+    row has a prefix), before the new positions' keys."""
+    offsets = np.array([caches[0].offset for caches in layer_caches])
+    views, masks, by_window = [], [], {}
+    for layer, window in enumerate(windows):
+        lengths = np.minimum(offsets, window - 1) if window else offsets
+        stored = bucketed(int(lengths.max())) if lengths.max() else 0
+        views.append(_BatchLayerView(mx.array(offsets), _stacked_caches([c[layer] for c in layer_caches], stored, window)))
+        if window not in by_window:
+            real = np.arange(stored + width)[None, :] >= (stored - lengths)[:, None]  # (B, stored + width)
+            by_window[window] = mx.array(real)[:, None, None, :] if stored else None
+        masks.append(by_window[window])
+    return views, masks
 
 
 class _CausalFeedView(_BatchLayerView):

@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache
 from . import gemma_vision
 from .vocab_top_k import top_k_ids
 from .base import Adapter as _BaseAdapter
+from .batched import stacked_head, stacked_prefix_views, token_matrix
 from .base import DiffusionModel, FamilyDefaults, _stop_ids
 from .option import Option
 from .prefix_kv import CAUSAL, PrefixKV, usable
@@ -304,7 +305,7 @@ class Model(DiffusionModel):
                top_k: int = 0) -> mx.array:
         """Softcapped logits (B, C, V) of the decoder over `canvas`, on top of the cached
         prefix (`top_k`: the cheaper self-conditioning, see `_soft_embeddings`)."""
-        return self.head(self._decoder_hidden(canvas, cache, self_conditioning, top_k))
+        return self.head(self.decoder_hidden(canvas, self.prefix_views(cache), self.soft_input(self_conditioning, top_k)))
 
     def decode_top_k(self, canvas: mx.array, cache: list, self_conditioning: Optional[tuple], k: int) -> tuple:
         """The cheaper step's forward: the k largest logits of every position, softcapped
@@ -312,7 +313,11 @@ class Model(DiffusionModel):
         ones, so the softcap runs on k values, not the vocabulary), as (values (B, C, k)
         float32, token ids (B, C, k)). `self_conditioning`: the previous step's
         (scaled values, ids), whose k embedding rows make the soft embeddings."""
-        raw = self.model.decoder.embed_tokens.as_linear(self._decoder_hidden(canvas, cache, self_conditioning))
+        return self.top_k_head(self.decoder_hidden(canvas, self.prefix_views(cache), self.soft_input(self_conditioning)), k)
+
+    def top_k_head(self, hidden: mx.array, k: int) -> tuple:
+        """`decode_top_k`'s (values, ids) of the decoder's hidden states."""
+        raw = self.model.decoder.embed_tokens.as_linear(hidden)
         V = raw.shape[-1]
         if k >= V:  # the whole vocabulary in order: the exact step, through this path
             ids = mx.broadcast_to(mx.arange(V, dtype=mx.uint32), raw.shape)
@@ -321,19 +326,31 @@ class Model(DiffusionModel):
         values = mx.take_along_axis(raw, ids, axis=-1).astype(mx.float32)
         return mx.tanh(values / self.softcap) * self.softcap, ids
 
-    def _decoder_hidden(self, canvas: mx.array, cache: list, self_conditioning: Any, top_k: int = 0) -> mx.array:
-        d, window = self.model.decoder, self.args.text.sliding_window
-        h = d.embed_tokens(canvas) * self.embed_scale
+    def prefix_views(self, cache: list) -> list:
+        """The decoder's per-layer views of one row's encoder cache (sliding layers: the
+        last `sliding_window - 1` positions)."""
+        window = self.args.text.sliding_window
+        return [_PrefixView(c, window if layer.layer_type == "sliding_attention" else None)
+                for layer, c in zip(self.layers, cache)]
+
+    def soft_input(self, self_conditioning: Any, top_k: int = 0) -> Optional[mx.array]:
+        """The self-conditioning input (B, C, H) of the previous step's scaled logits, or of
+        the cheaper step's (values, ids); None before a canvas's first step."""
         if self_conditioning is None:
-            soft = mx.zeros_like(h)
-        elif isinstance(self_conditioning, tuple):  # (values, ids) of the cheaper step
-            soft = _soft_from_top_k(d.embed_tokens, *self_conditioning) * self.embed_scale
-        else:
-            soft = self._soft_embeddings(self_conditioning, top_k)
-        h = d.self_conditioning(h, soft.astype(h.dtype))
-        for layer, c in zip(d.layers, cache):
-            view = _PrefixView(c, window if layer.layer_type == "sliding_attention" else None)
-            h = layer(h, None, view, layer.layer_scalar)
+            return None
+        if isinstance(self_conditioning, tuple):  # (values, ids) of the cheaper step
+            return _soft_from_top_k(self.model.decoder.embed_tokens, *self_conditioning) * self.embed_scale
+        return self._soft_embeddings(self_conditioning, top_k)
+
+    def decoder_hidden(self, canvas: mx.array, views: list, soft: Optional[mx.array],
+                       masks: Optional[list] = None) -> mx.array:
+        """The decoder's final hidden states over `canvas` (B, C), each layer attending to
+        its view's cached prefix and the canvas (`masks`: per layer, None: every key)."""
+        d = self.model.decoder
+        h = d.embed_tokens(canvas) * self.embed_scale
+        h = d.self_conditioning(h, (mx.zeros_like(h) if soft is None else soft).astype(h.dtype))
+        for layer, view, mask in zip(d.layers, views, masks or [None] * len(views)):
+            h = layer(h, mask, view, layer.layer_scalar)
         return d.norm(h)
 
     def __call__(self, inputs: mx.array, cache=None, canvas: Optional[mx.array] = None,
@@ -532,6 +549,16 @@ class Adapter(_BaseAdapter):
         return PrefixKV.of(state.cache, min(length, state.cache[0].offset), CAUSAL)
 
     def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
+        self._ready(state, canvas, start)
+        if self.top_k_step:  # the cheaper step: top-k (values, ids), see decode_top_k
+            return self.model.decode_top_k(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k_step)
+        if self.top_k:  # top-k self-conditioning only (opt-in); the exact one calls decode as before
+            return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k)
+        return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning)
+
+    def _ready(self, state: _State, canvas: mx.array, start: int) -> None:
+        """Before a decoder step at `start`: the previous canvas encoded, a new canvas's
+        self-conditioning cleared."""
         if state.pending is not None:  # encode the previous canvas first (the reference's order)
             pstart, pend = state.pending
             state.pending = None
@@ -540,11 +567,54 @@ class Adapter(_BaseAdapter):
             raise RuntimeError(f"cache holds {state.cache[0].offset} positions, canvas starts at {start}")
         if state.canvas != start:  # a new canvas starts without self-conditioning
             state.canvas, state.self_conditioning = start, None
-        if self.top_k_step:  # the cheaper step: top-k (values, ids), see decode_top_k
-            return self.model.decode_top_k(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k_step)
-        if self.top_k:  # top-k self-conditioning only (opt-in); the exact one calls decode as before
-            return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k)
-        return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning)
+
+    def predict_batch(self, requests: list) -> list:
+        """Rows with canvases of one width share a decoder forward (model_adapters.batched's
+        stacked prefix views: each row's encoder cache, left-padded and masked, RoPE from its
+        own offset, each sliding layer's last window - 1 positions), each row with its own
+        self-conditioning. A finished canvas is still encoded per row (once a canvas)."""
+        if len(requests) == 1:
+            return super().predict_batch(requests)
+        for r in requests:
+            self._ready(r.state, r.canvas, r.start)
+        out: list = [None] * len(requests)
+        groups: dict = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.end - r.start, []).append(i)
+        for rows in groups.values():
+            replies = self._decode_rows([requests[i] for i in rows])
+            if len(rows) == len(requests):
+                return replies
+            for i, reply in zip(rows, replies):
+                out[i] = reply
+        return out
+
+    def _decode_rows(self, requests: list) -> list:
+        model, window = self.model, self.model.args.text.sliding_window
+        width = requests[0].end - requests[0].start
+        windows = [window if layer.layer_type == "sliding_attention" else None for layer in model.layers]
+        views, masks = stacked_prefix_views([r.state.cache for r in requests], windows, width)
+        canvas = token_matrix([(r, r.start, r.end, 0, 0) for r in requests])
+        hidden = model.decoder_hidden(canvas, views, self._stacked_soft([r.state.self_conditioning for r in requests]), masks)
+        if self.top_k_step:
+            values, ids = model.top_k_head(hidden, self.top_k_step)
+            return [(values[i : i + 1], ids[i : i + 1]) for i in range(len(requests))]
+        return stacked_head(self, hidden, [(0, width)] * len(requests))
+
+    def _stacked_soft(self, conditioning: list) -> Optional[mx.array]:
+        """The rows' self-conditioning inputs (B, C, H): from their stacked previous logits
+        (or top-k (values, ids)) at once; zeros for a row at its canvas's first step."""
+        if all(c is None for c in conditioning):
+            return None
+        if all(c is not None for c in conditioning):
+            if isinstance(conditioning[0], tuple):
+                stacked = tuple(mx.concatenate(parts, axis=0) for parts in zip(*conditioning))
+            else:
+                stacked = mx.concatenate(conditioning, axis=0)
+            return self.model.soft_input(stacked, self.top_k)
+        rows = [self.model.soft_input(c, self.top_k) for c in conditioning]
+        like = next(r for r in rows if r is not None)
+        return mx.concatenate([mx.zeros_like(like) if r is None else r for r in rows], axis=0)
 
     def condition(self, state: _State, logits: mx.array) -> None:
         """The logits the engine decided from (temperature-scaled): next step's self-conditioning."""

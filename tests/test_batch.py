@@ -320,3 +320,26 @@ def test_fast_dllm_cache_rows_share_a_forward(llada, dream, cache, monkeypatch):
         # a narrow row opens its block beside a wide one, which ends early: it goes on alone
         # over the keys and values it kept from the padded forward (its own positions only)
         check_ragged(*model, prompts=[PROMPTS[2], PROMPTS[0]], max_tokens=(12, 16), block_length=8, cache=cache)
+
+
+@pytest.mark.parametrize("fast", [{}, {"fast_self_conditioning": True, "self_conditioning_k": 8},
+                                  {"fast_step": True, "self_conditioning_k": 8}], ids=["exact", "fast_sc", "fast_step"])
+def test_diffusion_gemma_rows_share_a_forward(gemma, fast, monkeypatch):
+    """DiffusionGemma's rows share the decoder's forward (each over its own encoder cache:
+    prompts shorter and longer than the sliding window, several canvases each, a row
+    joining late whose first step has no self-conditioning beside rows that have it), and
+    each row samples what it samples alone."""
+    adapter_class = type(adapter_for(*gemma))
+    calls = []
+    shared = adapter_class._decode_rows
+
+    def counted(self, requests):
+        calls.append(len(requests))
+        return shared(self, requests)
+
+    monkeypatch.setattr(adapter_class, "_decode_rows", counted)
+    check_ragged(*gemma, max_tokens=(40, 24, 20), seed=3, steps=4, eos_row=None, **fast)
+    assert max(calls) == 3, calls
+    calls.clear()
+    check_ragged(*gemma, max_tokens=(40, 24, 20), seed=5, steps=4, eos_row=None, join_late=(1,), **fast)
+    assert max(calls) >= 2, calls
