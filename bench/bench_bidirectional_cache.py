@@ -12,7 +12,7 @@ greedy; and with one token per forward (the peer's threshold above 1: only the m
 confident commits; here the quota rule, ranked by probability). The peer table reports
 the best of `--repeats` interleaved runs of each.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python bench/bench_bidirectional_cache.py [--peer /tmp/peer] [--lengths 128 256 512]
 """
 

@@ -5,7 +5,7 @@ cache speedup = decode time without the cache / decode time with it, same option
 side by side in one run, 256 generated tokens, tokens checked identical. EOS is
 switched off so every run fills its whole canvas.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python bench/bench_block_cache.py
 """
 

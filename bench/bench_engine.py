@@ -26,8 +26,8 @@ no removal of other work gets under. The `--wide-vocabs` rows (2 layers, hidden
 model's, at a micro model's depth) show the overhead when the head costs more per logit;
 they are added rows, the hidden-256 rows stay the reference.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
-        python bench/bench_engine.py [--vocabs 288 32768] [--wide-vocabs 32768] [--wide-hidden 1024] \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
+        python bench/bench_engine.py [--vocabs 288 32768] [--wide-vocabs 32768] [--wide-hidden 1024] \\
             [--repeats 5] [--tokens 128] \\
             [--cases llada-block llada-threshold dream-canvas dream-block]
 """
@@ -58,21 +58,20 @@ HIDDEN, MLP = 256, 512
 # --wide-vocabs: a head as wide as a small real model's (see the docstring)
 WIDE = dict(n_layers=2, n_heads=16, n_kv_heads=8)
 WIDE_HIDDEN = 1024  # (--wide-hidden; the MLP is twice as wide)
-CASES = [
-    ("LLaDA", dict(block_length=32), 32),
-    ("LLaDA", dict(block_length=32, threshold=0.9), 32),
-    ("Dream", dict(), GEN),
-    ("Dream", dict(block_length=32), 32),
-]
-# --cases: the names of CASES, in order
-CASE_NAMES = ["llada-block", "llada-threshold", "dream-canvas", "dream-block"]
+# --cases: the names of the cases, run in this order
+CASES = {
+    "llada-block": ("LLaDA", dict(block_length=32), 32),
+    "llada-threshold": ("LLaDA", dict(block_length=32, threshold=0.9), 32),
+    "dream-canvas": ("Dream", dict(), GEN),
+    "dream-block": ("Dream", dict(block_length=32), 32),
+}
 
 
 def set_tokens(tokens: int) -> None:
     """Decode `tokens` per case (Dream's whole-canvas block is the canvas)."""
     global GEN
     GEN = tokens
-    CASES[2] = ("Dream", dict(), tokens)
+    CASES["dream-canvas"] = ("Dream", dict(), tokens)
 
 
 class Recorder:
@@ -231,13 +230,13 @@ def main():
     parser.add_argument("--wide-vocabs", type=int, nargs="*", default=[],
                         help="also these vocabularies with a wider hidden size, 2 layers (see the docstring)")
     parser.add_argument("--wide-hidden", type=int, default=WIDE_HIDDEN, help="the hidden size of --wide-vocabs")
-    parser.add_argument("--cases", nargs="*", choices=CASE_NAMES, default=CASE_NAMES,
+    parser.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES),
                         help="the cases to run (default: all): LLaDA block 32, LLaDA threshold 0.9, "
                              "Dream's whole canvas, Dream block 32")
     args = parser.parse_args()
     if args.tokens != GEN:
         set_tokens(args.tokens)
-    cases = [case for name, case in zip(CASE_NAMES, CASES) if name in args.cases]
+    cases = [case for name, case in CASES.items() if name in args.cases]
     rows = []
     models = [(vocab, HIDDEN, MLP, SIZE) for vocab in args.vocabs]
     models += [(vocab, args.wide_hidden, 2 * args.wide_hidden, WIDE) for vocab in args.wide_vocabs]

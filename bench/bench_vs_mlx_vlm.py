@@ -26,7 +26,7 @@ equal, decodes equal) over many seeds, next to a control: the exact path
 with its self-conditioning logits scaled by (1 + 1e-4). CPU seconds are printed too: on a
 shared machine the wall clock of one side can double while the other runs.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python bench/bench_vs_mlx_vlm.py [--gemma-only] [--self-spec-only] [--quick] [--runs N]
 
 Nemotron self-speculation (`self_spec`): tokens per forward and tok/s against our

@@ -5,7 +5,7 @@ cache None, "prefix" and "dual", and with preset="fast" (threshold 0.9, dual cac
 block 32), at its decoding defaults and with short blocks (so that an answer spans
 several blocks and the kept keys and values go stale), at every canvas length.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python bench/drift_bidirectional_cache.py [--problems 512] [--max-tokens 8 64]
 """
 

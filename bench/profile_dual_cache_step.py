@@ -13,7 +13,7 @@ On the Dream micro model of bench/bench_bidirectional_cache.py (4 layers, hidden
    alone (Python, nothing evaluated);
 3. the MLX operations one step dispatches (counted in the step's lazy graph), by kind.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python bench/profile_dual_cache_step.py --peer /tmp/peer [--vocabs 288 32768] [--tokens 256]
 """
 

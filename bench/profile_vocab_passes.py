@@ -5,7 +5,7 @@ Per case: the decode's wall time with and without kept log-probs (Engine keep_lo
 over its forwards replayed bare; and per pass, the time of one pass over K rows x V
 (K = the rows a step reads) next to the head over K rows and a whole bare forward.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python bench/profile_vocab_passes.py [--vocab 32768] [--tokens 64]
 """
 
