@@ -35,7 +35,7 @@ def test_greedy_stats_match_a_float64_softmax(vocab):
 
 
 def test_both_paths_agree():
-    """The large-vocabulary path (the argmax's logit, exp as a power of two on an x86 CPU)
+    """The large-vocabulary path (the argmax's logit, exp by `cpu_exp` on an x86 CPU)
     gives the plain path's values to float rounding."""
     rng = np.random.default_rng(1)
     logits = mx.array((rng.standard_normal((3, 4, vocab_stats.LARGE_VOCAB)) * 5).astype(np.float32))
@@ -76,3 +76,20 @@ def test_chunked_passes_are_bit_identical(rows, monkeypatch):
         assert have.shape == want.shape and have.dtype == want.dtype
         assert np.array_equal(np.array(have), np.array(want)), "not bit-identical"
     assert np.isfinite(np.array(got[2])).all()
+
+
+def test_cpu_exp_is_exp_to_float_rounding():
+    """vocab_stats.cpu_exp (Cephes' expf in MLX operations) against float64 exp: within
+    2e-7 relative wherever exp is a normal float32, exactly 0 from -127 ln 2 down (-inf
+    included), and the entropy's clamped term of a -inf logit is 0, not nan; compiled and
+    fused as the statistics run it, the same bits."""
+    x = np.concatenate([np.linspace(-104.0, 88.0, 100_001), [-np.inf, -88.0, -87.0, 0.0, -1e-8, 1e-8]]).astype(np.float32)
+    got = np.array(vocab_stats.cpu_exp(mx.array(x))).astype(np.float64)
+    want = np.exp(x.astype(np.float64))
+    normal = want >= np.finfo(np.float32).tiny
+    assert np.max(np.abs(got[normal] - want[normal]) / want[normal]) < 2e-7
+    assert np.all(got[x <= -127.0 / vocab_stats.LOG2E] == 0.0)
+    assert np.all(got[~normal] <= 2 * np.finfo(np.float32).tiny)
+    e, weighted = (np.array(a) for a in vocab_stats._cpu_exp_terms(mx.array(x)))
+    assert e[x == -np.inf][0] == 0.0 and weighted[x == -np.inf][0] == 0.0
+    assert np.array_equal(e, np.array(vocab_stats.cpu_exp(mx.array(x))))
