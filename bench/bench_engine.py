@@ -19,7 +19,7 @@ machine's load only ever adds time).
 The micro models have hidden size 256 (4 layers). At a 32k vocabulary that makes the
 output layer cheap per logit (256 multiply-adds), while each pass an exact step makes over
 the vocabulary of the rows it reads (argmax, exp, sum) costs the same per logit at any
-hidden size, the exp most (mx.power: libm's powf per element on this CPU; see
+hidden size, the exp most (vocab_stats.cpu_exp, ~5-7 ns a logit on this CPU; see
 decoders/vocab_stats.py): so at hidden 256 those passes are a floor on the overhead that
 no removal of other work gets under. The `--wide-vocabs` rows (2 layers, hidden
 `--wide-hidden`, 1024 by default: a head four times as wide per logit, nearer a real

@@ -64,13 +64,29 @@ def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int,
     (Fast-dLLM's block-first forward keeps them), and each row's are handed to it: the row's
     hidden states (1, T_i, H) and its keys and values (k0, v0, k1, v1, ...: (1, H, T_i, D))."""
     groups = width_groups([r.canvas.shape[1] for r in requests])
-    if len(groups) == 1 and groups[0] == list(range(len(requests))):
-        return _bidirectional_call(adapter, requests, shift, keep)  # (its RowLogits: one stacked head)
+    return answered(requests, groups, lambda rows: _bidirectional_call(adapter, rows, shift, keep))
+
+
+def answered(requests: Sequence[Any], groups: Sequence[Sequence[int]], answer: Callable[[list], list]) -> list:
+    """The replies to `requests`, in their order, from one `answer(rows)` call per group of
+    request indices (each call returns its rows' replies in order). One group of every
+    request: its reply as it is (a RowLogits: one stacked head for the fused commit)."""
+    groups = [g for g in groups if g]
+    if len(groups) == 1 and len(groups[0]) == len(requests):
+        return answer(list(requests))
     out: list = [None] * len(requests)
     for group in groups:
-        for i, logits in zip(group, _bidirectional_call(adapter, [requests[i] for i in group], shift, keep)):
-            out[i] = logits
+        for i, reply in zip(group, answer([requests[i] for i in group])):
+            out[i] = reply
     return out
+
+
+def by_width(requests: Sequence[Any]) -> list:
+    """Indices of the requests grouped by the width of their blocks (end - start)."""
+    groups: dict = {}
+    for i, r in enumerate(requests):
+        groups.setdefault(r.end - r.start, []).append(i)
+    return list(groups.values())
 
 
 def _bidirectional_call(adapter: Any, requests: Sequence[Any], shift: int, keep: Optional[Callable]) -> list:
@@ -308,17 +324,11 @@ def causal_prefix_batch(adapter: Any, requests: Sequence[Any], caches: Sequence[
     its cached prefix (left-padded to a common length, the padding masked out) then the
     block. Nothing is stored: the rows' caches are left as they are (predict trims the
     block away again). `caches[i]`: row i's per-layer KVCaches, holding [0, start)."""
-    out: list = [None] * len(requests)
-    groups: dict = {}
-    for i, r in enumerate(requests):
-        groups.setdefault(r.end - r.start, []).append(i)
-    for width, rows in groups.items():
-        logits = _causal_prefix_call(adapter, [requests[i] for i in rows], [caches[i] for i in rows], width)
-        if len(groups) == 1:
-            return logits  # (its RowLogits: one stacked head)
-        for i, row_logits in zip(rows, logits):
-            out[i] = row_logits
-    return out
+    def call(rows: list) -> list:  # (rows: (request, its caches) pairs of one block width)
+        group = [r for r, _ in rows]
+        return _causal_prefix_call(adapter, group, [c for _, c in rows], group[0].end - group[0].start)
+
+    return answered(list(zip(requests, caches)), by_width(requests), call)
 
 
 def _causal_prefix_call(adapter: Any, requests: list, caches: list, width: int) -> list:

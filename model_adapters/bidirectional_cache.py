@@ -60,7 +60,7 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Adapter as _BaseAdapter
-from .batched import CaptureCache, _compiled, bidirectional_batch, stacked_head, token_matrix
+from .batched import CaptureCache, _compiled, answered, bidirectional_batch, stacked_head, token_matrix
 from .option import Option
 
 CACHE_MODES = ("prefix", "dual")
@@ -197,19 +197,18 @@ class BidirectionalCacheAdapter(_BaseAdapter):
             return bidirectional_batch(self, requests, self.shift)
         # rows at their block's first step (the whole canvas, keeping its keys and values) and
         # rows at a later step (the window over them): one call for each kind
-        opening = [i for i, r in enumerate(requests) if r.state.start != r.start]
-        later = [i for i, r in enumerate(requests) if r.state.start == r.start]
-        out: list = [None] * len(requests)
-        for rows, answer in ((opening, self._open_blocks), (later, partial(cached_window_batch, self))):
-            if len(rows) == len(requests):
-                return answer(requests)  # (its RowLogits: one stacked head, where one call answered)
-            if len(rows) == 1:
-                r = requests[rows[0]]
-                out[rows[0]] = self.predict(r.state, r.canvas, r.start, r.end)
-            elif rows:
-                for i, logits in zip(rows, answer([requests[i] for i in rows])):
-                    out[i] = logits
-        return out
+        later = [r.state.start == r.start for r in requests]
+        groups = [[i for i, x in enumerate(later) if not x], [i for i, x in enumerate(later) if x]]
+        return answered(requests, groups, self._answer_cached)
+
+    def _answer_cached(self, requests: list) -> list:
+        """Rows all at their block's first step, or all at a later step of it: one call
+        (a lone row: its own `predict`, whose later steps write its window in place)."""
+        if len(requests) == 1:
+            return super().predict_batch(requests)
+        if requests[0].state.start != requests[0].start:
+            return self._open_blocks(requests)
+        return cached_window_batch(self, requests)
 
     def _open_blocks(self, requests: list) -> list:
         """Several rows' block-first steps: full-canvas forwards batched as without a cache

@@ -31,7 +31,7 @@ from mlx_lm.models.cache import KVCache
 from . import gemma_vision
 from .vocab_top_k import top_k_ids
 from .base import Adapter as _BaseAdapter
-from .batched import stacked_head, stacked_prefix_views, token_matrix
+from .batched import answered, by_width, stacked_head, stacked_prefix_views, token_matrix
 from .base import DiffusionModel, FamilyDefaults, _stop_ids
 from .option import Option
 from .prefix_kv import CAUSAL, PrefixKV, usable
@@ -577,17 +577,7 @@ class Adapter(_BaseAdapter):
             return super().predict_batch(requests)
         for r in requests:
             self._ready(r.state, r.canvas, r.start)
-        out: list = [None] * len(requests)
-        groups: dict = {}
-        for i, r in enumerate(requests):
-            groups.setdefault(r.end - r.start, []).append(i)
-        for rows in groups.values():
-            replies = self._decode_rows([requests[i] for i in rows])
-            if len(rows) == len(requests):
-                return replies
-            for i, reply in zip(rows, replies):
-                out[i] = reply
-        return out
+        return answered(requests, by_width(requests), self._decode_rows)
 
     def _decode_rows(self, requests: list) -> list:
         model, window = self.model, self.model.args.text.sliding_window
