@@ -332,15 +332,9 @@ def causal_prefix_batch(adapter: Any, requests: Sequence[Any], caches: Sequence[
 
 
 def _causal_prefix_call(adapter: Any, requests: list, caches: list, width: int) -> list:
-    offsets = np.array([c[0].offset for c in caches])
-    stored = bucketed(int(offsets.max())) if offsets.max() else 0
     tokens = mx.concatenate([r.canvas[:, r.start : r.end] for r in requests], axis=0)
-    views = [_BatchLayerView(mx.array(offsets), _stacked_caches([c[layer] for c in caches], stored))
-             for layer in range(len(caches[0]))]
-    cached_real = np.arange(stored)[None, :] >= (stored - offsets)[:, None]  # (B, stored)
-    keys_real = np.concatenate([cached_real, np.ones((len(requests), width), dtype=bool)], axis=1)
-    mask = mx.array(np.broadcast_to(keys_real[:, None, None, :], (len(requests), 1, width, stored + width)))
-    hidden = adapter.model.backbone(tokens, mask, views)
+    views, masks = stacked_prefix_views(caches, [None] * len(caches[0]), width)
+    hidden = adapter.model.backbone(tokens, masks[0], views)  # (masks[0] None: no row has a prefix)
     return stacked_head(adapter, hidden, [(0, width)] * len(requests))
 
 

@@ -329,9 +329,12 @@ class Model(DiffusionModel):
     def prefix_views(self, cache: list) -> list:
         """The decoder's per-layer views of one row's encoder cache (sliding layers: the
         last `sliding_window - 1` positions)."""
+        return [_PrefixView(c, window) for c, window in zip(cache, self.layer_windows())]
+
+    def layer_windows(self) -> list:
+        """Per layer, the sliding window its decoder pass reads the cache through (None: all)."""
         window = self.args.text.sliding_window
-        return [_PrefixView(c, window if layer.layer_type == "sliding_attention" else None)
-                for layer, c in zip(self.layers, cache)]
+        return [window if layer.layer_type == "sliding_attention" else None for layer in self.layers]
 
     def soft_input(self, self_conditioning: Any, top_k: int = 0) -> Optional[mx.array]:
         """The self-conditioning input (B, C, H) of the previous step's scaled logits, or of
@@ -580,10 +583,8 @@ class Adapter(_BaseAdapter):
         return answered(requests, by_width(requests), self._decode_rows)
 
     def _decode_rows(self, requests: list) -> list:
-        model, window = self.model, self.model.args.text.sliding_window
-        width = requests[0].end - requests[0].start
-        windows = [window if layer.layer_type == "sliding_attention" else None for layer in model.layers]
-        views, masks = stacked_prefix_views([r.state.cache for r in requests], windows, width)
+        model, width = self.model, requests[0].end - requests[0].start
+        views, masks = stacked_prefix_views([r.state.cache for r in requests], model.layer_windows(), width)
         canvas = token_matrix([(r, r.start, r.end, 0, 0) for r in requests])
         hidden = model.decoder_hidden(canvas, views, self._stacked_soft([r.state.self_conditioning for r in requests]), masks)
         if self.top_k_step:
