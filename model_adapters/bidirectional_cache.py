@@ -275,21 +275,25 @@ def cached_window_batch(adapter: BidirectionalCacheAdapter, requests: list) -> l
 
 def stacked_kept(adapter: Any, states: list, width: int) -> list:
     """The rows' kept keys and values, per layer (B, H, width, D), right-padded with zeros.
-    Kept from the previous call while its rows hold the same kept arrays (a row's change
-    only when it starts a block): stacking costs a pad and a concatenation per row and layer."""
-    rows = [s.kept[s.turn] for s in states]
+    Reused from the previous call while the same rows are in the same blocks: what a row's
+    windows attend to outside its block is what its block's first forward kept (its own
+    later steps write only inside the block, which every window step writes over), and
+    stacking costs a pad and a concatenation per row and layer."""
+    blocks = [(state, state.start) for state in states]
     memo = getattr(adapter, "_stacked_kept", None)
-    if memo is not None and memo[0] == width and len(memo[1]) == len(rows) and all(
-            a is b[0] for a, b in zip(memo[1], rows)):
+    # (the memo holds the states, so `is` compares live objects, never reused ids; not
+    # their kept arrays, whose in-place window writes a second holder would turn into copies)
+    if memo is not None and memo[0] == width and len(memo[1]) == len(blocks) and all(
+            a is b and start == begun for (a, start), (b, begun) in zip(memo[1], blocks)):
         return memo[2]
 
     def padded(a: mx.array) -> mx.array:
         missing = width - a.shape[2]
         return a if not missing else mx.pad(a, [(0, 0), (0, 0), (0, missing), (0, 0)])
 
+    rows = [state.kept[state.turn] for state in states]
     stacked = [mx.concatenate([padded(row[j]) for row in rows], axis=0) for j in range(len(rows[0]))]
-    # (the rows' first arrays are held, so that `is` compares live arrays, never reused ids)
-    adapter._stacked_kept = (width, [row[0] for row in rows], stacked)
+    adapter._stacked_kept = (width, blocks, stacked)
     return stacked
 
 
