@@ -60,7 +60,7 @@ import mlx.core as mx
 import numpy as np
 
 from .base import Adapter as _BaseAdapter
-from .batched import CaptureCache, _compiled, answered, bidirectional_batch, stacked_head, token_matrix
+from .batched import CaptureCache, _compiled, answered, bidirectional_batch, captured_forward, stacked_head, token_matrix
 from .option import Option
 
 CACHE_MODES = ("prefix", "dual")
@@ -220,11 +220,10 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         """The block's first step: the whole canvas, keeping every layer's keys and values
         (the block's own positions are overwritten by each later step's window; under
         prefix, the window runs to the canvas's end, so only those before it are read)."""
-        captured = [CaptureCache() for _ in self.model.layers]
-        hidden = self.model.backbone(canvas, None, captured)
+        hidden, *kept = captured_forward(self.model.backbone, len(self.model.layers), canvas)
         # prefix: the window is the block and everything after it, dual: the block only;
         # either way the kept canvas outside the window is what its steps attend to
-        self._keep(state, start, hidden, [a for c in captured for a in (c.keys, c.values)])
+        self._keep(state, start, hidden, kept)
         return hidden[:, start - self.shift : end - self.shift]
 
     def _keep(self, state: CacheState, start: int, hidden: mx.array, kept: list) -> None:
