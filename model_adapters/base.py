@@ -322,8 +322,10 @@ class Adapter:
     def predict_batch(self, requests: list) -> list:
         """The logits `predict` gives for each of many decodes' forward requests
         (mlx_lm_diffusion.decoders.Forward), from as few model calls as the family can
-        batch (model_adapters.batched); here, one call per request."""
-        return [self.predict(r.state, r.canvas, r.start, r.end) for r in requests]
+        batch (model_adapters.batched); here, one call per request. A request marked
+        `verify` (self-speculation's verify pass) is answered by `verify`."""
+        return [self.verify(r.state, r.canvas[:, r.start : r.end]) if getattr(r, "verify", False)
+                else self.predict(r.state, r.canvas, r.start, r.end) for r in requests]
 
 
 def _stop_ids(args: Any, tokenizer: Any) -> set[int]:

@@ -12,7 +12,9 @@ the logits its own `Adapter.predict` would return:
 - `causal_prefix_batch` (Nemotron-Labs Diffusion): each row's block, bidirectional over
   its own causal KV cache (left-padded, masked), RoPE from each row's offset.
 - `causal_feed_batch` (the ar adapter): each row's new tokens fed through an mlx-lm causal
-  LM over its own KV cache, left-padded as mlx-lm's BatchKVCache does.
+  LM over its own KV cache (its cached prefix left-padded, its new tokens right-padded);
+  `causal_verify_batch` (Nemotron's self-speculation) feeds each row's drafted window the
+  same way.
 - `block_causal_batch` (SDAR, LLaDA2 with or without the prefix cache): each row's
   window (cached prefix to the end of its attention block) left-padded to one width,
   RoPE rotated from each row's own offset (mlx-lm's attention takes `cache.offset` as a
@@ -392,36 +394,60 @@ class _CausalFeedView(_BatchLayerView):
 
 def causal_feed_batch(model: Any, caches: Sequence[list], feeds: Sequence[mx.array]) -> RowLogits:
     """Feed each row's new tokens (1, L_i) to an mlx-lm causal LM over its own KV cache, in
-    one call, as mlx-lm's BatchKVCache lays a batch out: the tokens left-padded to one
-    width, RoPE from each row's own positions, keys = its cached prefix (left-padded) then
-    the new ones, masked causally on each row's positions (padding masked out). The new
-    keys and values go into each row's cache. Returns the logits after each row's last
-    token, (1, 1, V) float32 per row (a RowLogits over one (B, 1, V) array)."""
-    B, width = len(feeds), max(f.shape[1] for f in feeds)
+    one call (`causal_feed`; the model asks its first cache for the mask). Returns the
+    logits after each row's last token, (1, 1, V) float32 per row (a RowLogits over one
+    (B, 1, V) array)."""
+    out = causal_feed(lambda tokens, mask, views: model(tokens, cache=views), caches, feeds)
+    last = mx.array([f.shape[1] - 1 for f in feeds])[:, None, None]
+    source = mx.take_along_axis(out, last, axis=1)
+    source = source if source.dtype == mx.float32 else source.astype(mx.float32)
+    rows = RowLogits(source[i : i + 1] for i in range(len(feeds)))
+    rows.source = source
+    return rows
+
+
+def causal_verify_batch(adapter: Any, requests: Sequence[Any]) -> RowLogits:
+    """Self-speculation's verify passes (Nemotron-Labs Diffusion's `verify`) of many rows in
+    one call: each row's window (request.canvas[:, start:end]) fed causally over its own KV
+    cache (`causal_feed`), which stores its keys and values; per row the logits (1, L_i, V)
+    after each of its window's positions."""
+    feeds = [r.canvas[:, r.start : r.end] for r in requests]
+    hidden = causal_feed(adapter.model.backbone, [r.state.cache for r in requests], feeds)
+    return stacked_head(adapter, hidden, [(0, f.shape[1]) for f in feeds])
+
+
+def causal_feed(call: Callable, caches: Sequence[list], feeds: Sequence[mx.array]) -> mx.array:
+    """`call(tokens, mask, views)` (a causal backbone, or an mlx-lm LM that asks its first
+    cache for the mask) over each row's new tokens (1, L_i) on top of its own KV cache: the
+    tokens right-padded to one width, RoPE from each row's own offset, keys = its cached
+    prefix (left-padded to one length, the padding masked out) then the new ones, masked
+    causally on each row's positions. The new keys and values go into each row's cache.
+    Returns call's output, (B, width, ...): row i's new positions are its first L_i columns.
+
+    Right, not left, padding (mlx-lm's BatchKVCache pads on the left): a row's padding then
+    sits after its tokens, at positions past them, never below 0. Left padding puts it at
+    negative positions wherever a row's cache is shorter than the padding, and Ministral-3's
+    llama-4 attention scaling takes log(1 + floor(position / max)) = log(0) there: NaN
+    queries, whose values the real rows' zero attention weights still carry in (0 * NaN)."""
+    width = max(f.shape[1] for f in feeds)
     fed = np.array([c[0].offset for c in caches])
     lengths = np.array([f.shape[1] for f in feeds])
     stored = bucketed(int(fed.max())) if fed.max() else 0
-    tokens = mx.concatenate([_pad_left(f, width, axis=1) for f in feeds], axis=0)
-    first = fed - (width - lengths)  # the position of column 0 in each row
-    query_pos = first[:, None] + np.arange(width)[None, :]
-    query_real = np.arange(width)[None, :] >= (width - lengths)[:, None]
+    tokens = mx.concatenate([f if f.shape[1] == width else mx.concatenate(
+        [f, mx.zeros((1, width - f.shape[1]), f.dtype)], axis=1) for f in feeds], axis=0)
+    query_pos = fed[:, None] + np.arange(width)[None, :]
     cached_pos = fed[:, None] - stored + np.arange(stored)[None, :]
     key_pos = np.concatenate([cached_pos, query_pos], axis=1)
-    key_real = np.concatenate([cached_pos >= 0, query_real], axis=1)
+    # (a padded query sees the row's real keys before it: no row of the mask is empty)
+    key_real = np.concatenate([cached_pos >= 0, np.arange(width)[None, :] < lengths[:, None]], axis=1)
     allowed = key_real[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
-    own = np.zeros_like(allowed)
-    own[:, np.arange(width), stored + np.arange(width)] = True
-    allowed |= own & ~query_real[:, :, None]  # (a padded query attends to itself: no empty row)
     mask = mx.array(allowed)[:, None]
-    views = [_CausalFeedView(mx.array(first), _stacked_caches([c[layer] for c in caches], stored), mask)
+    views = [_CausalFeedView(mx.array(fed), _stacked_caches([c[layer] for c in caches], stored), mask)
              for layer in range(len(caches[0]))]
-    source = model(tokens, cache=views)[:, -1:]
-    source = source if source.dtype == mx.float32 else source.astype(mx.float32)
+    out = call(tokens, mask, views)
     for row, (row_caches, n) in enumerate(zip(caches, lengths)):
         for cache, view in zip(row_caches, views):
-            cache.update_and_fetch(view.keys[row : row + 1, :, width - n :], view.values[row : row + 1, :, width - n :])
-    out = RowLogits(source[i : i + 1] for i in range(B))
-    out.source = source
+            cache.update_and_fetch(view.keys[row : row + 1, :, :n], view.values[row : row + 1, :, :n])
     return out
 
 

@@ -207,17 +207,26 @@ class Adapter(_BaseAdapter):
         return hidden
 
     def predict_batch(self, requests: list) -> list:
-        """Many rows' block passes in one call (model_adapters.batched.causal_prefix_batch);
-        each row's pending causal encode (a finished block) runs first, on its own."""
+        """Many rows' block passes in one call per block width (model_adapters.batched.
+        causal_prefix_batch), their self-speculation verify passes in one more
+        (causal_verify_batch); each row's pending causal encode (a finished block) runs
+        first, on its own."""
         if len(requests) == 1:
             return super().predict_batch(requests)
-        from .batched import causal_prefix_batch
+        from .batched import answered, causal_prefix_batch, causal_verify_batch
 
         for r in requests:
             self._flush(r.state, r.canvas)
-            if r.state.offset != r.start:
+            if not r.verify and r.state.offset != r.start:
                 raise RuntimeError(f"cache holds {r.state.offset} positions, block starts at {r.start}")
-        return causal_prefix_batch(self, requests, [r.state.cache for r in requests])
+
+        def answer(rows: list) -> list:
+            if rows[0].verify:
+                return causal_verify_batch(self, rows)
+            return causal_prefix_batch(self, rows, [r.state.cache for r in rows])
+
+        kinds = [[i for i, r in enumerate(requests) if r.verify == verify] for verify in (False, True)]
+        return answered(requests, kinds, answer)
 
     def verify(self, state: _State, window: mx.array) -> mx.array:
         """Causal logits (B, L, V) of `window`, the L positions after the cache's, whose keys

@@ -223,6 +223,56 @@ def test_batch_rows_match_single_prompts(models):
                     for p in PROMPTS]
 
 
+@pytest.mark.parametrize("kind", ["random", "partial", "whole"])
+def test_batch_rows_share_their_verify_passes(models, oracle, kind, monkeypatch):
+    """A batch's rows verify their drafts in one causal forward (batched.causal_verify_batch):
+    each row still gives the autoregressive greedy tokens and its own forward count."""
+    import model_adapters.batched as batched
+
+    model, tok = models[kind]
+    shared = []
+    verify_batch = batched.causal_verify_batch
+
+    def spy(adapter, requests):
+        shared.append(len(requests))
+        return verify_batch(adapter, requests)
+
+    monkeypatch.setattr(batched, "causal_verify_batch", spy)
+    kw = dict(max_tokens=LONGEST, block_length=16, self_spec=True, return_token_ids=True)
+    out = mld.generate_batch(model, tok, PROMPTS, **kw)
+    assert out.token_ids == [oracle[kind, i] for i in range(len(PROMPTS))]
+    assert max(shared) == len(PROMPTS)  # (every row verifying in one call at some step)
+    alone = [mld.generate_batch(model, tok, [p], **kw).forwards[0] for p in PROMPTS]
+    assert out.forwards == alone
+
+
+def test_batched_verify_is_each_rows_verify(models):
+    """causal_verify_batch on rows of very different cache lengths and window widths (a short
+    row padded past its own tokens) gives each row the logits and cache of its own verify."""
+    from mlx_lm_diffusion.decoders.base import Verify
+    from model_adapters.batched import causal_verify_batch
+
+    model, tok = models["random"]
+    adapter = adapter_for(model, tok)
+    rng = np.random.default_rng(0)
+    rows = [(40, 32), (3, 8), (17, 1), (1, 16)]  # (prompt length, window width)
+    prompts = [mx.array(rng.integers(30, 250, (1, n)).astype(np.int32)) for n, _ in rows]
+    windows = [mx.array(rng.integers(30, 250, (1, w)).astype(np.int32)) for _, w in rows]
+    batched = [adapter.start(p) for p in prompts]
+    alone = [adapter.start(p) for p in prompts]
+    got = causal_verify_batch(adapter, [Verify(s, w, 0, w.shape[1]) for s, w in zip(batched, windows)])
+    for row, (state, window, logits) in enumerate(zip(alone, windows, got)):
+        want = adapter.verify(state, window)
+        assert logits.shape == want.shape
+        np.testing.assert_allclose(np.array(logits), np.array(want), atol=2e-4, err_msg=f"row {row}")
+        for a, b in zip(batched[row].cache, state.cache):
+            assert a.offset == b.offset
+            np.testing.assert_allclose(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]),
+                                       atol=2e-4)
+            np.testing.assert_allclose(np.array(a.values[..., : a.offset, :]),
+                                       np.array(b.values[..., : b.offset, :]), atol=2e-4)
+
+
 def _cli(path, *flags):
     import importlib
 

@@ -124,6 +124,18 @@ class Forward:
     # (B, K) block positions (start-relative) whose logits the step reads: the reply is then
     # (B, K, V), `Adapter.predict_rows`; None: every position, `Adapter.predict`.
     rows: Optional[mx.array] = None
+    # False: a diffusion forward (Adapter.predict / predict_rows). True: a Verify.
+    verify: ClassVar[bool] = False
+
+
+@dataclass
+class Verify(Forward):
+    """Self-speculation's verify pass: the causal logits (B, end - start, V) of
+    canvas[:, start:end], the positions right after the state's cache, whose keys and values
+    the cache then stores (`Adapter.verify`). A Forward, so that every driver passes it on as
+    one: a running batch answers its rows' verify passes with one call (`predict_batch`)."""
+
+    verify: ClassVar[bool] = True
 
 
 @dataclass

@@ -27,9 +27,8 @@ causal pass is not counted, as for every family), so tokens per forward is hones
 Greedy only: a sampler, a temperature schedule, a commit rule and its settings (strategy,
 threshold, factor, ...), steps, editing and logits processors are refused. allowed_tokens
 applies (a per-position bias: the autoregressive decode applies it the same way); the mask
-token is never proposed, as everywhere in the engine. One row per decode (a batch of
-self-speculative decodes runs each row's verify pass on its own; their drafts share the
-batch's forward).
+token is never proposed, as everywhere in the engine. One row per decode; a running batch of self-speculative decodes shares one forward for its
+rows' drafts and one for their verify passes (`Verify` requests: model_adapters.batched.causal_verify_batch).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from typing import Any, Iterator, Optional
 import mlx.core as mx
 import numpy as np
 
-from .base import Canvas, Decoder, Forward, Queued, ReadBack, greedy_proposal, log_softmax
+from .base import Canvas, Decoder, Forward, Queued, ReadBack, Verify, greedy_proposal, log_softmax
 
 # mlx-vlm's windows: the first (and the smallest), and the largest.
 BASE_WINDOW, MAX_WINDOW = 8, 32
@@ -153,7 +152,8 @@ class SpeculativeDecoder(Decoder):
             canvas.forwards += 1
             drafted = mx.argmax(self._scores(logits), axis=-1).astype(mx.int32)  # (no softmax: argmax only)
             window = mx.concatenate([window[:, :1], drafted[:, 1:]], axis=1)
-        scores = self._scores(a.verify(state, window))  # row i: the token after position + i
+        causal = yield Verify(state, window, 0, width)  # (Adapter.verify; a batch's rows share one)
+        scores = self._scores(causal)  # row i: the token after position + i
         canvas.forwards += 1
         if self.keep_logprobs:  # (the streamed tokens' log-probs and confidences)
             logprobs = log_softmax(scores)
