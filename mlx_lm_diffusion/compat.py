@@ -149,6 +149,11 @@ def stream_generate(
     caches = _token_caches(kwargs.pop("prompt_cache", None))
     progress = kwargs.pop("prompt_progress_callback", None)
     options = {**current_request_options(), **kwargs}
+    if options.pop("greedy_at_zero_temperature", False):
+        # (the serial server's request at temperature 0: mlx-lm's server passes its argmax
+        # sampler, and the decoder's own greedy proposal is what the batched rows use and
+        # what self-speculation, which refuses any sampler, needs)
+        options["sampler"] = None
     options = request_constraints.apply(options, model, tokenizer)  # (a fresh grammar per decode)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)

@@ -527,6 +527,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                     drafts(step)
 
             options["draft_callback"] = on_step
+            # (temperature 0: the decoder's greedy proposal, as a batched row's, not mlx-lm's argmax sampler)
+            options["greedy_at_zero_temperature"] = request[2].sampling.temperature == 0
             if getattr(req, "images", None):
                 try:
                     options["vision"] = self._image_prompt(req, request[2])

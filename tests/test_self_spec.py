@@ -293,7 +293,8 @@ def test_cli_flag(paths):
     assert rc == 2 and len(lines) == 1 and "self_spec" in lines[0], err
 
 
-def test_server_json_field(paths, models, tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--no-batch"]], ids=["batched", "serial"])
+def test_server_json_field(paths, models, tmp_path, flags):
     import huggingface_hub.constants as hf_constants
     import openai
 
@@ -306,7 +307,7 @@ def test_server_json_field(paths, models, tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-        with running_server(["--model", str(paths["partial"]), "--port", "0"]) as (httpd, _):
+        with running_server(["--model", str(paths["partial"]), "--port", "0", *flags]) as (httpd, _):
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
                                    max_retries=0, timeout=120)
             ask = dict(model="default_model", messages=messages, max_tokens=16, temperature=0.0)
