@@ -2,11 +2,12 @@
 (continuous batching, mlx_lm_diffusion.scheduler) against one request at a time (--no-batch).
 
     python bench/bench_server.py [--clients 1 4 8 16] [--requests 16] [--max-tokens 32]
-                                 [--models sdar llada llada-fast]
+                                 [--models sdar llada llada-fast nemotron-spec]
 
 Side by side in one run, for each micro model (tiny random checkpoints written by
 tests/checkpoints*.py: SDAR with block 4, LLaDA with block 32, and with --models
-llada-fast the same LLaDA with Fast-dLLM's preset: dual cache, threshold 0.9) two servers run
+llada-fast the same LLaDA with Fast-dLLM's preset: dual cache, threshold 0.9, nemotron-spec a
+partly predictable Nemotron-Labs Diffusion with self-speculation, windows up to 32) two servers run
 in-process on 127.0.0.1, one batched and one with --no-batch; at each client count both
 serve the same `--requests` streamed chat requests (prompt lengths and max_tokens vary a
 little; temperature 0), the batched server first, then the serial one. Reported per
@@ -38,7 +39,8 @@ def percentile(values, q):
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-MODELS = {"sdar": "SDAR (block 4)", "llada": "LLaDA (block 32)", "llada-fast": "LLaDA (fast preset)"}
+MODELS = {"sdar": "SDAR (block 4)", "llada": "LLaDA (block 32)", "llada-fast": "LLaDA (fast preset)",
+          "nemotron-spec": "Nemotron (self_spec)"}
 
 
 def checkpoints(folder: Path, models: Sequence[str] = ("sdar", "llada")) -> dict:
@@ -46,11 +48,16 @@ def checkpoints(folder: Path, models: Sequence[str] = ("sdar", "llada")) -> dict
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from checkpoints import write_llada
     from checkpoints_block import write_sdar
+    from checkpoints_self_spec import write_speculable_nemotron
 
     llada = str(write_llada(folder / "llada")) if {"llada", "llada-fast"} & set(models) else None
     chosen = {"sdar": lambda: (str(write_sdar(folder / "sdar")), {}),
               "llada": lambda: (llada, {"block_length": 32}),
-              "llada-fast": lambda: (llada, {"preset": "fast"})}
+              "llada-fast": lambda: (llada, {"preset": "fast"}),
+              # (drafts partly accepted, as a trained model's are: tests/checkpoints_self_spec.py)
+              "nemotron-spec": lambda: (str(write_speculable_nemotron(
+                  folder / "nemotron_spec", attractors=tuple(range(40, 48)), strength=0.45)),
+                  {"self_spec": True, "block_length": 32})}
     return {MODELS[m]: chosen[m]() for m in models}
 
 
@@ -179,6 +186,7 @@ def second_turns(args) -> list:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_kv_reuse
     from checkpoints_block import write_sdar
+    from checkpoints_self_spec import write_speculable_nemotron
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:
