@@ -131,8 +131,8 @@ class Forward:
 @dataclass
 class Verify(Forward):
     """Self-speculation's verify pass: the causal logits (B, end - start, V) of
-    canvas[:, start:end], the positions right after the state's cache, whose keys and values
-    the cache then stores (`Adapter.verify`). A Forward, so that every driver passes it on as
+    canvas[:, start:end], the positions right after the state's kept keys and values, which
+    the state then keeps too (`Adapter.verify`). A Forward, so that every driver passes it on as
     one: a running batch answers its rows' verify passes with one call (`predict_batch`)."""
 
     verify: ClassVar[bool] = True
