@@ -16,3 +16,16 @@ def engine_decode(model, tokenizer, prompt, **options):
     for last in Engine(adapter, resolved).run(mx.array([prompt])):
         pass
     return last.canvas[0, len(prompt):].tolist(), last.forwards
+
+
+def record_batch_sizes(monkeypatch, owner, name: str) -> list:
+    """Wrap `owner.name`, a batched call taking its rows' requests second (after the adapter
+    or self), so that each call appends how many rows it served; returns that list."""
+    sizes, wrapped = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        sizes.append(len(args[1]))
+        return wrapped(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return sizes

@@ -5,6 +5,7 @@ gives exactly the tokens and forward count of its decode alone (Engine.run)."""
 import mlx.core as mx
 import pytest
 from checkpoints_ar import write_causal
+from decoding import record_batch_sizes
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.batch import RunningBatch
@@ -295,19 +296,8 @@ def test_fast_dllm_cache_rows_share_a_forward(llada, dream, cache, monkeypatch):
     open a block while others are inside one)."""
     from model_adapters import bidirectional_cache
 
-    calls = {"open": [], "window": []}
-    opened, windows = bidirectional_cache.bidirectional_batch, bidirectional_cache.cached_window_batch
-
-    def counted_open(adapter, requests, shift, keep=None):
-        calls["open"].append(len(requests))
-        return opened(adapter, requests, shift, keep)
-
-    def counted_window(adapter, requests):
-        calls["window"].append(len(requests))
-        return windows(adapter, requests)
-
-    monkeypatch.setattr(bidirectional_cache, "bidirectional_batch", counted_open)
-    monkeypatch.setattr(bidirectional_cache, "cached_window_batch", counted_window)
+    calls = {"open": record_batch_sizes(monkeypatch, bidirectional_cache, "bidirectional_batch"),
+             "window": record_batch_sizes(monkeypatch, bidirectional_cache, "cached_window_batch")}
     for model in (llada, dream):
         for kind in calls.values():
             kind.clear()
@@ -330,14 +320,7 @@ def test_diffusion_gemma_rows_share_a_forward(gemma, fast, monkeypatch):
     joining late whose first step has no self-conditioning beside rows that have it), and
     each row samples what it samples alone."""
     adapter_class = type(adapter_for(*gemma))
-    calls = []
-    shared = adapter_class._decode_rows
-
-    def counted(self, requests):
-        calls.append(len(requests))
-        return shared(self, requests)
-
-    monkeypatch.setattr(adapter_class, "_decode_rows", counted)
+    calls = record_batch_sizes(monkeypatch, adapter_class, "_decode_rows")
     check_ragged(*gemma, max_tokens=(40, 24, 20), seed=3, steps=4, eos_row=None, **fast)
     assert max(calls) == 3, calls
     calls.clear()

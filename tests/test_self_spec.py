@@ -27,7 +27,7 @@ from checkpoints import EOS_ID
 from checkpoints_nemotron_gemma import NEMOTRON_MASK_ID as MASK_ID
 from checkpoints_nemotron_gemma import write_nemotron
 from checkpoints_self_spec import write_speculable_nemotron
-from decoding import engine_decode
+from decoding import engine_decode, record_batch_sizes
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]
 LONGEST = 40
@@ -230,14 +230,7 @@ def test_batch_rows_share_their_verify_passes(models, oracle, kind, monkeypatch)
     import model_adapters.batched as batched
 
     model, tok = models[kind]
-    shared = []
-    verify_batch = batched.causal_verify_batch
-
-    def spy(adapter, requests):
-        shared.append(len(requests))
-        return verify_batch(adapter, requests)
-
-    monkeypatch.setattr(batched, "causal_verify_batch", spy)
+    shared = record_batch_sizes(monkeypatch, batched, "causal_verify_batch")
     kw = dict(max_tokens=LONGEST, block_length=16, self_spec=True, return_token_ids=True)
     out = mld.generate_batch(model, tok, PROMPTS, **kw)
     assert out.token_ids == [oracle[kind, i] for i in range(len(PROMPTS))]
