@@ -99,6 +99,16 @@ def test_dream(dream):
     check_ragged(*dream, block_length=8)
 
 
+def test_canvases_of_very_different_widths_go_to_separate_calls():
+    """A full-canvas call pads every row to its widest: on a CPU the rows of one call are
+    within 1.2x in width (every padded column costs its attention row), 1.5x given."""
+    from model_adapters.batched import width_groups
+
+    assert mx.default_device() == mx.cpu  # (the tests' device, as CI's)
+    assert width_groups([100, 68, 80, 78]) == [[1, 3, 2], [0]]
+    assert width_groups([100, 68, 80, 78], spread=1.5) == [[1, 3, 2, 0]]
+
+
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_fast_dllm_caches(llada, dream, cache):
     check_ragged(*llada, block_length=8, cache=cache)
