@@ -1,7 +1,9 @@
 """A chat REPL for diffusion models: mlx_lm.chat's flags, commands and screen, plus
 the diffusion defaults and a live canvas.
 
-    mlx_lm_diffusion.chat --model PATH [--max-tokens 256] [--block-length 32] [--show-canvas]
+    mlx_lm_diffusion.chat [--model PATH] [--max-tokens 256] [--block-length 32] [--show-canvas]
+
+Without --model it chats with the embedded demo model (as mlx_lm_diffusion.generate does).
 
 Like mlx_lm.chat, each turn sends only the new user message through the chat
 template; the conversation so far lives in the prompt cache (a `compat.TokenCache`
@@ -50,12 +52,16 @@ NO_TEMPLATE_NOTICE = (
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """mlx_lm.chat's parser (same flags) plus the diffusion defaults and --show-canvas."""
-    from .generate import refuse_flags
+    from .generate import one_line_errors, refuse_flags
 
-    parser = mlx_chat.setup_arg_parser()
+    parser = one_line_errors(mlx_chat.setup_arg_parser())
     parser.prog = PROG
     parser.description = "Chat with a diffusion language model"
-    parser.set_defaults(model=None)  # mlx_lm.chat's default is an autoregressive model
+    parser.set_defaults(model=None)  # mlx_lm.chat's default is an autoregressive model: ours, the demo
+    for action in parser._actions:
+        if action.dest == "model":
+            action.help = ("The path to the local model directory or Hugging Face repo. "
+                           "Without it, the embedded demo model (it adds two numbers) is used.")
     refuse_flags(parser, REFUSED)
     compat.add_decode_arguments(parser)
     parser.add_argument("--show-canvas", action="store_true",
@@ -166,12 +172,11 @@ def fail(message: str) -> NoReturn:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .demo import model_or_demo
     from .generate import load_for_cli, refused_flag
 
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
-    if args.model is None:
-        fail("--model is required: a local path or a Hugging Face repo of a diffusion model")
     refused = refused_flag(parser, args, REFUSED)
     if refused is not None:
         fail(refused)
@@ -183,6 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
     mx.random.seed(args.seed)
+    args.model = model_or_demo(args.model)
     try:
         model, tokenizer = load_for_cli(args)
     except ValueError as e:

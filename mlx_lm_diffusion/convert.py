@@ -165,6 +165,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     """mlx_lm.convert's parser (same flags) plus --q-head-bits."""
     from mlx_lm.convert import configure_parser
 
+    from .generate import one_line_errors
+
     p = configure_parser()
     p.prog = "mlx_lm_diffusion.convert"
     p.description = "Convert a diffusion checkpoint to MLX format (mlx_lm.convert's flags)"
@@ -173,7 +175,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="With -q, bits for the token embeddings and the output head (default 8: uniform 4-bit heads "
              "degrade under repeated denoising); give the same as --q-bits to quantize them uniformly",
     )
-    return p
+    return one_line_errors(p)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -20,7 +20,7 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -58,6 +58,19 @@ def flag_of(parser: argparse.ArgumentParser, dest: str) -> str:
         if action.dest == dest and action.option_strings:
             return max(action.option_strings, key=len)
     return "--" + dest.replace("_", "-")
+
+
+def one_line_errors(parser: argparse.ArgumentParser, prefix: str = "error: ") -> argparse.ArgumentParser:
+    """Make argparse's own errors (an unknown flag, a bad value) one line on stderr, exit 2,
+    like every other error of the CLIs: argparse prints the whole usage (40 lines of mlx-lm's
+    flags) before its message."""
+
+    def error(message: str) -> NoReturn:
+        print(f"{prefix}{message} (see {parser.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+    parser.error = error
+    return parser
 
 
 def refuse_flags(parser: argparse.ArgumentParser, refused: dict) -> None:
@@ -111,7 +124,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--suffix", default=None,
                    help="Infill: the text after the generated span (prompt, at most --max-tokens "
                         "generated tokens, then this); the families that cannot attend to it refuse it")
-    return add_decode_arguments(p)  # --block-length, --steps, --strategy, --threshold, ...
+    return one_line_errors(add_decode_arguments(p))  # --block-length, --steps, --strategy, --threshold, ...
 
 
 def _template_kwargs(args: argparse.Namespace) -> dict:
@@ -202,12 +215,9 @@ def _main(argv: Optional[Sequence[str]], group=None) -> int:
         _template_kwargs(args)  # a bad --chat-template-config fails before loading
         from .canvas_view import CanvasView
 
-        if args.model is None:  # the embedded demo model
-            from .demo import DEMO_MODEL_PATH
+        from .demo import model_or_demo
 
-            args.model = str(DEMO_MODEL_PATH)
-            print("no --model given: using the embedded demo model (adds two numbers, e.g. '357+468=')",
-                  file=sys.stderr)
+        args.model = model_or_demo(args.model)
         model, loaded = load_for_cli(args, group)
         tokenizer = text_tokenizer(loaded)  # (a processor's tokenizer, for the text)
         for eos_token in args.extra_eos_token:

@@ -98,6 +98,7 @@ from model_adapters import adapter_for, is_diffusion_model
 
 from . import compat, distributed, distributed_server, images, peers, request_constraints, stream_batching
 from .decoders.speculative import check_greedy
+from .generate import one_line_errors
 from .canvas_view import MASK_GLYPH
 from .engine import Step
 from .install import install
@@ -1499,9 +1500,13 @@ def _patched(target: Any, **attrs: Any) -> Iterator[None]:
 
 
 class _FlagRecorder(argparse.ArgumentParser):
-    """mlx_lm.server's parser, recording which flags the command line gave."""
+    """mlx_lm.server's parser, recording which flags the command line gave; its errors
+    (an unknown flag, a bad value) are one line, as the server's own are."""
 
     given: set = set()
+
+    def error(self, message: str) -> None:
+        _fail(f"{message} (see {PROG} --help)")
 
     def parse_args(self, args=None, namespace=None):
         saved = [(a, a.default) for a in self._actions]
@@ -1553,7 +1558,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     logging), plus the diffusion defaults and the serving limits. A flag that cannot
     apply, or a bad value, exits 2 with one line on stderr."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ours = argparse.ArgumentParser(prog=PROG, add_help=False)
+    ours = one_line_errors(argparse.ArgumentParser(prog=PROG, add_help=False), prefix=f"{PROG}: error: ")
     compat.add_decode_arguments(ours)
     _server_arguments(ours)
     images.add_server_arguments(ours)

@@ -97,10 +97,14 @@ def test_main_runs_the_repl(llada_path, monkeypatch, capsys):
     assert "bye" in out and "tokens" in out  # the goodbye and the turn's statistics
 
 
-def test_main_needs_a_diffusion_model(capsys):
-    with pytest.raises(SystemExit):
-        chat.main([])
-    assert "--model is required" in capsys.readouterr().err
+def test_main_without_a_model_chats_with_the_demo(monkeypatch, capsys):
+    """As mlx_lm_diffusion.generate does: no --model is the embedded demo model, said on
+    stderr (a newcomer's `mlx_lm_diffusion.chat` runs offline)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("357+468=\nq\n"))
+    assert chat.main([]) == 0
+    captured = capsys.readouterr()
+    assert "embedded demo model" in captured.err
+    assert "825" in captured.out and "bye" in captured.out
 
 
 # ----------------------------------------------------------------------------- issue 12, part 5

@@ -208,6 +208,41 @@ def test_convert_errors_are_one_line(flags, word, tmp_path, llada_path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+# ----------------------------------------------------------------------------- argparse's own errors
+
+
+def cli_mains():
+    from mlx_lm_diffusion import convert, server
+
+    return {"generate": cli.main, "chat": chat.main, "convert": convert.main, "server": server.parse_args}
+
+
+@pytest.mark.parametrize("cli_name", ["generate", "chat", "convert", "server"])
+@pytest.mark.parametrize("flags", [["--bogus"], ["--max-tokens", "abc"], ["--block-length", "abc"]],
+                         ids=["unknown flag", "bad value", "bad diffusion value"])
+def test_argparse_errors_are_one_line_exit_2(cli_name, flags, capsys):
+    """An unknown flag or a value of the wrong type: one line on stderr, exit 2 (argparse
+    would print the whole usage, ~40 lines of mlx-lm's flags, first), nothing loaded."""
+    if cli_name == "convert" and flags[0] != "--bogus":
+        flags = ["--q-bits", "abc"]  # (convert has no decoding flags)
+    with pytest.raises(SystemExit) as e:
+        cli_mains()[cli_name]([*flags])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error: " in lines[0] and "--help" in lines[0], captured.err
+    assert flags[0].lstrip("-").split("-")[0] in lines[0]
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("cli_name", ["generate", "chat", "convert"])
+def test_help_is_still_the_whole_usage(cli_name, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_mains()[cli_name](["--help"])
+    assert e.value.code == 0
+    assert "--model" in capsys.readouterr().out or cli_name == "convert"
+
+
 # ----------------------------------------------------------------------------- --show-canvas
 
 

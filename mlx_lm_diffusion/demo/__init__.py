@@ -17,12 +17,23 @@ message as is) and its generation_config.json the decoding defaults that `load` 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Optional
 
 from .problems import GEN_LENGTH, answer_text, held_out_problems, is_held_out, prompt_text
 
 DEMO_MODEL_PATH = Path(__file__).resolve().parent / "model"
 DEMO_MAX_TOKENS = GEN_LENGTH  # a small canvas that holds any answer (5 slots), its EOS and padding
+
+
+def model_or_demo(model: Optional[str]) -> str:
+    """A CLI's --model, or, when none was given, the embedded demo's path (said on stderr,
+    so that a newcomer's first command runs offline and says what it ran)."""
+    if model is not None:
+        return model
+    print("no --model given: using the embedded demo model (adds two numbers, e.g. '357+468=')", file=sys.stderr)
+    return str(DEMO_MODEL_PATH)
 
 
 def load_demo():
@@ -36,6 +47,7 @@ __all__ = [
     "DEMO_MODEL_PATH",
     "DEMO_MAX_TOKENS",
     "load_demo",
+    "model_or_demo",
     "held_out_problems",
     "is_held_out",
     "prompt_text",

@@ -156,7 +156,10 @@ def table(record: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from . import DEMO_MODEL_PATH
 
-    p = argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.evaluate", description=__doc__.split("\n\n")[0])
+    from ..generate import one_line_errors
+
+    p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.evaluate",
+                                                description=__doc__.split("\n\n")[0]))
     p.add_argument("--model", type=Path, default=DEMO_MODEL_PATH, help="Checkpoint (default: the demo)")
     p.add_argument("--problems", type=int, default=512, help="Held-out problems")
     p.add_argument("--max-tokens", type=int, nargs="+", default=list(MAX_TOKENS))

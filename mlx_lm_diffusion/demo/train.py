@@ -326,7 +326,10 @@ def _accuracy(model: nn.Module, n: int, max_tokens: int = GEN_LENGTH) -> tuple:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.train", description=__doc__.split("\n\n")[0])
+    from ..generate import one_line_errors
+
+    p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.train",
+                                                description=__doc__.split("\n\n")[0]))
     p.add_argument("--out", type=Path, required=True, help="Checkpoint directory to write")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
