@@ -1,6 +1,8 @@
 """An OpenAI-compatible server for diffusion models, on mlx_lm.server's machinery.
 
-    mlx_lm_diffusion.server --model PATH [--port 8080] [--block-length 32 --steps 32 ...]
+    mlx_lm_diffusion.server [--model PATH] [--port 8080] [--block-length 32 --steps 32 ...]
+
+(without --model: the embedded demo model, as the generate and chat CLIs)
 
 Takes every mlx_lm.server flag (parsed by mlx_lm.server itself) plus the diffusion
 defaults, and serves /v1/chat/completions, /v1/completions, /v1/models and /health
@@ -98,6 +100,7 @@ from model_adapters import adapter_for, is_diffusion_model
 
 from . import compat, distributed, distributed_server, images, peers, request_constraints, stream_batching
 from .decoders.speculative import check_greedy
+from .demo import model_or_demo
 from .generate import one_line_errors
 from .canvas_view import MASK_GLYPH
 from .engine import Step
@@ -1607,8 +1610,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
     args = parse_args(argv)
-    if args.model is None:
-        _fail("--model is required (the model to serve)")
+    args.model = model_or_demo(args.model)  # (as the generate and chat CLIs)
     restore_nofile()
     stop = threading.Event()
     signals: List[int] = []

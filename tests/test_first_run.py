@@ -166,12 +166,14 @@ def test_stock_mlx_lm_chat_after_install_on_a_terminal(demo_path):
 
 
 @pytest.fixture(scope="module")
-def client(demo_path, tmp_path_factory):
+def client(tmp_path_factory):
     import openai
 
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {**ENV, "HF_HUB_CACHE": str(log.parent / "hub")}
-    with console_server([str(BIN / "mlx_lm_diffusion.server"), "--model", demo_path], env, log) as port:
+    # (no --model: the embedded demo, as a newcomer starts it)
+    with console_server([str(BIN / "mlx_lm_diffusion.server")], env, log) as port:
+        assert "embedded demo model" in log.read_text()
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
                             timeout=TIMEOUT)
 
