@@ -35,6 +35,7 @@ from model_adapters import adapter_for, is_diffusion_model
 
 from . import compat, images
 from .canvas_view import CanvasView
+from .demo import MODEL_HELP, model_or_demo
 
 PROG = "mlx_lm_diffusion.chat"
 
@@ -60,8 +61,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.set_defaults(model=None)  # mlx_lm.chat's default is an autoregressive model: ours, the demo
     for action in parser._actions:
         if action.dest == "model":
-            action.help = ("The path to the local model directory or Hugging Face repo. "
-                           "Without it, the embedded demo model (it adds two numbers) is used.")
+            action.help = MODEL_HELP
     refuse_flags(parser, REFUSED)
     compat.add_decode_arguments(parser)
     parser.add_argument("--show-canvas", action="store_true",
@@ -172,7 +172,6 @@ def fail(message: str) -> NoReturn:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .demo import model_or_demo
     from .generate import load_for_cli, refused_flag
 
     parser = setup_arg_parser()

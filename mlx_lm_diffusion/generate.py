@@ -29,6 +29,7 @@ from model_adapters import adapter_for
 
 from . import distributed
 from .compat import add_decode_arguments, decode_defaults
+from .demo import MODEL_HELP, model_or_demo
 from .images import text_tokenizer
 from .generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: F401
 
@@ -108,8 +109,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     for action in p._actions:
         if action.dest == "model":
-            action.help = ("The path to the local model directory or Hugging Face repo. "
-                           "Without it, the embedded demo model (it adds two numbers) is used.")
+            action.help = MODEL_HELP
         if action.dest == "max_tokens":
             action.help = ("Maximum number of tokens to generate (default: the model's "
                            "generation_config.json max_new_tokens, else 256); more than the model's "
@@ -214,8 +214,6 @@ def _main(argv: Optional[Sequence[str]], group=None) -> int:
         options = decode_defaults(args)
         _template_kwargs(args)  # a bad --chat-template-config fails before loading
         from .canvas_view import CanvasView
-
-        from .demo import model_or_demo
 
         args.model = model_or_demo(args.model)
         model, loaded = load_for_cli(args, group)

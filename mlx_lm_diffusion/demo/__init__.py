@@ -27,6 +27,11 @@ DEMO_MODEL_PATH = Path(__file__).resolve().parent / "model"
 DEMO_MAX_TOKENS = GEN_LENGTH  # a small canvas that holds any answer (5 slots), its EOS and padding
 
 
+# The CLIs' --model help (generate, chat): what model_or_demo does without it.
+MODEL_HELP = ("The path to the local model directory or Hugging Face repo. "
+              "Without it, the embedded demo model (it adds two numbers) is used.")
+
+
 def model_or_demo(model: Optional[str]) -> str:
     """A CLI's --model, or, when none was given, the embedded demo's path (said on stderr,
     so that a newcomer's first command runs offline and says what it ran)."""
@@ -48,6 +53,7 @@ __all__ = [
     "DEMO_MAX_TOKENS",
     "load_demo",
     "model_or_demo",
+    "MODEL_HELP",
     "held_out_problems",
     "is_held_out",
     "prompt_text",
