@@ -62,13 +62,26 @@ def _loads_no_remote_code(original: Callable[..., Any]) -> Callable[..., Any]:
     """mlx_lm.utils.load_tokenizer for a diffusion checkpoint: trust_remote_code is False
     unless the caller set it. The released checkpoints name their tokenizer code in
     auto_map, and mlx_lm.load passes no trust_remote_code, so AutoTokenizer would ask
-    "Do you wish to run the custom code? [y/N]" and wait 15 s (issue 12 part 3)."""
+    "Do you wish to run the custom code? [y/N]" and wait 15 s (issue 12 part 3). And
+    transformers' warning about a model type it does not know is kept quiet."""
 
     @functools.wraps(original)
     def load_tokenizer(model_path, tokenizer_config_extra=None, *args, **kwargs):
-        if _is_diffusion_checkpoint(model_path) and (tokenizer_config_extra or {}).get("trust_remote_code") is None:
+        if not _is_diffusion_checkpoint(model_path):
+            return original(model_path, tokenizer_config_extra, *args, **kwargs)
+        if (tokenizer_config_extra or {}).get("trust_remote_code") is None:
             tokenizer_config_extra = {**(tokenizer_config_extra or {}), "trust_remote_code": False}
-        return original(model_path, tokenizer_config_extra, *args, **kwargs)
+        from transformers.utils import logging as hf_logging
+
+        # AutoTokenizer reads config.json and warns that it does not know our model types
+        # ("You are using a model of type llada to instantiate a model of type ."), as
+        # mlx_lm_diffusion.load keeps it from doing
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            return original(model_path, tokenizer_config_extra, *args, **kwargs)
+        finally:
+            hf_logging.set_verbosity(verbosity)
 
     load_tokenizer.__mlx_lm_diffusion__ = True
     return load_tokenizer

@@ -3,6 +3,8 @@ behave exactly as before; the prompt cache equals prompt + yielded tokens at eve
 
 import importlib
 import json
+import subprocess
+import sys
 import threading
 
 import mlx.core as mx
@@ -88,6 +90,16 @@ def test_stock_load_of_a_diffusion_checkpoint(llada_path, installed):
     model, tok = mlx_lm.load(str(llada_path))
     assert model.args.model_type == "llada"
     assert mlx_lm.generate(model, tok, PROMPT, max_tokens=8) == mld.generate(model, tok, PROMPT, max_tokens=8)
+
+
+def test_stock_load_prints_no_unknown_model_type_warning(llada_path):
+    # (a fresh process: transformers' logging handler writes to the real stderr)
+    script = ("import sys, mlx_lm, mlx_lm_diffusion as mld; mld.install(); mlx_lm.load(sys.argv[1]); "
+              "from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(sys.argv[1])")
+    r = subprocess.run([sys.executable, "-c", script, str(llada_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    # the second load, outside mlx_lm.load, shows the warning still reaches other callers
+    assert r.stderr.count("instantiate a model of type") == 1, r.stderr
 
 
 @pytest.mark.parametrize("stop_after", [1, 5, None])
