@@ -11,8 +11,11 @@ needs no patch: it calls the model's `make_cache()`, which gives diffusion model
 Callers that bound `from mlx_lm import stream_generate` before `install()` keep the
 original function: call `install()` first. That function reaches mlx-lm's
 `generate_step`, which `install()` makes refuse diffusion models with an error naming
-`install()` (`REFUSALS`); so does `mlx_lm.cache_prompt` (no key/value cache to
-save), saying what to call instead. `mlx_lm.batch_generate` sends diffusion models to
+`install()` (`REFUSALS`); so do `mlx_lm.cache_prompt` (no key/value cache to
+save) and what scores or trains next-token predictions, which a diffusion model does not
+make (`mlx_lm.perplexity`, `mlx_lm.lora`, `mlx_lm.tuner.trainer` with its default
+loss), each saying what to do instead, not a meaningless figure or a model trained for
+another task. `mlx_lm.batch_generate` sends diffusion models to
 `generate_batch` (ragged running batches, mlx_lm_diffusion.batch). `mlx_lm.load` of a
 diffusion checkpoint loads its tokenizer without remote code unless asked (`WRAPPED`).
 """
@@ -21,10 +24,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import json
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from model_adapters import FAMILIES, is_diffusion_model, register
 
@@ -48,12 +52,40 @@ _BOUND_BEFORE_INSTALL = (
     "mlx_lm_diffusion.stream_generate"
 )
 
-# (module, attribute, position of the model argument, why a diffusion model is refused)
-REFUSALS: Tuple[Tuple[str, str, int, str], ...] = (
-    ("mlx_lm.generate", "generate_step", 1, _BOUND_BEFORE_INSTALL),
-    ("mlx_lm.cache_prompt", "generate_step", 1,
+_NEXT_TOKEN_SCORES = (
+    "mlx_lm.perplexity scores each token by the model's prediction of the next one, and a diffusion "
+    "model makes no such prediction (it fills masked positions from both sides of them): its perplexity "
+    "would mean nothing. mlx_lm_diffusion has no likelihood estimate for diffusion models; compare them "
+    "by what they generate"
+)
+_NEXT_TOKEN_TRAINING = (
+    "mlx-lm's trainer (mlx_lm.lora, mlx_lm.tuner.trainer with its default loss) fits the next-token loss, "
+    "and a diffusion model is trained to fill masked positions: fine-tuning or testing it with that loss "
+    "would teach or measure another task. Pass a masked-diffusion loss= to mlx_lm.tuner.trainer.train / "
+    "evaluate instead (mlx_lm_diffusion.demo.train trains the demo model with one)"
+)
+
+
+def _default_loss(arguments: dict) -> bool:
+    """A trainer call that uses mlx-lm's next-token loss (a caller's own `loss` passes)."""
+    from mlx_lm.tuner.trainer import default_loss
+
+    return arguments.get("loss", default_loss) is default_loss
+
+
+# (module, attribute, a condition besides a diffusion model as the `model` argument (None:
+# none), why it is refused)
+REFUSALS: Tuple[Tuple[str, str, Optional[Callable[[dict], bool]], str], ...] = (
+    ("mlx_lm.generate", "generate_step", None, _BOUND_BEFORE_INSTALL),
+    ("mlx_lm.cache_prompt", "generate_step", None,
      "mlx_lm.cache_prompt saves a key/value cache, and a diffusion model keeps none (every forward "
      "re-reads the prompt); pass the prompt itself to mlx_lm_diffusion.generate / stream_generate"),
+    ("mlx_lm.perplexity", "eval_ppl", None, _NEXT_TOKEN_SCORES),
+    # (mlx_lm.lora's steps, refused before they add LoRA layers or write an adapter folder)
+    ("mlx_lm.lora", "train_model", None, _NEXT_TOKEN_TRAINING),
+    ("mlx_lm.lora", "evaluate_model", None, _NEXT_TOKEN_TRAINING),
+    ("mlx_lm.tuner.trainer", "train", _default_loss, _NEXT_TOKEN_TRAINING),
+    ("mlx_lm.tuner.trainer", "evaluate", _default_loss, _NEXT_TOKEN_TRAINING),
 )
 
 
@@ -120,11 +152,17 @@ def _dispatcher(original: Callable[..., Any], diffusion: Callable[..., Any]) -> 
     return dispatch
 
 
-def _refuser(original: Callable[..., Any], index: int, why: str) -> Callable[..., Any]:
+def _refuser(original: Callable[..., Any], only_when: Optional[Callable[[dict], bool]],
+             why: str) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def refuse(*args, **kwargs):
-        model = args[index] if len(args) > index else kwargs.get("model")
-        if is_diffusion_model(model):
+        try:
+            arguments = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # (a call the original itself rejects: let it say why)
+            return original(*args, **kwargs)
+        if is_diffusion_model(arguments.get("model")) and (only_when is None or only_when(arguments)):
             raise ValueError(why)
         return original(*args, **kwargs)
 
@@ -135,8 +173,8 @@ def _refuser(original: Callable[..., Any], index: int, why: str) -> Callable[...
 def _all_targets():
     for module_name, attr, diffusion in TARGETS:
         yield module_name, attr, lambda current, d=diffusion: _dispatcher(current, d)
-    for module_name, attr, index, why in REFUSALS:
-        yield module_name, attr, lambda current, i=index, w=why: _refuser(current, i, w)
+    for module_name, attr, only_when, why in REFUSALS:
+        yield module_name, attr, lambda current, c=only_when, w=why: _refuser(current, c, w)
     yield from WRAPPED
 
 

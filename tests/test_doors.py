@@ -1,14 +1,16 @@
 """install() doors that cannot drive a diffusion model refuse saying what to call
-instead (issue 12, part 8); mlx_lm.batch_generate drives diffusion models through
+instead (issue 12, part 8; next-token perplexity and training too); mlx_lm.batch_generate drives diffusion models through
 generate_batch, which takes strings as well as token lists of any lengths (issue 15)."""
 
 import importlib
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+from mlx_lm.models import llama
 
 import mlx_lm_diffusion as mld
 
@@ -32,6 +34,47 @@ def test_cache_prompt_after_install_says_there_is_no_kv_cache(llada, installed):
     cache_prompt = importlib.import_module("mlx_lm.cache_prompt")
     with pytest.raises(ValueError, match="key/value cache.*keeps none"):
         next(cache_prompt.generate_step(mx.array(PROMPT), model))
+
+
+def test_perplexity_after_install_refuses_a_diffusion_model(llada, installed):
+    model, _ = llada
+    data = mx.array([PROMPT * 2] * 2)
+    with pytest.raises(ValueError, match="perplexity would mean nothing"):
+        importlib.import_module("mlx_lm.perplexity").eval_ppl(model, data, batch_size=2)
+
+
+def test_next_token_training_after_install_refuses_a_diffusion_model(llada, tmp_path, installed):
+    model, _ = llada
+    lora = importlib.import_module("mlx_lm.lora")
+    trainer = importlib.import_module("mlx_lm.tuner.trainer")
+    before = {name for name, _ in model.named_modules()}
+    args = SimpleNamespace(adapter_path=str(tmp_path / "adapters"), seed=0, num_layers=1, fine_tune_type="lora",
+                           lora_parameters={"rank": 2, "dropout": 0.0, "scale": 1.0}, batch_size=1, test_batches=1)
+    for call in (lambda: lora.train_model(args, model, [], []), lambda: lora.evaluate_model(args, model, []),
+                 lambda: trainer.train(model, None, []), lambda: trainer.evaluate(model, [], 1, 1),
+                 lambda: trainer.evaluate(model, [], 1, 1, loss=trainer.default_loss)):
+        with pytest.raises(ValueError, match="next-token loss"):
+            call()
+    # refused before anything was done: no LoRA layers, no adapter folder
+    assert {name for name, _ in model.named_modules()} == before and not (tmp_path / "adapters").exists()
+
+    class OwnLoss(Exception):
+        pass
+
+    def masked_diffusion_loss(model, batch, lengths):
+        raise OwnLoss  # (reached: a caller's own loss is not refused)
+
+    with pytest.raises(OwnLoss):
+        trainer.evaluate(model, [[PROMPT, 0]], 1, 1, loss=masked_diffusion_loss)
+
+
+def test_refusals_pass_autoregressive_models_through(installed):
+    mx.random.seed(0)
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                           num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128)
+    model = llama.Model(args)
+    ppl, _ = importlib.import_module("mlx_lm.perplexity").eval_ppl(model, mx.array([PROMPT * 2] * 2), batch_size=2)
+    assert 1.0 < ppl < 1e4
 
 
 def test_stream_generate_bound_before_install_names_install(llada):
