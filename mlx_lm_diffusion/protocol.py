@@ -270,7 +270,11 @@ def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int]
     rule = ScheduleWithEarlyExit(request["mask_schedule"], request.get("confidence_threshold"))
     options = DecodeOptions(
         max_tokens=total - P,
-        block_length=total - P,
+        # one block: the whole generated region, which the schedule unmasks. A family whose
+        # blocks sit on absolute positions (align_blocks) takes a block of the canvas's own
+        # length: its one aligned block [0, total) is that region (a block of total - P would
+        # split it at a multiple of total - P and run past target_length)
+        block_length=total if adapter.align_blocks else total - P,
         steps=steps,
         strategy=rule,
         temperature_schedule=request["temperature_schedule"],

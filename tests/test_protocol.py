@@ -4,7 +4,9 @@ autoregressive-equivalence invariant against mlx-lm's own greedy generate."""
 import copy
 
 import jsonschema
+import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 
 import mlx_lm_diffusion as mld
@@ -158,3 +160,57 @@ def test_generate_accepts_schedule(llada):
         mld.generate(model, tok, [72], max_tokens=4, schedule="exp")
     with pytest.raises(ValueError, match="schedule or strategy"):
         mld.generate(model, tok, [72], max_tokens=4, schedule="linear", strategy="low_confidence")
+
+
+# -- block-causal families: one block, the whole generated region
+
+
+@pytest.fixture(scope="module", params=["sdar", "llada2"])
+def block_causal(request, tmp_path_factory):
+    from checkpoints_block import write_llada2, write_sdar
+
+    writer = {"sdar": write_sdar, "llada2": write_llada2}[request.param]
+    return mld.load(str(writer(tmp_path_factory.mktemp(request.param))))
+
+
+def block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, schedule):
+    """The spec's loop, greedy, written from it: every step one forward over the whole
+    canvas with the model's own block-causal attention (attention blocks from position 0),
+    the k_t most confident masked positions committed with their argmax (never a
+    suppressed id). Returns (final tokens, per step the positions committed)."""
+    from mlx_arsenal.attention import block_causal_mask
+    from model_adapters import adapter_for
+
+    adapter = adapter_for(model, tok)
+    x = np.array(prompt + [adapter.mask_id] * (target_length - len(prompt)))
+    attention = block_causal_mask(target_length, model.args.block_size)
+    trace = []
+    for k in quotas(schedule, target_length - len(prompt), num_steps):
+        masked = np.flatnonzero(x == adapter.mask_id)
+        logits = np.array(model(mx.array(x[None]), mask=attention)[0].astype(mx.float32), dtype=np.float64)[masked]
+        logits[:, sorted(adapter.suppress_ids)] = -np.inf
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        chosen = np.argsort(-probs.max(-1), kind="stable")[:k]
+        x[masked[chosen]] = probs.argmax(-1)[chosen]
+        trace.append(sorted(masked[chosen].tolist()))
+    return x.tolist(), trace
+
+
+@pytest.mark.parametrize("prompt_length,target_length,num_steps,schedule",
+                         [(5, 17, 4, "linear"), (3, 24, 6, "cosine"), (4, 8, 4, "linear"), (8, 9, 1, "sigmoid")])
+def test_block_causal_families_follow_the_schedule(block_causal, prompt_length, target_length, num_steps, schedule):
+    """SDAR and LLaDA2 (blocks on absolute positions) decode the whole generated region as
+    one block: exactly target_length tokens, k_t commits per step, the oracle's tokens."""
+    model, tok = block_causal
+    prompt = list(range(72, 72 + prompt_length))
+    response = run_request(model, tok, {
+        "prompt_tokens": prompt, "target_length": target_length, "num_steps": num_steps,
+        "mask_schedule": schedule, "temperature_schedule": [0.0] * num_steps, "top_p": 1.0,
+    })
+    validate_response(response)
+    tokens, trace = block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, schedule)
+    assert response["final_tokens"] == tokens
+    assert len(response["confidence"]) == target_length - prompt_length
+    steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
+    assert [steps.get(t, []) for t in range(num_steps)] == trace
