@@ -156,6 +156,18 @@ def test_the_cli_under_mlx_launch_prints_what_one_process_prints(checkpoints, tw
     assert two_ranks["run"].stdout == single
 
 
+def test_the_readme_launch_of_the_console_script_answers_once():
+    """The README's form: the command after `--` is the console script (on PATH), no --python."""
+    env = _env()
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    assert Path(sys.executable).with_name("mlx_lm_diffusion.generate").exists()  # (pip install's console script)
+    run = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--", "mlx_lm_diffusion.generate",
+                          "--prompt", "357+468=", "--verbose", "False"],
+                         env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["825"]  # (rank 0 prints; the demo model, as without mlx.launch)
+
+
 def test_a_rank_killed_mid_decode_ends_the_other_with_an_error(two_ranks):
     run = two_ranks["run"]
     assert two_ranks["killed_at"] is not None, run.stderr[-3000:]
