@@ -177,6 +177,17 @@ def test_generate_api_on_the_demo(demo):
     assert mld.generate(model, tokenizer, "357+468=", max_tokens=512) == "825"  # capped to the context
 
 
+def test_the_readme_allowed_tokens_example(demo):
+    import mlx_lm_diffusion as mld
+
+    model, tokenizer = demo
+    digits = tokenizer.encode("0123456789", add_special_tokens=False)
+    allowed = digits + tokenizer.convert_tokens_to_ids(["<blank>"])
+    assert mld.generate(model, tokenizer, "357+468=", allowed_tokens=allowed, max_tokens=5) == "825"
+    # (its answer slots' <blank> padding forbidden, the padding becomes digits)
+    assert mld.generate(model, tokenizer, "357+468=", allowed_tokens=digits, max_tokens=5) == "01825"
+
+
 def test_cli_falls_back_to_the_demo_model(capsys):
     from mlx_lm_diffusion.generate import main
 
