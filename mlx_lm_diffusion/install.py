@@ -17,7 +17,9 @@ make (`mlx_lm.perplexity`, `mlx_lm.lora`, `mlx_lm.tuner.trainer` with its defaul
 loss), each saying what to do instead, not a meaningless figure or a model trained for
 another task. `mlx_lm.batch_generate` sends diffusion models to
 `generate_batch` (ragged running batches, mlx_lm_diffusion.batch). `mlx_lm.load` of a
-diffusion checkpoint loads its tokenizer without remote code unless asked (`WRAPPED`).
+diffusion checkpoint loads its tokenizer without remote code unless asked, and keeps its
+generation_config.json's decoding defaults on the model as `mlx_lm_diffusion.load` does
+(`WRAPPED`).
 """
 
 from __future__ import annotations
@@ -127,9 +129,28 @@ def _is_diffusion_checkpoint(model_path: Any) -> bool:
         return False  # (not a local checkpoint: mlx-lm's own path, unchanged)
 
 
+def _loads_generation_defaults(original: Callable[..., Any]) -> Callable[..., Any]:
+    """mlx_lm.utils.load_model (every mlx-lm load: mlx_lm.load, the server's, the chat's)
+    for a diffusion checkpoint: its generation_config.json's decoding defaults are kept on
+    the model, as mlx_lm_diffusion.load keeps them (generation_defaults)."""
+
+    @functools.wraps(original)
+    def load_model(model_path, *args, **kwargs):
+        loaded = original(model_path, *args, **kwargs)
+        if _is_diffusion_checkpoint(model_path):
+            from . import generation_defaults
+
+            generation_defaults.attach(loaded[0], model_path)
+        return loaded
+
+    load_model.__mlx_lm_diffusion__ = True
+    return load_model
+
+
 # (module, attribute, wrapper) patched for diffusion checkpoints only
 WRAPPED: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
     ("mlx_lm.utils", "load_tokenizer", _loads_no_remote_code),
+    ("mlx_lm.utils", "load_model", _loads_generation_defaults),
 )
 
 _lock = threading.Lock()

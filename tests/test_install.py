@@ -256,3 +256,36 @@ def test_batch_generate_keeps_autoregressive_models_on_mlx_lm(tmp_path):
     finally:
         mld.uninstall()
     assert type(after) is type(before) and after.token_ids == before.token_ids
+
+
+def test_stock_load_keeps_the_checkpoint_decoding_defaults(installed):
+    """generation_config.json's defaults (the demo: block 8, 8 steps) hold through
+    mlx_lm.load, hence through mlx_lm.generate and the server, as through mld.load."""
+    from mlx_lm_diffusion import generation_defaults
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+    ours, tok = mld.load(str(DEMO_MODEL_PATH))
+    stock, stock_tok = mlx_lm.load(str(DEMO_MODEL_PATH))
+    attr = generation_defaults.GENERATION_DEFAULTS_ATTR
+    assert dict(getattr(stock, attr)) == dict(getattr(ours, attr)) and dict(getattr(ours, attr))
+    expected = list(mld.stream_generate(ours, tok, "357+468="))
+    got = list(mlx_lm.stream_generate(stock, stock_tok, "357+468="))
+    assert [r.token for r in got] == [r.token for r in expected]
+    assert got[-1].forwards == expected[-1].forwards < 32  # (32: LLaDA's own block length and steps)
+
+
+def test_the_server_decodes_with_the_checkpoint_defaults():
+    import http.client
+
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+    from serving import running_server
+
+    model, tok = mld.load(str(DEMO_MODEL_PATH))
+    forwards = list(mld.stream_generate(model, tok, "357+468="))[-1].forwards
+    with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
+        conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "357+468=", "stream": True, "drafts": True}),
+                     {"Content-Type": "application/json"})
+        lines = conn.getresponse().read().decode().splitlines()
+    assert sum(line.startswith(": draft ") for line in lines) == forwards < 32
