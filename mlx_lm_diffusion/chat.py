@@ -95,6 +95,22 @@ def _turn_prompt(tokenizer: Any, args: argparse.Namespace, query: str,
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True), None
 
 
+def keeps_turns(tokenizer: Any) -> bool:
+    """Whether the chat template renders a conversation's earlier turns. Without one,
+    or with one that renders the last message only (the demo model's: it answers one
+    sum at a time), a conversation has no turns to keep: each message stands alone."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        return False
+    first = "first-turn-4d1f"
+    conversation = [{"role": "user", "content": first}, {"role": "assistant", "content": "reply-9c2e"},
+                    {"role": "user", "content": "second-turn-7b3a"}]
+    try:
+        rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 (a template with rules of its own: keep the turns, as mlx_lm.chat does)
+        return True
+    return not isinstance(rendered, str) or first in rendered
+
+
 def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, draft_callback=None) -> None:
     """mlx_lm.chat's loop: one turn per query, the conversation kept in the prompt cache.
     A turn the model cannot take (the conversation fills its context) is reported,
@@ -103,7 +119,7 @@ def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, dra
     options = compat.decode_defaults(args)
     pictures = images.ConversationImages(tokenizer if images.is_processor(tokenizer) else None)
     tokenizer = images.text_tokenizer(tokenizer)
-    templated = bool(getattr(tokenizer, "has_chat_template", False))
+    templated = keeps_turns(tokenizer)
     prompt_cache = compat.make_prompt_cache(model)
     while True:
         try:
@@ -128,7 +144,7 @@ def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, dra
             except ValueError as e:
                 print(f"[error: {e}]", flush=True)
             continue
-        if not templated:  # no turns to tell apart: each message on its own
+        if not templated:  # no turns to tell apart (or none kept): each message on its own
             prompt_cache = compat.make_prompt_cache(model)
             pictures.pixels = []
         last_response, held = None, []

@@ -107,6 +107,24 @@ def test_main_without_a_model_chats_with_the_demo(monkeypatch, capsys):
     assert "825" in captured.out and "bye" in captured.out
 
 
+def test_the_demo_answers_each_message_on_its_own(monkeypatch, capsys):
+    """The demo's template renders the last message only (one sum at a time): each turn
+    stands alone, as without a template; its second answer is not read after the first."""
+    from mlx_lm_diffusion.demo import load_demo
+
+    _, tok = load_demo()
+    assert tok.has_chat_template and not chat.keeps_turns(tok)
+    monkeypatch.setattr("sys.stdin", io.StringIO("357+468=\n12+5=\n100+200=\nq\n"))
+    assert chat.main([]) == 0
+    answers = [line.strip() for line in capsys.readouterr().out.splitlines() if line.strip().isdigit()]
+    assert answers == ["825", "17", "300"]
+
+
+def test_a_template_that_renders_the_turns_keeps_them(llada):
+    _, tok = llada
+    assert tok.has_chat_template and chat.keeps_turns(tok)
+
+
 # ----------------------------------------------------------------------------- issue 12, part 5
 
 
