@@ -25,10 +25,14 @@ left-to-right prefix, so every token the processors were fed stays.
 
 Accepting: greedy decoding accepts a proposal that is the processed argmax (the
 output is then what left-to-right greedy decoding with the processors picks from the
-same logits); sampled decoding accepts a proposal the processors allow (a finite
-processed logit): exact for processors that only mask ids (grammars, allowed sets),
-while a processor that reweights without masking (a repetition penalty) then shapes
-only the corrections.
+same logits). Sampled decoding (a sampler, e.g. the argmax sampler mlx_lm.server passes
+at temperature 0): where the processors only removed ids (grammars, allowed sets:
+`masks_only`), a proposal they allow is accepted, which is exact (a draw from the
+logits kept where allowed, else drawn again from the processed ones, is a draw from the
+processed distribution); where they reweight (a logit bias, a repetition penalty), the
+token is drawn from the processed log-probs with the sampler and the walk goes on only
+if it is the proposal: each committed token is then the sampler's draw from the
+processed logits, as left-to-right decoding with the processors draws it.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class LeftToRight:
                 if k > masked[0] and (not selected[row, k] or host[row, start + k] != mask_id):
                     break  # the rule left it masked: the walk stops before feeding anything
                 processed = log_softmax(self.apply(np.array(history), logits[row, k][None]))
-                token, accepted = self._accept(processed, int(proposals[row, k]), propose)
+                token, accepted = self._accept(logits[row, k][None], processed, int(proposals[row, k]), propose)
                 logprobs[row, k] = processed[0]
                 tokens[row, k], out_commit[row, k] = token, True
                 history.append(token)
@@ -110,13 +114,34 @@ class LeftToRight:
                     break
         return mx.array(out_commit), mx.array(tokens), logprobs
 
-    def _accept(self, processed: mx.array, proposal: int, propose: Callable) -> tuple[int, bool]:
+    def _accept(self, logits: mx.array, processed: mx.array, proposal: int, propose: Callable) -> tuple[int, bool]:
+        """(the token committed, whether it is the proposal) at one position: `logits`
+        (1, V) the step's, `processed` (1, V) the processors' log-probs of them."""
         if self.greedy:
             best = int(mx.argmax(processed[0]).item())
             return best, best == proposal
-        if bool(mx.isfinite(processed[0, proposal]).item()):
-            return proposal, True
-        return int(propose(processed[None])[0, 0].item()), False
+        if masks_only(log_softmax(logits), processed):
+            if bool(mx.isfinite(processed[0, proposal]).item()):
+                return proposal, True
+            return int(propose(processed[None])[0, 0].item()), False
+        # reweighted: the proposal came from other probabilities; draw from the processed
+        # ones (as left-to-right sampling with the processors does) and walk on if it agrees
+        token = int(propose(processed[None])[0, 0].item())
+        return token, token == proposal
+
+
+def masks_only(logprobs: mx.array, processed: mx.array, tolerance: float = 1e-3) -> bool:
+    """Whether `processed` (log-probs) is `logprobs` with ids removed and nothing else: the
+    same differences between the ids both allow (a constant: the renormalization), none
+    allowed that `logprobs` did not. Then a proposal drawn from `logprobs` and kept where
+    allowed (else drawn again from `processed`) is distributed as `processed`."""
+    kept, allowed = mx.isfinite(logprobs), mx.isfinite(processed)
+    both = kept & allowed
+    if bool(mx.any(allowed & ~kept).item()) or not bool(mx.any(both).item()):
+        return False
+    shift = processed - logprobs
+    spread = mx.max(mx.where(both, shift, -mx.inf)) - mx.min(mx.where(both, shift, mx.inf))
+    return bool((spread <= tolerance).item())
 
 
 __all__ = ["allowed_bias", "LeftToRight"]

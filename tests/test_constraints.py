@@ -8,9 +8,11 @@ from pathlib import Path
 import jsonschema
 import mlx.core as mx
 import pytest
-from mlx_lm.sample_utils import make_repetition_penalty, make_sampler
+from mlx_lm.sample_utils import make_logits_processors, make_repetition_penalty, make_sampler
 
 import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.constraints import masks_only
+
 from checkpoints import EOS_ID, MASK_ID, VOCAB
 from checkpoints_block import SDAR_MASK
 
@@ -85,6 +87,47 @@ def test_greedy_commits_are_the_processed_argmax(llada):
     assert len(tokens) == 10 and len(set(tokens)) == 10 and not set(tokens) & set(PROMPT)
     for r in run:
         assert float(r.logprobs[r.token]) == pytest.approx(float(mx.max(r.logprobs)), abs=1e-5)
+
+
+@pytest.mark.parametrize("processor", [make_repetition_penalty(1e6, 20), "bias"], ids=["penalty", "logit_bias"])
+def test_a_sampler_draws_from_the_reweighted_logits(llada, processor):
+    """A processor that reweights (mlx-lm's repetition penalty, a logit bias) under a
+    sampler: each committed token is the sampler's draw from the processed logits. With
+    mlx_lm.server's temperature-0 sampler (an argmax) that is the greedy decode with the
+    processor; the unprocessed proposal used to stand wherever the processor allowed it."""
+    model, tok = llada
+    plain = mld.generate(model, tok, PROMPT, max_tokens=10, block_length=5, threshold=0.2)
+    if processor == "bias":  # (against the unprocessed decode's first token)
+        processor = make_logits_processors({tok.encode(plain, add_special_tokens=False)[0]: -100.0})[0]
+    kw = dict(max_tokens=10, block_length=5, threshold=0.2, logits_processors=[processor])
+    greedy = [r.token for r in mld.stream_generate(model, tok, PROMPT, **kw)]
+    sampled = list(mld.stream_generate(model, tok, PROMPT, sampler=make_sampler(0.0), **kw))
+    assert [r.token for r in sampled] == greedy != tok.encode(plain, add_special_tokens=False)
+
+
+def test_a_sampler_keeps_parallel_commits_under_a_processor_that_only_masks(llada):
+    model, tok = llada
+
+    class AllowAll(InOrder):
+        def __call__(self, tokens, logits):
+            super().__call__(tokens, logits)
+            return logits
+
+    kw = dict(max_tokens=16, block_length=8, threshold=0.0, sampler=make_sampler(0.0))
+    plain = list(mld.stream_generate(model, tok, PROMPT, **kw))
+    run = list(mld.stream_generate(model, tok, PROMPT, logits_processors=[AllowAll(len(PROMPT))], **kw))
+    assert [r.token for r in run] == [r.token for r in plain]
+    assert run[-1].forwards == plain[-1].forwards < len(run)
+
+
+def test_masks_only_tells_removed_ids_from_reweighting():
+    logprobs = mx.log(mx.softmax(mx.array([[1.0, 2.0, 0.5, -1.0]]), axis=-1))
+    removed = logprobs + mx.array([[0.0, -mx.inf, 0.0, -mx.inf]])
+    removed = removed - mx.logsumexp(removed, axis=-1, keepdims=True)
+    assert masks_only(logprobs, logprobs) and masks_only(logprobs, removed)
+    biased = logprobs + mx.array([[0.0, 0.5, 0.0, 0.0]])
+    assert not masks_only(logprobs, biased - mx.logsumexp(biased, axis=-1, keepdims=True))
+    assert not masks_only(removed, logprobs)  # (ids allowed again)
 
 
 def test_block_causal_causal_prefix_and_autoregressive(sdar, nemotron, tmp_path):
