@@ -99,8 +99,10 @@ def generate_batch(
     from .generation import check_prompt
     from .infill import encode_suffix, suffix_seed
 
-    suffix = kwargs.pop("suffix", None)
+    from .compat import drop_cache_options
 
+    suffix = kwargs.pop("suffix", None)
+    drop_cache_options(kwargs)  # (mlx_lm.batch_generate's scheduling keywords, as stream_generate's)
     if prompt_caches is not None:
         raise ValueError("a diffusion model keeps no prompt key/value cache to resume: pass prompt_caches=None")
     from .images import text_tokenizer

@@ -41,7 +41,7 @@ PROG = "mlx_lm_diffusion.chat"
 
 # mlx_lm.chat's flags that cannot apply to a diffusion model -> why.
 REFUSED = {
-    "max_kv_size": "a diffusion model keeps no key/value cache to bound (the conversation is its prompt cache of tokens)",
+    "max_kv_size": compat.NO_KV_WINDOW,
     "prefill_step_size": "there is no prefill to split: every forward reads the prompt and the canvas together",
     "pipeline": "distributed (pipelined or tensor-parallel) decoding is not built for diffusion models; run on one device",
 }

@@ -39,16 +39,38 @@ from .options import DecodeOptions, add_arguments, check_fields, check_forward_b
 from .prompt_cache import TokenCache, make_prompt_cache
 from .request_options import current_request_options, request_options
 
-# mlx-lm's generate_step options with no meaning without a key/value cache or prefill.
+# Why mlx-lm's key/value-cache options cannot apply to a diffusion model (the CLIs'
+# refusals of the same flags say it too).
+NO_KV_WINDOW = ("a diffusion decode attends to its whole context: there is no rotating key/value window "
+                "to bound (the canvas's size is max_tokens)")
+NO_KV_QUANTIZATION = ("a diffusion model's key/value caches (the exact ones some families keep for the prompt "
+                      "and finished blocks) stay unquantized")
+# mlx-lm's generate_step / batch_generate options refused when set to anything but their
+# off value (None): they would silently change nothing
+REFUSED_WHEN_SET = {"max_kv_size": NO_KV_WINDOW, "kv_bits": NO_KV_QUANTIZATION}
+# ... and those that change nothing here at any value, which mlx-lm's own callers pass
+# with their defaults (mlx_lm.server: prefill_step_size, num_draft_tokens, kv_group_size;
+# kv_group_size and quantized_kv_start only mean something with kv_bits, num_draft_tokens
+# with a draft_model, both refused): accepted and dropped
 _IGNORED = (
     "stream",
-    "max_kv_size",
     "prefill_step_size",
-    "kv_bits",
     "kv_group_size",
     "quantized_kv_start",
     "num_draft_tokens",
+    "completion_batch_size",  # (batch_generate's: a running batch takes rows as they come)
+    "prefill_batch_size",
 )
+
+
+def drop_cache_options(kwargs: dict) -> None:
+    """Remove mlx-lm's key/value-cache and scheduling options from `kwargs`: ValueError
+    for one set that a diffusion model cannot honour, the others dropped."""
+    for name, why in REFUSED_WHEN_SET.items():
+        if kwargs.pop(name, None) is not None:
+            raise ValueError(f"{name}: {why}")
+    for name in _IGNORED:
+        kwargs.pop(name, None)
 
 # The decoding options a caller may set by name (the server's JSON fields, the CLI
 # flags) are the options schema's named options: see mlx_lm_diffusion.options.
@@ -144,8 +166,7 @@ def stream_generate(
         raise ValueError("speculative decoding (draft_model) does not apply to diffusion models")
     if kwargs.pop("input_embeddings", None) is not None:
         raise ValueError("input_embeddings are not supported for diffusion models")
-    for name in _IGNORED:
-        kwargs.pop(name, None)
+    drop_cache_options(kwargs)
     caches = _token_caches(kwargs.pop("prompt_cache", None))
     progress = kwargs.pop("prompt_progress_callback", None)
     options = {**current_request_options(), **kwargs}

@@ -27,7 +27,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from model_adapters import adapter_for
 
-from . import distributed
+from . import compat, distributed
 from .compat import add_decode_arguments, decode_defaults
 from .demo import MODEL_HELP, model_or_demo
 from .images import text_tokenizer
@@ -39,17 +39,17 @@ mlx_generate = importlib.import_module("mlx_lm.generate")
 PROG = "mlx_lm_diffusion.generate"
 
 _NO_DRAFT = "speculative decoding drafts tokens for an autoregressive model; a diffusion model unmasks its canvas in parallel"
-_NO_KV = "a diffusion model keeps no key/value cache to bound or quantize (the canvas is decoded whole; its size is --max-tokens)"
 
 # mlx_lm.generate's flags that cannot apply to a diffusion model -> why.
 REFUSED = {
     "draft_model": _NO_DRAFT,
     "num_draft_tokens": _NO_DRAFT,
-    "max_kv_size": _NO_KV,
-    "kv_bits": _NO_KV,
-    "kv_group_size": _NO_KV,
-    "quantized_kv_start": _NO_KV,
-    "prompt_cache_file": "a diffusion model keeps no key/value cache to load from a file (mlx_lm.cache_prompt's files hold one)",
+    "max_kv_size": compat.NO_KV_WINDOW,
+    "kv_bits": compat.NO_KV_QUANTIZATION,
+    "kv_group_size": compat.NO_KV_QUANTIZATION,
+    "quantized_kv_start": compat.NO_KV_QUANTIZATION,
+    "prompt_cache_file": ("mlx_lm.cache_prompt's files hold an autoregressive model's key/value cache, which a "
+                          "diffusion decode cannot start from"),
     "prefill_step_size": "there is no prefill to split: every forward reads the prompt and the canvas together",
 }
 

@@ -164,9 +164,9 @@ INAPPLICABLE_FLAGS = {
     "draft_model": ("--draft-model", "speculative decoding does not apply to diffusion models"),
     "num_draft_tokens": ("--num-draft-tokens", "speculative decoding does not apply to diffusion models"),
     "adapter_path": ("--adapter-path", "adapters are not supported for diffusion models"),
-    "kv_bits": ("--kv-bits", "a diffusion model keeps no key/value cache to quantize"),
-    "kv_group_size": ("--kv-group-size", "a diffusion model keeps no key/value cache to quantize"),
-    "quantized_kv_start": ("--quantized-kv-start", "a diffusion model keeps no key/value cache to quantize"),
+    "kv_bits": ("--kv-bits", compat.NO_KV_QUANTIZATION),
+    "kv_group_size": ("--kv-group-size", compat.NO_KV_QUANTIZATION),
+    "quantized_kv_start": ("--quantized-kv-start", compat.NO_KV_QUANTIZATION),
     "prefill_step_size": ("--prefill-step-size", "a diffusion model has no prefill"),
     "pipeline": ("--pipeline", "pipeline parallelism is not supported for diffusion models; tensor "
                  "parallelism is (mlx.launch without --pipeline)"),

@@ -166,6 +166,25 @@ def test_compat_rejects_what_does_not_apply(llada):
         compat.stream_generate(model, tok, PROMPT, max_tokens=0)
     with pytest.raises(ValueError, match="context"):
         compat.stream_generate(model, tok, [65] * 600)
+    # key/value-cache options a diffusion model cannot honour: refused when set, not ignored
+    for name, value, word in (("kv_bits", 4, "unquantized"), ("max_kv_size", 64, "rotating key/value window")):
+        with pytest.raises(ValueError, match=f"{name}: .*{word}"):
+            next(compat.stream_generate(model, tok, PROMPT, max_tokens=4, **{name: value}))
+        with pytest.raises(ValueError, match=word):
+            mld.generate_batch(model, tok, [PROMPT], max_tokens=4, **{name: value})
+
+
+def test_mlx_lm_defaults_for_cache_and_scheduling_options_pass(llada):
+    """What mlx_lm.server, mlx_lm.benchmark and mlx_lm.evaluate pass with their defaults
+    changes nothing here: accepted by stream_generate and generate_batch alike."""
+    model, tok = llada
+    plain = [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=8)]
+    passed = dict(kv_bits=None, max_kv_size=None, kv_group_size=64, quantized_kv_start=5000, num_draft_tokens=3,
+                  prefill_step_size=2048)
+    assert [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=8, **passed)] == plain
+    batched = mld.generate_batch(model, tok, [PROMPT], max_tokens=8, return_token_ids=True, completion_batch_size=32,
+                                 prefill_batch_size=8, **passed)
+    assert batched.token_ids == mld.generate_batch(model, tok, [PROMPT], max_tokens=8, return_token_ids=True).token_ids
 
 
 def test_max_tokens_fits_the_context(llada):
