@@ -91,8 +91,9 @@ class GrammarProcessor:
             if fed != 1:
                 raise RuntimeError(f"a grammar processor is fed one token per call, in order; got {fed}")
             token = int(tokens[-1].item())
-            if not self.matcher.consume_token(token):
-                raise RuntimeError(f"token {token} breaks the grammar: {self.matcher.get_error()}")
+            if not self.matcher.consume_token(token):  # (llguidance's report: the first line)
+                error = (self.matcher.get_error() or "").strip().splitlines()[:1]
+                raise RuntimeError(f"token {token} breaks the grammar: {error[0] if error else 'rejected'}")
             self.consumed += 1
         allowed = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)[: self.vocab_size] > 0
         if allowed.shape[0] < logits.shape[-1]:
@@ -107,7 +108,23 @@ def grammar_processor(tokenizer: Any, vocab_size: int, grammar: str) -> GrammarP
     matcher = ll.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
     if matcher.is_error():
         raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
+    _check_can_begin(matcher, tokenizer, vocab_size)
     return GrammarProcessor(matcher, vocab_size)
+
+
+def _check_can_begin(matcher: Any, tokenizer: Any, vocab_size: int) -> None:
+    """ValueError, before anything runs, when no token of the vocabulary can begin text
+    the grammar accepts (and it does not accept empty output): every token it allows
+    first is special or has no text (the demo model's digits cannot begin a JSON object).
+    The decode would otherwise commit one and fail mid-way."""
+    if matcher.is_accepting():
+        return
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    special = set(getattr(hf, "all_special_ids", ()) or ())
+    allowed = np.flatnonzero(np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)[:vocab_size] > 0)
+    if not any(int(t) not in special and hf.decode([int(t)]) for t in allowed):
+        raise ValueError("the model's vocabulary cannot begin output that matches this grammar (no token it "
+                         "allows first has text of its own)")
 
 
 def json_schema_processor(tokenizer: Any, vocab_size: int, schema: Any) -> GrammarProcessor:

@@ -103,6 +103,27 @@ def test_missing_grammar_library_is_a_400(client, monkeypatch):
     assert "mlx-lm-diffusion[constraints]" in e.value.body["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_the_vocabulary_cannot_begin_is_a_400(stream):
+    """The demo model's vocabulary (digits, +, =) has no token that begins a JSON object:
+    a 400 before anything streams, not a 500 from the decode's first commit."""
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+    with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
+                               max_retries=0, timeout=TIMEOUT)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "357+468="}],
+                                           response_format={"type": "json_object"}, stream=stream)
+        assert "cannot begin output that matches this grammar" in e.value.body["message"]
+        assert "\n" not in e.value.body["message"]
+        # a grammar it can begin still runs
+        out = client.chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": "357+468="}],
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}})
+        assert isinstance(json.loads(out.choices[0].message.content), int)
+
+
 def test_an_autoregressive_model_refuses_the_fields(tmp_path):
     """A plain mlx-lm model is decoded by mlx-lm's own loop, which would ignore them."""
     import huggingface_hub.constants as hf_constants
