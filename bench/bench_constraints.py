@@ -74,7 +74,7 @@ def run(decodes: int):
     micro_model, micro_tok = mld.load(str(write_llada(Path(tempfile.mkdtemp()) / "micro")))
     micro_prompts = ["JSON: "] * decodes
     cases = [
-        ("demo", demo_model, demo_tok, demo_prompts, DEMO_SCHEMA, "defaults (5 steps)", dict(max_tokens=5)),
+        ("demo", demo_model, demo_tok, demo_prompts, DEMO_SCHEMA, "defaults", dict(max_tokens=5)),
         ("demo", demo_model, demo_tok, demo_prompts, DEMO_SCHEMA, "threshold 0.9", dict(max_tokens=5, threshold=0.9)),
         ("micro", micro_model, micro_tok, micro_prompts, MICRO_SCHEMA, "block 16, threshold 0.9",
          dict(max_tokens=64, block_length=16, threshold=0.9)),

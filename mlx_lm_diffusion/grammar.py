@@ -13,7 +13,7 @@ The mask is computed on the host (numpy): llguidance's MLX helper is a Metal ker
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -36,20 +36,22 @@ def _llguidance():
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int):
-    """llguidance's view of a Hugging Face tokenizer over the model's vocabulary (ids
-    past the tokenizer's are never allowed); built once per tokenizer (~1 s). A
-    tokenizer whose decoder llguidance cannot read (a character vocabulary with a Fuse
-    decoder) is described token by token instead."""
+    """(llguidance's view of a Hugging Face tokenizer over the model's vocabulary (ids
+    past the tokenizer's are never allowed), the ids of tokens without text); built once
+    per tokenizer (~1 s). A tokenizer whose decoder llguidance cannot read (a character
+    vocabulary with a Fuse decoder) is described token by token instead, which is also
+    where tokens without text occur (the demo model's <blank> padding)."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # (mlx-lm's TokenizerWrapper wraps it)
     key = (id(hf), vocab_size)
     if key not in _tokenizers:
         ll = _llguidance()
         try:
-            built = ll.hf.from_tokenizer(hf, n_vocab=vocab_size)
+            built, textless = ll.hf.from_tokenizer(hf, n_vocab=vocab_size), ()
         except ValueError:
-            built = ll.LLTokenizer(ll.TokenizerWrapper(_TokenTable(hf, vocab_size)), n_vocab=vocab_size)
-        _tokenizers[key] = (hf, built)  # (keeps hf alive: its id stays unique)
-    return _tokenizers[key][1]
+            table = _TokenTable(hf, vocab_size)
+            built, textless = ll.LLTokenizer(ll.TokenizerWrapper(table), n_vocab=vocab_size), table.textless
+        _tokenizers[key] = (hf, built, textless)  # (keeps hf alive: its id stays unique)
+    return _tokenizers[key][1:]
 
 
 class _TokenTable:
@@ -61,11 +63,13 @@ class _TokenTable:
         known = len(hf)
         self.eos_token_id = hf.eos_token_id
         self.bos_token_id = getattr(hf, "bos_token_id", None)
+        text = [None if i in special or i >= known else hf.decode([i]).encode("utf-8") for i in range(vocab_size)]
+        # tokens whose text is empty: no grammar can tell them apart, so llguidance is shown
+        # them as special (never allowed) and GrammarProcessor lets them through itself
+        self.textless = tuple(i for i, t in enumerate(text) if t == b"")
         self.special_token_ids = sorted(t for t in special if t < vocab_size) + list(range(known, vocab_size))
-        self.tokens = [
-            b"\xff" + f"<[{i}]>".encode() if i in special or i >= known else hf.decode([i]).encode("utf-8")
-            for i in range(vocab_size)
-        ]
+        self.special_token_ids = sorted(set(self.special_token_ids) | set(self.textless))
+        self.tokens = [b"\xff" + f"<[{i}]>".encode() if not t else t for i, t in enumerate(text)]
         self._hf = hf
 
     def __call__(self, text: str) -> list:
@@ -77,9 +81,12 @@ class GrammarProcessor:
     mlx-lm does, with the prompt plus the tokens generated so far (one more each call)
     and the next position's logits (1, V)."""
 
-    def __init__(self, matcher: Any, vocab_size: int):
+    def __init__(self, matcher: Any, vocab_size: int, textless: Sequence[int] = ()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        # tokens without text (the demo's <blank> padding): they add nothing a grammar reads,
+        # so they are allowed everywhere and not fed to the matcher
+        self.textless = frozenset(textless)
         self.start: Optional[int] = None  # the prompt's length (the first call's tokens)
         self.consumed = 0
 
@@ -91,11 +98,13 @@ class GrammarProcessor:
             if fed != 1:
                 raise RuntimeError(f"a grammar processor is fed one token per call, in order; got {fed}")
             token = int(tokens[-1].item())
-            if not self.matcher.consume_token(token):  # (llguidance's report: the first line)
+            if token not in self.textless and not self.matcher.consume_token(token):  # (llguidance's report: the first line)
                 error = (self.matcher.get_error() or "").strip().splitlines()[:1]
                 raise RuntimeError(f"token {token} breaks the grammar: {error[0] if error else 'rejected'}")
             self.consumed += 1
         allowed = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)[: self.vocab_size] > 0
+        if self.textless:
+            allowed[list(self.textless)] = True
         if allowed.shape[0] < logits.shape[-1]:
             allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))
         return mx.where(mx.array(allowed), logits, -mx.inf)
@@ -105,11 +114,12 @@ def grammar_processor(tokenizer: Any, vocab_size: int, grammar: str) -> GrammarP
     """A processor for an llguidance grammar (LLMatcher.grammar_from_*); ValueError when
     the grammar does not compile."""
     ll = _llguidance()
-    matcher = ll.LLMatcher(_ll_tokenizer(tokenizer, vocab_size), grammar, log_level=0)
+    built, textless = _ll_tokenizer(tokenizer, vocab_size)
+    matcher = ll.LLMatcher(built, grammar, log_level=0)
     if matcher.is_error():
         raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
     _check_can_begin(matcher, tokenizer, vocab_size)
-    return GrammarProcessor(matcher, vocab_size)
+    return GrammarProcessor(matcher, vocab_size, textless)
 
 
 def _check_can_begin(matcher: Any, tokenizer: Any, vocab_size: int) -> None:
