@@ -87,12 +87,9 @@ def load(
     config = load_config(model_path)
     if not autoregressive or str(config.get("model_type")) in FAMILIES:
         family_module(str(config.get("model_type")))  # clear error for other model types
-    from transformers.utils import logging as hf_logging
+    from .install import quiet_config_warnings
 
-    # AutoTokenizer reads config.json and warns that it does not know our model types
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
+    with quiet_config_warnings():
         sharded = group is not None and group.size() > 1
         model, tokenizer = mlx_lm_load(
             str(model_path),
@@ -107,8 +104,6 @@ def load(
 
             shard_loaded(model, group)
         processor = _processor(model, model_path, config)
-    finally:
-        hf_logging.set_verbosity(verbosity)
     # the checkpoint's decoding defaults (generation_config.json), below explicit options
     generation_defaults.attach(model, model_path)
     if processor is None:

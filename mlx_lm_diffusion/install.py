@@ -24,11 +24,13 @@ generation_config.json's decoding defaults on the model as `mlx_lm_diffusion.loa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import json
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -92,12 +94,30 @@ REFUSALS: Tuple[Tuple[str, str, Optional[Callable[[dict], bool]], str], ...] = (
 
 
 
+@contextlib.contextmanager
+def quiet_config_warnings():
+    """Around loading a diffusion checkpoint's tokenizer: AutoTokenizer reads its
+    config.json with transformers' config classes, which warn about what they do not know
+    and we do not use them for ("You are using a model of type llada to instantiate a model
+    of type .", SDAR's "`rope_scaling` is deprecated")."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*rope_scaling.*", category=FutureWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def _loads_no_remote_code(original: Callable[..., Any]) -> Callable[..., Any]:
     """mlx_lm.utils.load_tokenizer for a diffusion checkpoint: trust_remote_code is False
     unless the caller set it. The released checkpoints name their tokenizer code in
     auto_map, and mlx_lm.load passes no trust_remote_code, so AutoTokenizer would ask
     "Do you wish to run the custom code? [y/N]" and wait 15 s (issue 12 part 3). And
-    transformers' warning about a model type it does not know is kept quiet."""
+    transformers' warnings about the config are kept quiet (quiet_config_warnings)."""
 
     @functools.wraps(original)
     def load_tokenizer(model_path, tokenizer_config_extra=None, *args, **kwargs):
@@ -105,17 +125,8 @@ def _loads_no_remote_code(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(model_path, tokenizer_config_extra, *args, **kwargs)
         if (tokenizer_config_extra or {}).get("trust_remote_code") is None:
             tokenizer_config_extra = {**(tokenizer_config_extra or {}), "trust_remote_code": False}
-        from transformers.utils import logging as hf_logging
-
-        # AutoTokenizer reads config.json and warns that it does not know our model types
-        # ("You are using a model of type llada to instantiate a model of type ."), as
-        # mlx_lm_diffusion.load keeps it from doing
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
+        with quiet_config_warnings():
             return original(model_path, tokenizer_config_extra, *args, **kwargs)
-        finally:
-            hf_logging.set_verbosity(verbosity)
 
     load_tokenizer.__mlx_lm_diffusion__ = True
     return load_tokenizer

@@ -92,6 +92,14 @@ def test_stock_load_of_a_diffusion_checkpoint(llada_path, installed):
     assert mlx_lm.generate(model, tok, PROMPT, max_tokens=8) == mld.generate(model, tok, PROMPT, max_tokens=8)
 
 
+def test_loading_sdar_prints_no_config_warning(tmp_path):
+    """transformers' "`rope_scaling` is deprecated", from AutoTokenizer reading SDAR's config."""
+    path = write_sdar(tmp_path / "sdar")
+    script = "import sys, mlx_lm, mlx_lm_diffusion as mld; mld.load(sys.argv[1]); mld.install(); mlx_lm.load(sys.argv[1])"
+    r = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "rope_scaling" not in r.stderr and "Warning" not in r.stderr, r.stderr
+
+
 def test_stock_load_prints_no_unknown_model_type_warning(llada_path):
     # (a fresh process: transformers' logging handler writes to the real stderr)
     script = ("import sys, mlx_lm, mlx_lm_diffusion as mld; mld.install(); mlx_lm.load(sys.argv[1]); "
