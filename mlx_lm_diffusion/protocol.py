@@ -140,6 +140,10 @@ class ScheduleWithEarlyExit(ScheduleQuota):
     confidence_threshold: Optional[float] = None
     threshold_met: bool = False
     name: ClassVar[str] = "protocol"
+    # the schedule covers every generated position: a family that seeds each block's first
+    # token from a causal pass (Nemotron) does not, the model's block forward predicts it
+    # as every other (the spec's contract: logits for every masked position)
+    seeds_blocks: ClassVar[bool] = False
     # step -> (B, block) commits, for a canvas without mask ids to compare (uniform noise)
     commits: dict = field(default_factory=dict)
 

@@ -173,17 +173,18 @@ def block_causal(request, tmp_path_factory):
     return mld.load(str(writer(tmp_path_factory.mktemp(request.param))))
 
 
-def block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, schedule):
+def block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, attention=None):
     """The spec's loop, greedy, written from it: every step one forward over the whole
-    canvas with the model's own block-causal attention (attention blocks from position 0),
-    the k_t most confident masked positions committed with their argmax (never a
-    suppressed id). Returns (final tokens, per step the positions committed)."""
+    canvas with the model's own block-causal attention (attention blocks from position 0;
+    or `attention`), the k_t most confident masked positions committed with their argmax
+    (never a suppressed id). Returns (final tokens, per step the positions committed)."""
     from mlx_arsenal.attention import block_causal_mask
     from model_adapters import adapter_for
 
     adapter = adapter_for(model, tok)
     x = np.array(prompt + [adapter.mask_id] * (target_length - len(prompt)))
-    attention = block_causal_mask(target_length, model.args.block_size)
+    if attention is None:
+        attention = block_causal_mask(target_length, model.args.block_size)
     trace = []
     for k in quotas(schedule, target_length - len(prompt), num_steps):
         masked = np.flatnonzero(x == adapter.mask_id)
@@ -214,3 +215,26 @@ def test_block_causal_families_follow_the_schedule(block_causal, prompt_length, 
     assert len(response["confidence"]) == target_length - prompt_length
     steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
     assert [steps.get(t, []) for t in range(num_steps)] == trace
+
+
+@pytest.mark.parametrize("prompt_length,target_length,num_steps,schedule", [(5, 17, 4, "linear"), (4, 8, 4, "cosine")])
+def test_nemotron_follows_the_schedule(nemotron, prompt_length, target_length, num_steps, schedule):
+    """Nemotron's decode seeds each block's first token from the causal pass; under the
+    protocol the schedule covers every position, so the block forward (the prompt causal,
+    the generated region bidirectional over it) predicts the first one too: k_t commits
+    per step, the oracle's tokens."""
+    model, tok = nemotron
+    prompt = list(range(72, 72 + prompt_length))
+    response = run_request(model, tok, {
+        "prompt_tokens": prompt, "target_length": target_length, "num_steps": num_steps,
+        "mask_schedule": schedule, "temperature_schedule": [0.0] * num_steps, "top_p": 1.0,
+    })
+    validate_response(response)
+    allowed = np.tril(np.ones((target_length, target_length), dtype=bool))
+    allowed[prompt_length:] = True  # (the generated region sees the prompt and itself)
+    tokens, trace = block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, schedule,
+                                                 attention=mx.array(allowed))
+    assert response["final_tokens"] == tokens
+    steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
+    assert [steps.get(t, []) for t in range(num_steps)] == trace
+    assert [len(t) for t in trace] == quotas(schedule, target_length - prompt_length, num_steps)

@@ -225,7 +225,10 @@ class MaskedBlockDecoder(Decoder):
 
     def _seed_first_token(self, state: Any, canvas: Canvas, b: BlockState) -> None:
         """Commit the block's first token when a causal pass already proposed it (the
-        adapter's `block_seed`), in rows still decoding."""
+        adapter's `block_seed`), in rows still decoding, unless the rule schedules every
+        position itself (the step-schedule protocol's: `seeds_blocks` False)."""
+        if not getattr(self.options.rule, "seeds_blocks", True):
+            return
         logits = self.adapter.block_seed(state, canvas.tokens, b.start)
         if logits is None:
             return
