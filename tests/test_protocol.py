@@ -162,7 +162,7 @@ def test_generate_accepts_schedule(llada):
         mld.generate(model, tok, [72], max_tokens=4, schedule="linear", strategy="low_confidence")
 
 
-# -- block-causal families: one block, the whole generated region
+# -- oracles of the spec's loop: one block, the whole generated region
 
 
 @pytest.fixture(scope="module", params=["sdar", "llada2"])
@@ -173,11 +173,13 @@ def block_causal(request, tmp_path_factory):
     return mld.load(str(writer(tmp_path_factory.mktemp(request.param))))
 
 
-def block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, attention=None):
+def protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, attention=None,
+                                 shift=False):
     """The spec's loop, greedy, written from it: every step one forward over the whole
     canvas with the model's own block-causal attention (attention blocks from position 0;
-    or `attention`), the k_t most confident masked positions committed with their argmax
-    (never a suppressed id). Returns (final tokens, per step the positions committed)."""
+    or `attention`; `shift`: position i is predicted at i - 1, Dream's), the k_t most
+    confident masked positions committed with their argmax (never a suppressed id).
+    Returns (final tokens, per step the positions committed)."""
     from mlx_arsenal.attention import block_causal_mask
     from model_adapters import adapter_for
 
@@ -188,7 +190,8 @@ def block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, s
     trace = []
     for k in quotas(schedule, target_length - len(prompt), num_steps):
         masked = np.flatnonzero(x == adapter.mask_id)
-        logits = np.array(model(mx.array(x[None]), mask=attention)[0].astype(mx.float32), dtype=np.float64)[masked]
+        logits = np.array(model(mx.array(x[None]), mask=attention)[0].astype(mx.float32), dtype=np.float64)
+        logits = (logits[masked - 1] if shift else logits[masked]).copy()
         logits[:, sorted(adapter.suppress_ids)] = -np.inf
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
@@ -210,7 +213,7 @@ def test_block_causal_families_follow_the_schedule(block_causal, prompt_length, 
         "mask_schedule": schedule, "temperature_schedule": [0.0] * num_steps, "top_p": 1.0,
     })
     validate_response(response)
-    tokens, trace = block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, schedule)
+    tokens, trace = protocol_oracle(model, tok, prompt, target_length, num_steps, schedule)
     assert response["final_tokens"] == tokens
     assert len(response["confidence"]) == target_length - prompt_length
     steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
@@ -232,9 +235,28 @@ def test_nemotron_follows_the_schedule(nemotron, prompt_length, target_length, n
     validate_response(response)
     allowed = np.tril(np.ones((target_length, target_length), dtype=bool))
     allowed[prompt_length:] = True  # (the generated region sees the prompt and itself)
-    tokens, trace = block_causal_protocol_oracle(model, tok, prompt, target_length, num_steps, schedule,
+    tokens, trace = protocol_oracle(model, tok, prompt, target_length, num_steps, schedule,
                                                  attention=mx.array(allowed))
     assert response["final_tokens"] == tokens
     steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
     assert [steps.get(t, []) for t in range(num_steps)] == trace
     assert [len(t) for t in trace] == quotas(schedule, target_length - prompt_length, num_steps)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_bidirectional_families_follow_the_oracle(family, request):
+    """LLaDA and Dream (bidirectional; Dream's logits shifted by one) against the same
+    oracle of the spec's loop, attention over the whole canvas."""
+    model, tok = request.getfixturevalue(family)
+    for prompt_length, target_length, num_steps, schedule in ((5, 17, 4, "linear"), (3, 12, 5, "cosine")):
+        prompt = list(range(72, 72 + prompt_length))
+        response = run_request(model, tok, {
+            "prompt_tokens": prompt, "target_length": target_length, "num_steps": num_steps,
+            "mask_schedule": schedule, "temperature_schedule": [0.0] * num_steps, "top_p": 1.0,
+        })
+        everything = mx.ones((target_length, target_length), dtype=mx.bool_)
+        tokens, trace = protocol_oracle(model, tok, prompt, target_length, num_steps, schedule,
+                                                     attention=everything, shift=family == "dream")
+        assert response["final_tokens"] == tokens
+        steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
+        assert [steps.get(t, []) for t in range(num_steps)] == trace
