@@ -163,7 +163,8 @@ def request_seed() -> int:
 INAPPLICABLE_FLAGS = {
     "draft_model": ("--draft-model", "speculative decoding does not apply to diffusion models"),
     "num_draft_tokens": ("--num-draft-tokens", "speculative decoding does not apply to diffusion models"),
-    "adapter_path": ("--adapter-path", "adapters are not supported for diffusion models"),
+    "adapter_path": ("--adapter-path", "this server does not load adapters for diffusion models (mlx_lm_diffusion.load, "
+                     "the generate and chat CLIs do); serve a model with the adapter fused into its weights"),
     "kv_bits": ("--kv-bits", compat.NO_KV_QUANTIZATION),
     "kv_group_size": ("--kv-group-size", compat.NO_KV_QUANTIZATION),
     "quantized_kv_start": ("--quantized-kv-start", compat.NO_KV_QUANTIZATION),
