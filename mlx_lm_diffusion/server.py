@@ -100,7 +100,7 @@ from model_adapters import adapter_for, is_diffusion_model
 
 from . import compat, distributed, distributed_server, images, peers, request_constraints, stream_batching
 from .decoders.speculative import check_greedy
-from .demo import model_or_demo
+from .demo import MODEL_HELP, model_or_demo
 from .generate import one_line_errors
 from .canvas_view import MASK_GLYPH
 from .engine import Step
@@ -1508,6 +1508,11 @@ class _FlagRecorder(argparse.ArgumentParser):
     (an unknown flag, a bad value) are one line, as the server's own are."""
 
     given: set = set()
+
+    def add_argument(self, *names, **kwargs):
+        if "--model" in names:  # (what --model means here: no --model serves the demo)
+            kwargs["help"] = MODEL_HELP
+        return super().add_argument(*names, **kwargs)
 
     def error(self, message: str) -> None:
         _fail(f"{message} (see {PROG} --help)")

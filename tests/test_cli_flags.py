@@ -235,12 +235,15 @@ def test_argparse_errors_are_one_line_exit_2(cli_name, flags, capsys):
     assert captured.out == ""
 
 
-@pytest.mark.parametrize("cli_name", ["generate", "chat", "convert"])
+@pytest.mark.parametrize("cli_name", ["generate", "chat", "convert", "server"])
 def test_help_is_still_the_whole_usage(cli_name, capsys):
     with pytest.raises(SystemExit) as e:
         cli_mains()[cli_name](["--help"])
     assert e.value.code == 0
-    assert "--model" in capsys.readouterr().out or cli_name == "convert"
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--model" in out or cli_name == "convert"
+    if cli_name in ("generate", "chat", "server"):  # (each falls back to the demo without --model)
+        assert "the embedded demo model" in out
 
 
 # ----------------------------------------------------------------------------- --show-canvas
