@@ -73,7 +73,10 @@ def convert(
     (mlx-lm's mixed_*) decides every layer itself."""
     from mlx_lm.utils import _download, load_config
 
+    from . import _check_local_path
+
     register()
+    _check_local_path(hf_path)  # (a missing local path: said so, not the Hub's repo-id rules)
     family_module(str(load_config(_download(hf_path, revision=revision)).get("model_type")))
     for name, bits in (("q_bits", q_bits), ("q_head_bits", q_head_bits)):
         if bits is not None and bits not in QUANT_BITS:

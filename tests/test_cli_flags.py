@@ -208,6 +208,13 @@ def test_convert_errors_are_one_line(flags, word, tmp_path, llada_path, capsys, 
     assert not (tmp_path / "out").exists()
 
 
+def test_convert_of_a_missing_local_path_says_so(tmp_path, capsys):
+    from mlx_lm_diffusion.convert import main
+
+    assert main(["--hf-path", "./no-such-model", "--mlx-path", str(tmp_path / "out")]) == 2
+    assert "no model at ./no-such-model" in one_error_line(capsys.readouterr().err)  # (not the Hub's repo-id rules)
+
+
 # ----------------------------------------------------------------------------- argparse's own errors
 
 
