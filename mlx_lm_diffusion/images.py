@@ -305,9 +305,12 @@ def request_inputs(model: Any, tokenizer: Any, prompt: Any, kwargs: dict) -> Tup
         if messages:
             prompt = wrapped.apply_chat_template(list(prompt), add_generation_prompt=True)
         return wrapped, prompt, vision
-    if processor is None or not getattr(model, "has_vision", False):
-        raise ImageError("images need a checkpoint with a vision tower and its processor: pass the "
-                         "processor that load() returned in place of the tokenizer")
+    if not getattr(model, "has_vision", False):
+        raise ImageError("this model takes no images (no vision tower): images need a checkpoint with one "
+                         "(DiffusionGemma's)")
+    if processor is None:
+        raise ImageError("images need the checkpoint's processor: pass the processor that load() returned "
+                         "in place of the tokenizer")
     text, images, videos, special = prompt, [], [], True
     if messages:
         chat, images, videos = chat_messages(prompt)
