@@ -4,7 +4,8 @@ The canvas and the answer never share a line. On a terminal the canvas is one li
 redrawn in place (carriage return + clear line, cut to the terminal's width) and
 `close()` ends it, so the caller prints the answer, once final, below it. When
 stderr is not a terminal, each forward writes one line `[forward N] <canvas>`.
-Newlines inside the canvas are drawn as `NEWLINE_GLYPH`, so a frame is one line.
+Newlines inside the canvas are drawn as `NEWLINE_GLYPH`, so a frame is one line, and a
+token without text as `EMPTY_GLYPH`, so the canvas keeps its width.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Optional, TextIO
 from .engine import Step
 
 MASK_GLYPH = "\u2591"  # light shade: a position still masked
+EMPTY_GLYPH = "\u00b7"  # middle dot: a committed token without text (the demo's <blank> padding)
 NEWLINE_GLYPH = "\u21b5"  # a newline inside the canvas
 CLEAR_LINE = "\r\x1b[2K"
 
@@ -32,7 +34,7 @@ class CanvasView:
     def render(self, step: Step) -> str:
         gen = step.canvas[0, step.prompt_len :]
         pieces = [
-            MASK_GLYPH if t == self.mask_id else self.tokenizer.decode([int(t)]) for t in gen
+            MASK_GLYPH if t == self.mask_id else self.tokenizer.decode([int(t)]) or EMPTY_GLYPH for t in gen
         ]
         return "".join(pieces).replace("\r", "").replace("\n", NEWLINE_GLYPH)
 

@@ -290,6 +290,18 @@ def test_canvas_on_a_terminal_is_one_line_redrawn_in_place():
     assert out.getvalue().endswith("825\n") and out.getvalue().count("\n") == 1
 
 
+def test_canvas_draws_a_token_without_text_as_a_dot():
+    """The demo model's <blank> padding has no text: drawn, the canvas keeps its width."""
+    from mlx_lm_diffusion.canvas_view import EMPTY_GLYPH, MASK_GLYPH, CanvasView
+    from mlx_lm_diffusion.demo import load_demo
+    from mlx_lm_diffusion.demo.vocab import BLANK_ID, ID, MASK_ID
+
+    _, tok = load_demo()
+    view = CanvasView(tok, mask_id=MASK_ID, out=io.StringIO())
+    frame = view.render(FakeStep([BLANK_ID, BLANK_ID, MASK_ID, ID["2"], ID["5"]], 1))
+    assert frame == f"{EMPTY_GLYPH}{EMPTY_GLYPH}{MASK_GLYPH}25"
+
+
 def test_canvas_off_a_terminal_is_one_line_per_forward():
     from mlx_lm_diffusion.canvas_view import CanvasView
 
