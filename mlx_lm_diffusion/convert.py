@@ -74,6 +74,7 @@ def convert(
     from mlx_lm.utils import _download, load_config
 
     from . import _check_local_path
+    from .install import quiet_config_warnings
 
     register()
     _check_local_path(hf_path)  # (a missing local path: said so, not the Hub's repo-id rules)
@@ -87,8 +88,9 @@ def convert(
         raise ValueError(f"{mlx_path} already exists; choose a new --mlx-path")
 
     source = Path(_download(hf_path, revision=revision))
-    _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
-             upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
+    with quiet_config_warnings():  # (mlx-lm's convert loads the tokenizer too)
+        _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
+                 upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
     keep_vision(source, Path(mlx_path))
 
 

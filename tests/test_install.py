@@ -100,8 +100,10 @@ def test_loading_sdar_prints_no_config_warning(tmp_path):
     assert r.returncode == 0 and "rope_scaling" not in r.stderr and "Warning" not in r.stderr, r.stderr
 
 
-def test_stock_load_prints_no_unknown_model_type_warning(llada_path):
-    # (a fresh process: transformers' logging handler writes to the real stderr)
+def test_stock_load_prints_no_unknown_model_type_warning(tmp_path):
+    # (a fresh process: transformers' logging handler writes to the real stderr; a fresh
+    # checkpoint: the session's may have gained files from other tests)
+    llada_path = write_llada(tmp_path / "llada")
     script = ("import sys, mlx_lm, mlx_lm_diffusion as mld; mld.install(); mlx_lm.load(sys.argv[1]); "
               "from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(sys.argv[1])")
     r = subprocess.run([sys.executable, "-c", script, str(llada_path)], capture_output=True, text=True, timeout=120)
