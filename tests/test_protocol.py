@@ -201,23 +201,29 @@ def protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, atte
     return x.tolist(), trace
 
 
-@pytest.mark.parametrize("prompt_length,target_length,num_steps,schedule",
-                         [(5, 17, 4, "linear"), (3, 24, 6, "cosine"), (4, 8, 4, "linear"), (8, 9, 1, "sigmoid")])
-def test_block_causal_families_follow_the_schedule(block_causal, prompt_length, target_length, num_steps, schedule):
-    """SDAR and LLaDA2 (blocks on absolute positions) decode the whole generated region as
-    one block: exactly target_length tokens, k_t commits per step, the oracle's tokens."""
-    model, tok = block_causal
+def assert_follows_the_oracle(model, tok, prompt_length, target_length, num_steps, schedule, **oracle) -> list:
+    """A greedy request's response equals protocol_oracle's loop (tokens, and the positions
+    each step commits); returns those positions per step."""
     prompt = list(range(72, 72 + prompt_length))
     response = run_request(model, tok, {
         "prompt_tokens": prompt, "target_length": target_length, "num_steps": num_steps,
         "mask_schedule": schedule, "temperature_schedule": [0.0] * num_steps, "top_p": 1.0,
     })
     validate_response(response)
-    tokens, trace = protocol_oracle(model, tok, prompt, target_length, num_steps, schedule)
+    tokens, trace = protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, **oracle)
     assert response["final_tokens"] == tokens
     assert len(response["confidence"]) == target_length - prompt_length
     steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
     assert [steps.get(t, []) for t in range(num_steps)] == trace
+    return trace
+
+
+@pytest.mark.parametrize("prompt_length,target_length,num_steps,schedule",
+                         [(5, 17, 4, "linear"), (3, 24, 6, "cosine"), (4, 8, 4, "linear"), (8, 9, 1, "sigmoid")])
+def test_block_causal_families_follow_the_schedule(block_causal, prompt_length, target_length, num_steps, schedule):
+    """SDAR and LLaDA2 (blocks on absolute positions) decode the whole generated region as
+    one block: exactly target_length tokens, k_t commits per step, the oracle's tokens."""
+    assert_follows_the_oracle(*block_causal, prompt_length, target_length, num_steps, schedule)
 
 
 @pytest.mark.parametrize("prompt_length,target_length,num_steps,schedule", [(5, 17, 4, "linear"), (4, 8, 4, "cosine")])
@@ -226,20 +232,10 @@ def test_nemotron_follows_the_schedule(nemotron, prompt_length, target_length, n
     protocol the schedule covers every position, so the block forward (the prompt causal,
     the generated region bidirectional over it) predicts the first one too: k_t commits
     per step, the oracle's tokens."""
-    model, tok = nemotron
-    prompt = list(range(72, 72 + prompt_length))
-    response = run_request(model, tok, {
-        "prompt_tokens": prompt, "target_length": target_length, "num_steps": num_steps,
-        "mask_schedule": schedule, "temperature_schedule": [0.0] * num_steps, "top_p": 1.0,
-    })
-    validate_response(response)
     allowed = np.tril(np.ones((target_length, target_length), dtype=bool))
     allowed[prompt_length:] = True  # (the generated region sees the prompt and itself)
-    tokens, trace = protocol_oracle(model, tok, prompt, target_length, num_steps, schedule,
-                                                 attention=mx.array(allowed))
-    assert response["final_tokens"] == tokens
-    steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
-    assert [steps.get(t, []) for t in range(num_steps)] == trace
+    trace = assert_follows_the_oracle(*nemotron, prompt_length, target_length, num_steps, schedule,
+                                      attention=mx.array(allowed))
     assert [len(t) for t in trace] == quotas(schedule, target_length - prompt_length, num_steps)
 
 
@@ -249,14 +245,6 @@ def test_bidirectional_families_follow_the_oracle(family, request):
     oracle of the spec's loop, attention over the whole canvas."""
     model, tok = request.getfixturevalue(family)
     for prompt_length, target_length, num_steps, schedule in ((5, 17, 4, "linear"), (3, 12, 5, "cosine")):
-        prompt = list(range(72, 72 + prompt_length))
-        response = run_request(model, tok, {
-            "prompt_tokens": prompt, "target_length": target_length, "num_steps": num_steps,
-            "mask_schedule": schedule, "temperature_schedule": [0.0] * num_steps, "top_p": 1.0,
-        })
         everything = mx.ones((target_length, target_length), dtype=mx.bool_)
-        tokens, trace = protocol_oracle(model, tok, prompt, target_length, num_steps, schedule,
-                                                     attention=everything, shift=family == "dream")
-        assert response["final_tokens"] == tokens
-        steps = {s["step"]: sorted(s["token_indices"]) for s in response["per_step_unmasked"]}
-        assert [steps.get(t, []) for t in range(num_steps)] == trace
+        assert_follows_the_oracle(model, tok, prompt_length, target_length, num_steps, schedule,
+                                  attention=everything, shift=family == "dream")
