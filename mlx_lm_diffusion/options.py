@@ -267,6 +267,11 @@ def _fit_context(adapter: Adapter, decoder: Any, prompt_len: int, max_tokens: in
         return max_tokens
     room = adapter.max_length - prompt_len
     fitted = decoder.fit_length(min(max_tokens, room), block_length, room) if room > 0 else 0
+    if fitted < 1 and room > 0:  # a canvas of whole blocks (DiffusionGemma) that cannot fit
+        raise ValueError(
+            f"a block of {block_length} tokens does not fit the {room} tokens the model's context of "
+            f"{adapter.max_length} leaves after the prompt; lower block_length"
+        )
     if fitted < 1:
         raise ValueError(
             f"the prompt ({prompt_len} tokens) leaves no room in the model's context of "

@@ -271,6 +271,9 @@ def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int]
                                                               image_policy)
     shift = len(prompt) - len(given)  # the soft tokens the images' placeholders became
     P, total, steps = len(prompt), int(request["target_length"]) + shift, int(request["num_steps"])
+    if adapter.max_length is not None and total > adapter.max_length:  # the engine would cap it
+        raise ValueError(f"target_length ({request['target_length']}) exceeds the model's context of "
+                         f"{adapter.max_length} tokens{' with the images' if shift else ''}; lower it")
     rule = ScheduleWithEarlyExit(request["mask_schedule"], request.get("confidence_threshold"))
     options = DecodeOptions(
         max_tokens=total - P,

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.protocol import REQUEST_SCHEMA, run_request, validate_response
+from model_adapters import adapter_for
+from mlx_lm_diffusion.protocol import REQUEST_SCHEMA, prepare_request, run_request, validate_response
 from mlx_lm_diffusion.schedules import masked_after, quotas
 
 from checkpoints import EOS_ID, MASK_ID
@@ -248,3 +249,25 @@ def test_bidirectional_families_follow_the_oracle(family, request):
         everything = mx.ones((target_length, target_length), dtype=mx.bool_)
         assert_follows_the_oracle(model, tok, prompt_length, target_length, num_steps, schedule,
                                   attention=everything, shift=family == "dream")
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "nemotron", "gemma"])
+def test_a_target_past_the_context_is_a_clear_error(family, request):
+    """The engine caps a decode at the model's context; the protocol fills target_length, so a
+    canvas that cannot fit is refused up front (it was a numpy broadcast error)."""
+    model, tok = request.getfixturevalue(family)
+    room = adapter_for(model, tok).max_length
+    steps = dict(num_steps=2, temperature_schedule=[0.0] * 2)
+    fits = prepare_request(model, tok, dict(BASE, target_length=room, **steps))
+    assert fits.start.shape[1] == room
+    with pytest.raises(ValueError, match=rf"target_length \({room + 1}\) exceeds .* context of {room} tokens"):
+        prepare_request(model, tok, dict(BASE, target_length=room + 1, **steps))
+
+
+def test_a_block_past_the_context_blames_the_block(gemma):
+    """DiffusionGemma decodes whole canvases of block_length: one that cannot fit after the
+    prompt is the block's fault, not the prompt's."""
+    model, tok = gemma
+    room = adapter_for(model, tok).max_length
+    with pytest.raises(ValueError, match=rf"a block of {room} tokens does not fit the {room - 5} tokens"):
+        mld.generate(model, tok, BASE["prompt_tokens"], max_tokens=8, block_length=room)
