@@ -3,6 +3,7 @@ behave exactly as before; the prompt cache equals prompt + yielded tokens at eve
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -92,11 +93,20 @@ def test_stock_load_of_a_diffusion_checkpoint(llada_path, installed):
     assert mlx_lm.generate(model, tok, PROMPT, max_tokens=8) == mld.generate(model, tok, PROMPT, max_tokens=8)
 
 
+def _env_as_a_user_has_it() -> dict:
+    """os.environ without the TRANSFORMERS_VERBOSITY=error (and no-advisory-warnings) that
+    importing mlx_vlm sets in this process: a subprocess would inherit them and print no
+    transformers warning at all (the positive control then failed in the full run)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS")}
+
+
 def test_loading_sdar_prints_no_config_warning(tmp_path):
     """transformers' "`rope_scaling` is deprecated", from AutoTokenizer reading SDAR's config."""
     path = write_sdar(tmp_path / "sdar")
     script = "import sys, mlx_lm, mlx_lm_diffusion as mld; mld.load(sys.argv[1]); mld.install(); mlx_lm.load(sys.argv[1])"
-    r = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
+                       env=_env_as_a_user_has_it())
     assert r.returncode == 0 and "rope_scaling" not in r.stderr and "Warning" not in r.stderr, r.stderr
 
 
@@ -106,7 +116,8 @@ def test_stock_load_prints_no_unknown_model_type_warning(tmp_path):
     llada_path = write_llada(tmp_path / "llada")
     script = ("import sys, mlx_lm, mlx_lm_diffusion as mld; mld.install(); mlx_lm.load(sys.argv[1]); "
               "from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(sys.argv[1])")
-    r = subprocess.run([sys.executable, "-c", script, str(llada_path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", script, str(llada_path)], capture_output=True, text=True, timeout=120,
+                       env=_env_as_a_user_has_it())
     assert r.returncode == 0, r.stderr
     # the second load, outside mlx_lm.load, shows the warning still reaches other callers
     assert r.stderr.count("instantiate a model of type") == 1, r.stderr
