@@ -184,7 +184,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
     if not (adapter.align_blocks or decoder.whole_canvases):  # aligned blocks and canvases keep their size
         block_length = min(block_length, max_tokens)
     steps = get("steps") or defaults.steps or block_length
-    return ResolvedOptions(
+    resolved = ResolvedOptions(
         max_tokens=max_tokens,
         block_length=block_length,
         steps=steps,
@@ -199,6 +199,8 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
         family=MappingProxyType(family),
         allowed_tokens=get("allowed_tokens"),
     )
+    adapter.check_resolved(resolved)
+    return resolved
 
 
 def forward_bound(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int) -> int:

@@ -289,10 +289,10 @@ def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int]
         seed=request.get("seed"),
         cache=request.get("cache"),
     )
-    resolved = resolve(options, adapter, P)
-    check_forward_budget(resolved, adapter, P, max_forwards)
     start = np.array([request.get("seed_canvas") or prompt + [adapter.mask_id] * (total - P)])
     seed = check_seed(adapter, start[:, P:], adapter.mask_id) if "seed_canvas" in request else None
+    resolved = resolve(options, adapter, P)
+    check_forward_budget(resolved, adapter, P, max_forwards)
     return ProtocolDecode(adapter, resolved, prompt, seed, start, rule, steps, given)
 
 

@@ -41,6 +41,22 @@ class ArAdapter(Adapter):
     # AR_MASK_ID lies outside the vocabulary: nothing to suppress
     suppress_ids = frozenset()
 
+    def check_resolved(self, options: Any) -> None:
+        """Only the next position has a prediction (every later one gets a uniform
+        distribution): a rule that would commit any other position, or an edit of a
+        committed one, would write filler tokens; refuse it before anything runs."""
+        if options.editing_threshold is not None:
+            raise ValueError("editing_threshold does not apply to the autoregressive adapter: it predicts "
+                             "only the next token, never a committed one; drop it")
+        if not commits_next_only(options.rule, options.block_length, options.steps, self.vocab_size):
+            raise ValueError(
+                f"the autoregressive adapter predicts one token per forward, the next: strategy "
+                f"{options.rule.name!r} with block_length {options.block_length} and {options.steps} steps "
+                "would commit other positions too (filler tokens): unmask one token per step (block_length "
+                "1; or steps = block_length, low_confidence; the protocol: num_steps = target_length - "
+                "prompt length, linear)"
+            )
+
     def configure(self, options: Any) -> None:
         # Without editing a committed token never changes, so the cache never needs
         # checking against the canvas.
@@ -139,3 +155,37 @@ class ArAdapter(Adapter):
         if keep < first:
             self._feed(state, mx.array(row[None, keep:first]))
         state["tokens"] = row[:first].copy()
+
+
+def commits_next_only(rule: Any, width: int, steps: int, vocab_size: int) -> bool:
+    """Whether `rule` fills a block of `width` masks strictly left to right, one position
+    per step, when only the first mask has a prediction: a rule run over a block whose
+    first open position is certain (probability 1, entropy 0, the case that lets most
+    rules commit more) and every later one uniform, as the ar adapter's logits are."""
+    from mlx_lm_diffusion.commit_rules import RandomRemasking, StepInputs
+
+    if width == 1:
+        return True
+    if isinstance(rule, RandomRemasking):  # (its positions are drawn at random)
+        return False
+    uniform_prob, uniform_entropy = 1.0 / vocab_size, float(np.log(vocab_size))
+    first = 0
+    state = rule.start_block(np.array([width]), steps)
+    for step in range(rule.step_bound(steps, width)):
+        is_first = np.arange(width) == first
+        candidates = mx.array((np.arange(width) >= first)[None])
+        logprobs = np.where(is_first[:, None], [0.0, -np.inf], [np.log(0.5)] * 2)[None]  # (two ids stand for V)
+        inputs = StepInputs(
+            x0=mx.zeros((1, width), dtype=mx.int32),
+            prob=mx.array(np.where(is_first, 1.0, uniform_prob)[None], dtype=mx.float32),
+            entropy=mx.array(np.where(is_first, 0.0, uniform_entropy)[None], dtype=mx.float32),
+            logprobs=mx.array(logprobs, dtype=mx.float32), candidates=candidates, step=step, steps=steps,
+            masked=np.array([width - first]),
+        )
+        committed = np.flatnonzero(np.array(rule.select(inputs, state))[0] & np.array(candidates)[0])
+        if committed.size > 1 or (committed.size == 1 and committed[0] != first):
+            return False
+        first += committed.size
+        if first == width:
+            return True
+    return True

@@ -262,6 +262,10 @@ class Adapter:
         """Refuse a combination of this family's options (`family`, defaults filled in)
         and the options set (`values`) that it cannot decode (ValueError)."""
 
+    def check_resolved(self, options: Any) -> None:
+        """Refuse resolved options (mlx_lm_diffusion.options.ResolvedOptions: the rule built,
+        every default filled) that this adapter cannot decode (ValueError)."""
+
     def configure(self, options: Any) -> None:
         """Read the family's own switches from the resolved options (`options.family`)."""
 

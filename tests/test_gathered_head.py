@@ -263,7 +263,11 @@ def test_ar_adapter_gathers_its_logits(causal):
 def test_protocol_schedules(llada, causal, monkeypatch, schedule, temperatures):
     request = {"prompt_tokens": PROMPT, "target_length": 23, "num_steps": 6, "mask_schedule": schedule,
                "temperature_schedule": temperatures, "top_p": 1.0, "seed": 4}
-    for model, tok in (llada, causal):
+    # (the ar adapter unmasks one token per step: linear, a step per generated position)
+    steps = 23 - len(PROMPT)
+    one_per_step = dict(request, num_steps=steps, temperature_schedule=(temperatures * steps)[:steps],
+                        mask_schedule="linear")
+    for (model, tok), request in ((llada, request), (causal, one_per_step)):
         gathered = []
         real = MaskedBlockDecoder._rows_read
         monkeypatch.setattr(MaskedBlockDecoder, "_rows_read",

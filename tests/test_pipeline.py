@@ -71,7 +71,7 @@ CASES = [
     ("nemotron", dict(max_tokens=16, block_length=4, causal_context=True)),
     ("ar", dict(max_tokens=16, block_length=1)),
     ("ar", dict(max_tokens=16, block_length=4)),  # the adapter reads the canvas mid-block
-    ("ar", dict(max_tokens=12, block_length=12, steps=5, strategy=ScheduleQuota("cosine"))),
+    ("ar", dict(max_tokens=12, block_length=12, steps=12, strategy=ScheduleQuota("linear"))),  # one per step
 ]
 
 

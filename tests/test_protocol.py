@@ -271,3 +271,37 @@ def test_a_block_past_the_context_blames_the_block(gemma):
     room = adapter_for(model, tok).max_length
     with pytest.raises(ValueError, match=rf"a block of {room} tokens does not fit the {room - 5} tokens"):
         mld.generate(model, tok, BASE["prompt_tokens"], max_tokens=8, block_length=room)
+
+
+AR_FILLER = [
+    dict(block_length=8, steps=4),  # two positions per step
+    dict(block_length=8, strategy="random"),  # a random position, not the next
+    dict(block_length=8, strategy="threshold", threshold=1e-9),  # a uniform position passes
+    dict(block_length=8, strategy="entropy_bound", entropy_bound=0.5),  # a certain first lets the next pass
+]
+
+
+@pytest.mark.parametrize("options", AR_FILLER)
+def test_the_ar_adapter_refuses_rules_that_commit_past_the_next_token(causal, options):
+    """Only the next position has a prediction; every later one is uniform, so these rules
+    wrote token 0 filler (the first two commits of 8 at steps 4: [131, 0, 48, 0, ...])."""
+    model, tok = causal
+    with pytest.raises(ValueError, match="predicts one token per forward"):
+        mld.generate(model, tok, BASE["prompt_tokens"], max_tokens=8, **options)
+
+
+def test_the_ar_adapter_refuses_editing_and_multi_token_schedules(causal):
+    model, tok = causal
+    with pytest.raises(ValueError, match="editing_threshold does not apply"):
+        mld.generate(model, tok, BASE["prompt_tokens"], max_tokens=8, block_length=8, editing_threshold=0.5)
+    with pytest.raises(ValueError, match="predicts one token per forward"):  # 12 positions in 5 steps
+        run_request(model, tok, BASE)
+
+
+@pytest.mark.parametrize("options", [dict(block_length=8, steps=8), dict(block_length=8, strategy="threshold",
+                                                                          threshold=0.9), dict(steps=3)])
+def test_the_ar_adapter_keeps_rules_that_commit_the_next_token(causal, options):
+    model, tok = causal
+    reference = _mlx_lm_greedy(model, tok, BASE["prompt_tokens"], 8)
+    tokens = [r.token for r in mld.stream_generate(model, tok, BASE["prompt_tokens"], max_tokens=8, **options)]
+    assert tokens == reference[: len(tokens)] and len(tokens) == len(reference)
