@@ -120,8 +120,8 @@ def generate_batch(
     for prompt, limit, row_kwargs in zip(ids, limits, processors):
         check_prompt(prompt, adapter.mask_id, adapter.vocab_size)
         # (the suffix takes room in the context after the middle)
-        options = resolve(DecodeOptions(max_tokens=limit, **kwargs, **row_kwargs), adapter,
-                          len(prompt) + len(suffix_ids))
+        options = resolve(DecodeOptions(max_tokens=limit, **kwargs, **row_kwargs), adapter, len(prompt),
+                          len(suffix_ids))
         seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
         results[batch.add(prompt, options, seed=seed).id] = _RowResult(prompt)
     stats = _drive(batch, results, adapter.eos_ids, verbose)

@@ -16,7 +16,7 @@ from model_adapters import adapter_for
 from . import images
 from .batch_generate import DiffusionBatchResponse, generate_batch  # noqa: F401 (mlx_lm.batch_generate's)
 from .engine import Engine, Step
-from .infill import encode_suffix, suffix_seed
+from .infill import encode_suffix, suffix_seed, token_ids
 from .kv_reuse import PromptReuse
 from .options import DecodeOptions, resolve
 
@@ -35,7 +35,8 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int],
         return list(tokenizer.encode(prompt, add_special_tokens=add_special))
     if isinstance(prompt, mx.array):
         return [int(t) for t in prompt.reshape(-1).tolist()]
-    return [int(t) for t in prompt]
+    return token_ids(prompt, "prompt")
+
 
 
 def check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> None:
@@ -51,10 +52,11 @@ def check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> Non
         raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
 
 
-def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, max_tokens: Optional[int], kwargs: dict):
+def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, suffix_len: int, max_tokens: Optional[int],
+            kwargs: dict):
     adapter = adapter_for(model, tokenizer)
     options = DecodeOptions(max_tokens=max_tokens, **kwargs)  # (unknown names: TypeError)
-    return adapter, resolve(options, adapter, prompt_len)
+    return adapter, resolve(options, adapter, prompt_len, suffix_len)
 
 
 def stream_generate(
@@ -84,7 +86,7 @@ def stream_generate(
     tokenizer, prompt, vision = images.request_inputs(model, tokenizer, prompt, kwargs)
     ids = encode_prompt(tokenizer, prompt)
     suffix_ids = encode_suffix(tokenizer, suffix) or []
-    adapter, options = _engine(model, tokenizer, len(ids) + len(suffix_ids), max_tokens, kwargs)
+    adapter, options = _engine(model, tokenizer, len(ids), len(suffix_ids), max_tokens, kwargs)
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
     if vision is not None:
         adapter.vision = vision  # encoded with the prompt (model_adapters.diffusion_gemma)

@@ -26,7 +26,7 @@ Per family, what its attention allows (`Adapter.suffix_refusal`):
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -61,6 +61,18 @@ def suffix_seed(adapter: Any, options: Any, suffix: Sequence[int], rows: int) ->
     return seed
 
 
+def token_ids(values: Any, what: str) -> List[int]:
+    """`values` as a list of ints (numpy's included), or a ValueError naming `what`: a list of
+    strings, floats or booleans is not token ids (int() would read '7' and 7.9 as ids)."""
+    try:
+        items = list(values)
+    except TypeError:
+        items = None
+    if items is None or not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
+        raise ValueError(f"{what} must be text or a list of token ids (integers), got {values!r:.60}")
+    return [int(t) for t in items]
+
+
 def encode_suffix(tokenizer: Any, suffix: Any) -> Optional[list]:
     """Token ids of a suffix given as text (encoded without special tokens) or ids;
     None for no suffix (None or empty: the OpenAI API's meaning of an empty suffix)."""
@@ -69,7 +81,7 @@ def encode_suffix(tokenizer: Any, suffix: Any) -> Optional[list]:
     if isinstance(suffix, str):
         ids = list(tokenizer.encode(suffix, add_special_tokens=False)) if suffix else []
     else:
-        ids = [int(t) for t in suffix]
+        ids = token_ids(suffix, "suffix")
     return ids or None
 
 

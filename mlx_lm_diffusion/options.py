@@ -40,9 +40,10 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("strategy", str, f"Commit rule: {', '.join(RULES)}", choices=tuple(RULES)),
     Option("threshold", help=f"Confidence threshold (selects the 'threshold' strategy unless the "
            f"family's rule takes one: {', '.join(THRESHOLD_RULES)})", **_PROBABILITY),
-    Option("factor", float, "Factor of the 'factor' strategy", low=0.0, low_open=True),
-    Option("entropy_bound", float, "Entropy budget of the 'entropy_bound' / 'entropy_bounded' strategies",
-           low=0.0),
+    Option("factor", float, "Factor of the 'factor' strategy (selects it unless given one)", low=0.0,
+           low_open=True),
+    Option("entropy_bound", float, "Entropy budget of the 'entropy_bound' / 'entropy_bounded' strategies "
+           "(selects 'entropy_bound' unless the family's rule takes one)", low=0.0),
     Option("alg_temp", float, "Temperature of the maskgit_plus / topk_margin / entropy rules' ranking "
            "(0: the most confident first)", low=0.0),
     Option("editing_threshold", help="Revise committed tokens whose replacement is this confident",
@@ -55,9 +56,9 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
            named=False),
     Option("top_p", float, "Nucleus sampling with temperature_schedule", default=1.0, low=0.0, high=1.0,
            low_open=True, named=False),
-    Option("sampler", object, "mlx-lm sampler over log-probs; greedy if None", named=False),
+    Option("sampler", callable, "mlx-lm sampler over log-probs; greedy if None", named=False),
     Option("logits_processors", tuple, "mlx-lm logits processors, fed the committed tokens left to right "
-           "(mlx_lm_diffusion.constraints)", default=(), named=False),
+           "(mlx_lm_diffusion.constraints)", default=(), named=False, item=callable),
     Option("allowed_tokens", tuple, "Only these token ids may be generated (EOS always may)", item=int,
            low=0),
     Option("seed", int, "PRNG seed", low=0, high=2**64 - 1, named=False),  # (mx.random.seed's range)
@@ -158,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> ResolvedOptions:
+def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int, suffix_len: int = 0) -> ResolvedOptions:
     """Fill the family's defaults and check every value; raises ValueError saying what
     to change. Order: the family's preset fills what is unset, each value is checked by
     its Option, the decoder and the family refuse what does not apply to them."""
@@ -180,7 +181,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int) -> Resolv
 
     defaults = adapter.defaults
     block_length = get("block_length") or defaults.block_length or get("max_tokens")
-    max_tokens = _fit_context(adapter, decoder, prompt_len, get("max_tokens"), block_length)
+    max_tokens = _fit_context(adapter, decoder, prompt_len, suffix_len, get("max_tokens"), block_length)
     if not (adapter.align_blocks or decoder.whole_canvases):  # aligned blocks and canvases keep their size
         block_length = min(block_length, max_tokens)
     steps = get("steps") or defaults.steps or block_length
@@ -228,7 +229,9 @@ def _default(value: Any, default: Any) -> Any:
 
 
 def _with_preset(values: dict, adapter: Adapter) -> dict:
-    """Fill the options left unset from the family's named preset, if one is asked for."""
+    """Fill the options left unset from the family's named preset, if one is asked for.
+    A rule chosen explicitly (strategy or schedule) replaces the preset's whole rule: its
+    threshold would not apply to the rule chosen."""
     preset = values.get("preset")
     if preset is None:
         return values
@@ -236,38 +239,61 @@ def _with_preset(values: dict, adapter: Adapter) -> dict:
     if preset not in presets:
         known = ", ".join(repr(p) for p in presets) or "none"
         raise ValueError(f"Unknown preset {preset!r} for {adapter.family}; its presets: {known}")
-    return {**presets[preset], **values}
+    filled = presets[preset]
+    if values.get("strategy") is not None or values.get("schedule") is not None:
+        filled = {k: v for k, v in filled.items() if k not in generation_defaults.RULE_OPTIONS}
+    return {**filled, **values}
+
+
+# a rule setting given without a strategy selects the rule that reads it, when the
+# family's own rule does not (alg_temp is Dream's, whose rules all read it)
+RULE_SETTINGS = ("threshold", "factor", "entropy_bound", "alg_temp")
+IMPLIED_RULES = {"threshold": "threshold", "factor": "factor", "entropy_bound": "entropy_bound"}
 
 
 def _rule(values: dict, defaults: Any, block_length: int) -> CommitRule:
     """The commit rule: a ready-made one, a mask schedule's quota, or one by name (a
-    threshold selects the "threshold" rule unless the family's rule takes one)."""
-    strategy, threshold = values.get("strategy"), values.get("threshold")
+    setting such as threshold selects its rule unless the family's rule reads it). A
+    setting the rule would not read is an error, never silently dropped."""
+    strategy = values.get("strategy")
     if isinstance(strategy, CommitRule):  # (the protocol builds its own)
         return strategy
+    given = [name for name in RULE_SETTINGS if values.get(name) is not None]
     if values.get("schedule") is not None:
         if strategy is not None:
             raise ValueError("give either schedule or strategy, not both")
+        if given:
+            raise ValueError(f"{given[0]} does not apply to a mask schedule (its quotas decide what each "
+                             f"step commits); drop {given[0]} or schedule")
         return ScheduleQuota(values["schedule"])
     if strategy is None:
-        family_takes = defaults.strategy in THRESHOLD_RULES
-        strategy = "threshold" if threshold is not None and not family_takes else defaults.strategy
-    if threshold is not None and strategy not in THRESHOLD_RULES:
-        raise ValueError(
-            f"threshold applies to the {', '.join(THRESHOLD_RULES)} strategies, not {strategy!r}; "
-            "drop threshold or choose one of those"
-        )
-    settings = {name: values.get(name, getattr(defaults, name, None))
-                for name in ("threshold", "factor", "entropy_bound", "alg_temp")}
+        strategy = defaults.strategy
+        unread = [name for name in given if name not in RULES[strategy].takes]
+        implying = [name for name in unread if name in IMPLIED_RULES]
+        if len(implying) > 1:
+            raise ValueError(f"{' and '.join(implying)} each select a rule of their own; give one "
+                             "(or name a strategy)")
+        if implying:
+            strategy = IMPLIED_RULES[implying[0]]
+    if strategy not in RULES:
+        raise ValueError(f"Unknown strategy {strategy!r}; choose one of: {', '.join(RULES)}")
+    for name in given:
+        if name not in RULES[strategy].takes:
+            readers = [rule for rule, cls in RULES.items() if name in cls.takes]
+            raise ValueError(f"{name} applies to the {', '.join(readers)} strategies, not {strategy!r}; "
+                             f"drop {name} or choose one of those")
+    settings = {name: values.get(name, getattr(defaults, name, None)) for name in RULE_SETTINGS}
     return make_rule(strategy, block_length=block_length, **settings)
 
 
-def _fit_context(adapter: Adapter, decoder: Any, prompt_len: int, max_tokens: int, block_length: int) -> int:
-    """max_tokens capped to what the model's context holds after the prompt (the decode
-    then ends with finish_reason "length"); a prompt that fills the context is an error."""
+def _fit_context(adapter: Adapter, decoder: Any, prompt_len: int, suffix_len: int, max_tokens: int,
+                 block_length: int) -> int:
+    """max_tokens capped to what the model's context holds after the prompt and an infill's
+    suffix (the decode then ends with finish_reason "length"); a prompt that fills the
+    context is an error."""
     if adapter.max_length is None:
         return max_tokens
-    room = adapter.max_length - prompt_len
+    room = adapter.max_length - prompt_len - suffix_len
     fitted = decoder.fit_length(min(max_tokens, room), block_length, room) if room > 0 else 0
     if fitted < 1 and room > 0:  # a canvas of whole blocks (DiffusionGemma) that cannot fit
         raise ValueError(
@@ -275,9 +301,11 @@ def _fit_context(adapter: Adapter, decoder: Any, prompt_len: int, max_tokens: in
             f"{adapter.max_length} leaves after the prompt; lower block_length"
         )
     if fitted < 1:
+        given = (f"the prompt ({prompt_len} tokens) and suffix ({suffix_len} tokens) leave" if suffix_len
+                 else f"the prompt ({prompt_len} tokens) leaves")
         raise ValueError(
-            f"the prompt ({prompt_len} tokens) leaves no room in the model's context of "
-            f"{adapter.max_length} tokens; shorten it (or reset the conversation)"
+            f"{given} no room in the model's context of {adapter.max_length} tokens; shorten "
+            f"{'them' if suffix_len else 'it (or reset the conversation)'}"
         )
     return fitted
 

@@ -55,7 +55,7 @@ def check(adapter: Any, tokenizer: Any, prompt_len: int, max_tokens: int, option
     if processor is not None:  # (a decoder that cannot feed processors in order refuses it)
         extra["logits_processors"] = (processor,)
     suffix = encode_suffix(tokenizer, options.get("suffix")) or []
-    resolved = resolve(DecodeOptions(max_tokens=max_tokens, **fields, **extra), adapter, prompt_len + len(suffix))
+    resolved = resolve(DecodeOptions(max_tokens=max_tokens, **fields, **extra), adapter, prompt_len, len(suffix))
     if suffix:
         suffix_seed(adapter, resolved, suffix, 1)
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 class Option:
     """A decoding option. `default` None means "unset": the family's default applies.
 
-    `kind` is int, float, bool, str or tuple (a sequence of `item`s). Numbers must be
+    `kind` is int, float, bool, str, callable or tuple (a sequence of `item`s). Numbers must be
     finite and within [low, high] (`low_open`: strictly above low). `named` options are
     CLI flags and JSON fields too; the others are Python-only (callables, or options
     that mlx-lm's own flags and fields already carry)."""
@@ -69,7 +69,10 @@ class Option:
             if not number or not math.isfinite(value) or not self._in_range(value):
                 raise ValueError(f"{self.name} must be a number {self._span()}, got {value!r}{self._hint()}")
             return float(value) if isinstance(value, int) else value
-        return value  # Python-only values (callables) are the engine's to use
+        if kind is callable and not callable(value):  # (mlx_lm.sample_utils builds them)
+            raise ValueError(f"{self.name} must be a callable (mlx_lm.sample_utils' make_sampler and "
+                             f"make_logits_processors build them), got {value!r}")
+        return value  # other Python-only values are the engine's to use
 
     def _in_range(self, value: float) -> bool:
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):

@@ -284,3 +284,49 @@ def test_load_applies_a_lora_adapter(llada_path, tmp_path):
                                                              "lora_parameters": params}))
     loaded, loaded_tok = mld.load(str(llada_path), adapter_path=str(adapter))
     assert mld.generate(loaded, loaded_tok, "Hello", max_tokens=8, block_length=8) == tuned != base
+
+
+def _decode(model, tok, **options):
+    out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=16, block_length=8, **options))
+    return [r.token for r in out], out[-1].forwards
+
+
+def test_an_explicit_strategy_replaces_the_presets_rule(llada):
+    """preset="fast" is threshold 0.9 with the dual cache: a strategy of one's own keeps the
+    cache and drops the preset's threshold (it was refused: 'threshold applies to ...')."""
+    model, tok = llada
+    assert _decode(model, tok, preset="fast", strategy="factor") == _decode(model, tok, cache="dual",
+                                                                            strategy="factor")
+    assert _decode(model, tok, preset="fast", threshold=0.5) == _decode(model, tok, cache="dual", threshold=0.5)
+
+
+def test_a_rule_setting_selects_its_rule_or_is_refused(llada):
+    """Like threshold, factor and entropy_bound select the rule that reads them (they were
+    silently ignored under the family's low_confidence); one the rule would not read is an
+    error, a schedule's included."""
+    model, tok = llada
+    assert _decode(model, tok, factor=2.0) == _decode(model, tok, strategy="factor", factor=2.0)
+    assert _decode(model, tok, entropy_bound=2.0) == _decode(model, tok, strategy="entropy_bound", entropy_bound=2.0)
+    assert _decode(model, tok, factor=2.0)[1] < _decode(model, tok)[1]
+    with pytest.raises(ValueError, match="factor applies to the factor strategies, not 'low_confidence'"):
+        _decode(model, tok, strategy="low_confidence", factor=2.0)
+    with pytest.raises(ValueError, match="threshold does not apply to a mask schedule"):
+        _decode(model, tok, schedule="cosine", threshold=0.9)
+    with pytest.raises(ValueError, match="threshold and entropy_bound each select a rule"):
+        _decode(model, tok, threshold=0.9, entropy_bound=2.0)
+
+
+@pytest.mark.parametrize("options", [dict(sampler="greedy"), dict(logits_processors=[None])])
+def test_samplers_and_processors_must_be_callables(llada, options):
+    """(they were a TypeError from inside the decode)"""
+    model, tok = llada
+    with pytest.raises(ValueError, match="must be a callable"):
+        _decode(model, tok, **options)
+
+
+@pytest.mark.parametrize("prompt", [["\x00"], ["7", "8"], [7.9], [True]])
+def test_a_prompt_of_other_than_text_or_ids_is_a_clear_error(llada, prompt):
+    """(int() read ["7"] and [7.9] as ids, and ["\x00"] failed with 'invalid literal for int()')"""
+    model, tok = llada
+    with pytest.raises(ValueError, match="prompt must be text or a list of token ids"):
+        mld.generate(model, tok, prompt, max_tokens=4)

@@ -128,6 +128,14 @@ def test_bad_suffixes(llada):
         list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=8, suffix=[MASK_ID]))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=8, suffix=[10**6]))
+    with pytest.raises(ValueError, match="suffix must be text or a list of token ids"):
+        list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=8, suffix=["7"]))
+    # the suffix takes room in the context: an error names it (it counted it as the prompt)
+    room = adapter_for(model, tok).max_length
+    with pytest.raises(ValueError, match=rf"the prompt \(5 tokens\) and suffix \({room - 5} tokens\) leave no room"):
+        list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=8, suffix=[72] * (room - 5)))
+    with pytest.raises(ValueError, match=r"and suffix \(\d+ tokens\) leave no room"):
+        mld.generate_batch(model, tok, [PROMPTS[0]], max_tokens=8, suffix=[72] * (room - 5))
     # an empty suffix is no suffix (the OpenAI API's meaning)
     assert mld.generate(model, tok, PROMPTS[0], max_tokens=8, suffix="") == mld.generate(
         model, tok, PROMPTS[0], max_tokens=8)
