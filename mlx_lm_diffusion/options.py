@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
 import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
 
 from model_adapters import FAMILIES, Adapter, family_options
 from model_adapters.option import Option
@@ -171,6 +172,8 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int, suffix_le
             raise ValueError(f"{name} does not apply to {adapter.family}; drop it")
         if not (name == "strategy" and isinstance(value, CommitRule)):
             values[name] = (own.get(name) or schema()[name]).check(value)
+    if values.get("sampler") is greedy_sampler:  # mlx-lm's make_sampler(0.0): the decoders' own argmax
+        del values["sampler"]  # (which reads nothing back, and self_spec takes)
     family = {name: values.get(name, o.default) for name, o in own.items()}
     decoder = decoder_class(adapter, family)
     values = {k: v for k, v in values.items() if k in explicit or k not in decoder.unread_defaults}

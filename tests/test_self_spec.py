@@ -412,3 +412,14 @@ def test_a_checkpoint_commit_rule_does_not_refuse_self_spec(paths, models, tmp_p
         assert got == want and len(got) == 24
     with pytest.raises(ValueError, match="strategy does not apply to self_spec"):
         mld.generate(model, tokenizer, PROMPTS[0], self_spec=True, strategy="low_confidence")
+
+
+def test_mlx_lms_greedy_sampler_is_greedy_decoding(models):
+    """make_sampler(temp=0.0), what mlx-lm's callers pass by default, is the argmax self_spec
+    decodes by (it was refused as a sampler); elsewhere it is the decoders' own argmax."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = models["partial"]
+    assert mld.generate(model, tok, PROMPTS[0], max_tokens=8, self_spec=True, sampler=make_sampler(0.0)) == \
+        mld.generate(model, tok, PROMPTS[0], max_tokens=8, self_spec=True)
+    assert resolve(DecodeOptions(max_tokens=8, sampler=make_sampler(0.0)), adapter_for(model, tok), 5).sampler is None
