@@ -173,7 +173,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int, suffix_le
         if not (name == "strategy" and isinstance(value, CommitRule)):
             values[name] = (own.get(name) or schema()[name]).check(value)
     if values.get("sampler") is greedy_sampler:  # mlx-lm's make_sampler(0.0): the decoders' own argmax
-        del values["sampler"]  # (which reads nothing back, and self_spec takes)
+        del values["sampler"]  # (which reads nothing back, and a greedy-only decoder takes)
     family = {name: values.get(name, o.default) for name, o in own.items()}
     decoder = decoder_class(adapter, family)
     values = {k: v for k, v in values.items() if k in explicit or k not in decoder.unread_defaults}
@@ -249,7 +249,7 @@ def _with_preset(values: dict, adapter: Adapter) -> dict:
 
 
 # a rule setting given without a strategy selects the rule that reads it, when the
-# family's own rule does not (alg_temp is Dream's, whose rules all read it)
+# family's own rule does not (alg_temp selects none: the rules of the families offering it read it)
 RULE_SETTINGS = ("threshold", "factor", "entropy_bound", "alg_temp")
 IMPLIED_RULES = {"threshold": "threshold", "factor": "factor", "entropy_bound": "entropy_bound"}
 
