@@ -52,8 +52,8 @@ def check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> Non
         raise ValueError(f"prompt token ids {bad[:5]} lie outside the vocabulary [0, {vocab_size})")
 
 
-def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, suffix_len: int, max_tokens: Optional[int],
-            kwargs: dict):
+def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, max_tokens: Optional[int], kwargs: dict,
+            suffix_len: int = 0):
     adapter = adapter_for(model, tokenizer)
     options = DecodeOptions(max_tokens=max_tokens, **kwargs)  # (unknown names: TypeError)
     return adapter, resolve(options, adapter, prompt_len, suffix_len)
@@ -86,7 +86,7 @@ def stream_generate(
     tokenizer, prompt, vision = images.request_inputs(model, tokenizer, prompt, kwargs)
     ids = encode_prompt(tokenizer, prompt)
     suffix_ids = encode_suffix(tokenizer, suffix) or []
-    adapter, options = _engine(model, tokenizer, len(ids), len(suffix_ids), max_tokens, kwargs)
+    adapter, options = _engine(model, tokenizer, len(ids), max_tokens, kwargs, len(suffix_ids))
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
     if vision is not None:
         adapter.vision = vision  # encoded with the prompt (model_adapters.diffusion_gemma)
