@@ -38,7 +38,6 @@ def encode_prompt(tokenizer: TokenizerWrapper, prompt: Union[str, Sequence[int],
     return token_ids(prompt, "prompt")
 
 
-
 def check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> None:
     if not ids:
         raise ValueError("prompt is empty; give at least one token")

@@ -9,6 +9,7 @@ the step-schedule protocol's autoregressive-equivalence invariant.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -168,6 +169,7 @@ def commits_next_only(rule: Any, width: int, steps: int, vocab_size: int) -> boo
         return True
     if isinstance(rule, RandomRemasking):  # (its positions are drawn at random)
         return False
+    rule = copy.deepcopy(rule)  # (a rule may record its steps: the protocol's does)
     uniform_prob, uniform_entropy = 1.0 / vocab_size, float(np.log(vocab_size))
     first = 0
     state = rule.start_block(np.array([width]), steps)

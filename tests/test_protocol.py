@@ -305,3 +305,14 @@ def test_the_ar_adapter_keeps_rules_that_commit_the_next_token(causal, options):
     reference = _mlx_lm_greedy(model, tok, BASE["prompt_tokens"], 8)
     tokens = [r.token for r in mld.stream_generate(model, tok, BASE["prompt_tokens"], max_tokens=8, **options)]
     assert tokens == reference[: len(tokens)] and len(tokens) == len(reference)
+
+
+def test_the_ar_check_leaves_the_protocols_rule_untouched(causal):
+    """commits_next_only runs the rule over a made-up block: on a copy (the protocol's rule
+    records each step's commits and whether its threshold was met)."""
+    model, tok = causal
+    M = 12
+    request = dict(BASE, target_length=len(BASE["prompt_tokens"]) + M, num_steps=M,
+                   temperature_schedule=[0.0] * M, confidence_threshold=0.5)
+    decode = prepare_request(model, tok, request)
+    assert decode.rule.commits == {} and not decode.rule.threshold_met
