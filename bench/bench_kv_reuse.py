@@ -93,7 +93,7 @@ def library_turn(model, tokenizer, lru, ids: list, max_tokens: int) -> dict:
     forward) and to the end; the tokens."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lm_diffusion import compat
+    from mlx_lm_diffusion.api import compat
 
     cache, rest = lru.fetch_nearest_cache("m", ids)
     cache = cache if cache is not None else make_prompt_cache(model)
@@ -113,8 +113,9 @@ def library_turn(model, tokenizer, lru, ids: list, max_tokens: int) -> dict:
 
 
 def library_second_turn(path: Path, history: int, max_tokens: int, repeats: int) -> dict:
-    import mlx_lm_diffusion as mld
     from mlx_lm.models.cache import LRUPromptCache
+
+    import mlx_lm_diffusion as mld
 
     model, tokenizer = mld.load(str(path))
     first = tokenizer.apply_chat_template(conversation(tokenizer, history), add_generation_prompt=True)
@@ -136,7 +137,7 @@ def library_second_turn(path: Path, history: int, max_tokens: int, repeats: int)
 def second_turn(name: str, path: Path, history: int, max_tokens: int, repeats: int, flags: tuple = ()) -> dict:
     """`flags`: more server flags (bench_server.py passes --no-batch for the serial path)."""
     import mlx_lm_diffusion as mld
-    from mlx_lm_diffusion import server
+    from mlx_lm_diffusion.serving import startup as server
 
     tokenizer = mld.load(str(path))[1]
     args = server.parse_args(["--model", str(path), "--port", "0", "--max-tokens", str(max_tokens),
@@ -186,10 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="Also write the figures to this file")
     args = p.parse_args(argv)
 
-    from transformers.utils import logging as hf_logging
-
     from checkpoints_block import write_llada2, write_sdar
     from checkpoints_nemotron_gemma import write_nemotron
+    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     writers = {

@@ -1,5 +1,5 @@
 """Throughput and latency of the diffusion server under concurrent clients, batched
-(continuous batching, mlx_lm_diffusion.scheduler) against one request at a time (--no-batch).
+(continuous batching, mlx_lm_diffusion.serving.scheduler) against one request at a time (--no-batch).
 
     python bench/bench_server.py [--clients 1 4 8 16] [--requests 16] [--max-tokens 32]
                                  [--models sdar llada llada-fast nemotron-spec]
@@ -67,7 +67,7 @@ class Server:
     def __init__(self, model_path: str, max_tokens: int, batched: bool):
         import openai
 
-        from mlx_lm_diffusion import server
+        from mlx_lm_diffusion.serving import startup as server
 
         flags = ["--model", model_path, "--port", "0", "--max-tokens", str(max_tokens), "--log-level", "WARNING"]
         self.httpd, self.generator = server.start(server.parse_args(flags + ([] if batched else ["--no-batch"])))
@@ -186,7 +186,6 @@ def second_turns(args) -> list:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_kv_reuse
     from checkpoints_block import write_sdar
-    from checkpoints_self_spec import write_speculable_nemotron
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:

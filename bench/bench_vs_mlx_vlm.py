@@ -46,13 +46,14 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import mlx_lm_diffusion as mld  # noqa: E402
 from checkpoints_gemma_images import make_image, write_gemma_with_vision  # noqa: E402
 from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron  # noqa: E402
-from model_adapters.gemma_vision import VisionInputs  # noqa: E402
-from mlx_lm_diffusion.engine import Engine  # noqa: E402
-from mlx_lm_diffusion.options import DecodeOptions, resolve  # noqa: E402
+
+import mlx_lm_diffusion as mld  # noqa: E402
+from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
+from model_adapters.gemma_vision import VisionInputs  # noqa: E402
 
 PROMPT = list(range(40, 72))
 NEMOTRON_GEN, GEMMA_GEN, GEMMA_CANVAS = 128, 128, 64

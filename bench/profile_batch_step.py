@@ -8,7 +8,7 @@ lengths and max_tokens, the server's options: keep_logprobs) and report, per ste
 batch (per round of B single-row steps), the median milliseconds of:
   forward  predict_batch, evaluated (the model forward and the stacked LM head)
   attn     (--attention) the attention calls alone, each evaluated on its own inputs
-           (the batched forwards then run uncompiled: model_adapters.batched.COMPILE_WINDOWS)
+           (the batched forwards then run uncompiled: model_adapters.runtime.batched.COMPILE_WINDOWS)
   commit   the fused commit, evaluated
   readback the rows' read-backs (_settle's mx.eval)
   host     everything else: the rows' Python, building their Steps
@@ -98,7 +98,7 @@ def instrument(timer: Timer, adapter, attention: bool):
     """Wrap predict_batch, commit_rows, _settle's eval (and the attention) with timers."""
     from mlx_lm.models import llama, qwen3
 
-    from mlx_lm_diffusion import batch as batch_module
+    from mlx_lm_diffusion.decoding import batch as batch_module
 
     predict_batch = adapter.predict_batch
 
@@ -137,7 +137,7 @@ def instrument(timer: Timer, adapter, attention: bool):
     settle = batch_module.RunningBatch._settle
     batch_module.RunningBatch._settle = timed_settle
     if attention:
-        from model_adapters import batched
+        from model_adapters.runtime import batched
 
         batched.COMPILE_WINDOWS = False  # (the timed attention evaluates inside the forward: nothing to trace)
         for module in (llama, qwen3):
@@ -201,8 +201,8 @@ def quantile(values, q: float) -> float:
 
 def build_setups(adapter, tokenizer, fields: dict, B: int, pipeline: bool = True) -> dict:
     """B rows in one batch, and the same rows each in a batch of its own."""
-    from mlx_lm_diffusion.batch import RunningBatch
-    from mlx_lm_diffusion.options import DecodeOptions, resolve
+    from mlx_lm_diffusion.decoding.batch import RunningBatch
+    from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 
     setups = {"batched": [RunningBatch(adapter, keep_logprobs=True, pipeline=pipeline)], "single": []}
     for prompt, n in prompts(tokenizer, B, 32):

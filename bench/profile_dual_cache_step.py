@@ -35,13 +35,14 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import mlx_lm_diffusion as mld  # noqa: E402
 from bench_bidirectional_cache import BLOCK, PROMPT, SIZE, Counted, _peer_ready, decode  # noqa: E402
 from checkpoints import MASK_ID, write_dream  # noqa: E402
 from mlx_arsenal.diffusion import threshold_transfer, topk_transfer  # noqa: E402
-from mlx_lm_diffusion.decoders import base as decoder_base  # noqa: E402
-from mlx_lm_diffusion.decoders.gathered_rows import bucket, read_positions, spread, spread_filled  # noqa: E402
-from mlx_lm_diffusion.decoders.vocab_stats import greedy_parts  # noqa: E402
+
+import mlx_lm_diffusion as mld  # noqa: E402
+from mlx_lm_diffusion.decoding.decoders import base as decoder_base  # noqa: E402
+from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket, read_positions, spread, spread_filled  # noqa: E402
+from mlx_lm_diffusion.decoding.decoders.vocab_stats import greedy_parts  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
 
 
@@ -250,7 +251,7 @@ def layer0_cache(state, start: int):
     kept copy of the canvas's keys and values, in place once it is the only holder)."""
     if hasattr(state, "layers"):  # (the concatenating FrozenCache)
         return state.layers[0]
-    from model_adapters.bidirectional_cache import WindowCache
+    from model_adapters.attention.bidirectional_cache import WindowCache
 
     keys, values = state.kept[0][:2]
     return WindowCache(mx.array(start, mx.int32), keys + 0, values + 0)

@@ -23,18 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import bench_engine  # noqa: E402
-import mlx_lm_diffusion as mld  # noqa: E402
 from checkpoints import write_dream, write_llada  # noqa: E402
-from mlx_lm_diffusion.decoders.vocab_stats import LOG2E, _cpu_exp_terms  # noqa: E402
+
+import mlx_lm_diffusion as mld  # noqa: E402
+from mlx_lm_diffusion.decoding.decoders.vocab_stats import LOG2E, _cpu_exp_terms  # noqa: E402
 
 try:
-    from mlx_lm_diffusion.decoders.vocab_stats import logprob_rows  # noqa: E402
+    from mlx_lm_diffusion.decoding.decoders.vocab_stats import logprob_rows  # noqa: E402
 except ImportError:  # (profiling a tree from before the kept log-probs were recorded per commit)
     def logprob_rows(shifted, log_total, slots):
         index = slots[..., None]
         return mx.take_along_axis(shifted, index, axis=1) - mx.take_along_axis(log_total, index, axis=1)
-from mlx_lm_diffusion.engine import Engine  # noqa: E402
-from mlx_lm_diffusion.generation import _engine  # noqa: E402
+from mlx_lm_diffusion.api.generation import _engine  # noqa: E402
+from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
 
 

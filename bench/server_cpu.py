@@ -1,5 +1,5 @@
 """CPU time per generated token of the diffusion server under concurrent clients, by thread:
-batched (mlx_lm_diffusion.scheduler) and --no-batch, alternating, in one process as
+batched (mlx_lm_diffusion.serving.scheduler) and --no-batch, alternating, in one process as
 bench/bench_server.py runs them (the servers and the openai clients share the process).
 
     python bench/server_cpu.py [--model sdar] [--clients 8] [--requests 32] [--rounds 3] [--profile]

@@ -114,8 +114,8 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    print(f"| tried | clean (of which 2xx) | 5xx | non-JSON | dropped | hung | crashed | seconds |")
-    print(f"|---|---|---|---|---|---|---|---|")
+    print("| tried | clean (of which 2xx) | 5xx | non-JSON | dropped | hung | crashed | seconds |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {args.requests} | {tally['clean']} ({tally['2xx']}) | {tally['5xx']} | {tally['non-JSON']} | {tally['dropped']} "
           f"| {tally['hung']} | {int(crashed)} | {elapsed:.0f} |")
     print(f"plain request before: {before!r}, after: {after!r}, server exit code {proc.returncode}")

@@ -15,7 +15,8 @@ from typing import Any
 
 import mlx.nn as nn
 
-from .base import Adapter, FamilyDefaults
+from model_adapters.ar import ArAdapter
+from model_adapters.base import Adapter, FamilyDefaults
 
 # model_type (as written in config.json) -> the module that defines its family
 FAMILIES: dict[str, str] = {
@@ -91,8 +92,6 @@ def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
     autoregressive adapter (a degenerate diffusion model, see model_adapters.ar)."""
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     if model_type not in FAMILIES and hasattr(model, "layers"):
-        from .ar import ArAdapter
-
         return ArAdapter(model, tokenizer)
     return family_module(str(model_type)).Adapter(model, tokenizer)
 

@@ -9,7 +9,6 @@ the step-schedule protocol's autoregressive-equivalence invariant.
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -17,8 +16,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from .base import Adapter, FamilyDefaults, _stop_ids
-from .prefix_kv import CAUSAL, PrefixKV, usable
+from model_adapters.base import Adapter, FamilyDefaults, _stop_ids
+from model_adapters.runtime import batched
+from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
 
 # A canvas sentinel outside every vocabulary: it is never embedded (only the committed
 # prefix is fed to the model) and never proposed.
@@ -44,19 +44,24 @@ class ArAdapter(Adapter):
 
     def check_resolved(self, options: Any) -> None:
         """Only the next position has a prediction (every later one gets a uniform
-        distribution): a rule that would commit any other position, or an edit of a
-        committed one, would write filler tokens; refuse it before anything runs."""
+        distribution): an edit of a committed one would write filler tokens; refuse it
+        before anything runs (a rule committing other positions: `predicts_next_only`)."""
         if options.editing_threshold is not None:
             raise ValueError("editing_threshold does not apply to the autoregressive adapter: it predicts "
                              "only the next token, never a committed one; drop it")
-        if not commits_next_only(options.rule, options.block_length, options.steps, self.vocab_size):
-            raise ValueError(
-                f"the autoregressive adapter predicts one token per forward, the next: strategy "
-                f"{options.rule.name!r} with block_length {options.block_length} and {options.steps} steps "
-                "would commit other positions too (filler tokens): unmask one token per step (block_length "
-                "1; or steps = block_length, low_confidence; the protocol: num_steps = target_length - "
-                "prompt length, linear)"
-            )
+
+    # Only the next position has a prediction: the decoding layer refuses, before
+    # anything runs, a rule that would commit any other (commit_rules.commits_next_only).
+    predicts_next_only = True
+
+    def next_only_refusal(self, options: Any) -> str:
+        return (
+            f"the autoregressive adapter predicts one token per forward, the next: strategy "
+            f"{options.rule.name!r} with block_length {options.block_length} and {options.steps} steps "
+            "would commit other positions too (filler tokens): unmask one token per step (block_length "
+            "1; or steps = block_length, low_confidence; the protocol: num_steps = target_length - "
+            "prompt length, linear)"
+        )
 
     def configure(self, options: Any) -> None:
         # Without editing a committed token never changes, so the cache never needs
@@ -112,16 +117,15 @@ class ArAdapter(Adapter):
     def predict_batch(self, requests: list) -> list:
         """Next-token steps of many rows (a block's first step at block length 1: each row
         feeds what it committed since, `predict`'s fast path) in one model call
-        (model_adapters.batched.causal_feed_batch); any other request alone."""
+        (model_adapters.runtime.batched.causal_feed_batch); any other request alone."""
         batchable = [i for i, r in enumerate(requests) if self._next_token_step(r)]
         if len(batchable) < 2:
             return super().predict_batch(requests)
-        from .batched import causal_feed_batch
 
         out = [None if i in batchable else self.predict(r.state, r.canvas, r.start, r.end)
                for i, r in enumerate(requests)]
         rows = [requests[i] for i in batchable]
-        logits = causal_feed_batch(self.model, [r.state["cache"] for r in rows],
+        logits = batched.causal_feed_batch(self.model, [r.state["cache"] for r in rows],
                                    [r.canvas[:, r.state["fed"] : r.start] for r in rows])
         for i, r, row_logits in zip(batchable, rows, logits):
             r.state["fed"], r.state["block"], r.state["next"] = r.start, r.start, row_logits
@@ -156,38 +160,3 @@ class ArAdapter(Adapter):
         if keep < first:
             self._feed(state, mx.array(row[None, keep:first]))
         state["tokens"] = row[:first].copy()
-
-
-def commits_next_only(rule: Any, width: int, steps: int, vocab_size: int) -> bool:
-    """Whether `rule` fills a block of `width` masks strictly left to right, one position
-    per step, when only the first mask has a prediction: a rule run over a block whose
-    first open position is certain (probability 1, entropy 0, the case that lets most
-    rules commit more) and every later one uniform, as the ar adapter's logits are."""
-    from mlx_lm_diffusion.commit_rules import RandomRemasking, StepInputs
-
-    if width == 1:
-        return True
-    if isinstance(rule, RandomRemasking):  # (its positions are drawn at random)
-        return False
-    rule = copy.deepcopy(rule)  # (a rule may record its steps: the protocol's does)
-    uniform_prob, uniform_entropy = 1.0 / vocab_size, float(np.log(vocab_size))
-    first = 0
-    state = rule.start_block(np.array([width]), steps)
-    for step in range(rule.step_bound(steps, width)):
-        is_first = np.arange(width) == first
-        candidates = mx.array((np.arange(width) >= first)[None])
-        logprobs = np.where(is_first[:, None], [0.0, -np.inf], [np.log(0.5)] * 2)[None]  # (two ids stand for V)
-        inputs = StepInputs(
-            x0=mx.zeros((1, width), dtype=mx.int32),
-            prob=mx.array(np.where(is_first, 1.0, uniform_prob)[None], dtype=mx.float32),
-            entropy=mx.array(np.where(is_first, 0.0, uniform_entropy)[None], dtype=mx.float32),
-            logprobs=mx.array(logprobs, dtype=mx.float32), candidates=candidates, step=step, steps=steps,
-            masked=np.array([width - first]),
-        )
-        committed = np.flatnonzero(np.array(rule.select(inputs, state))[0] & np.array(candidates)[0])
-        if committed.size > 1 or (committed.size == 1 and committed[0] != first):
-            return False
-        first += committed.size
-        if first == width:
-            return True
-    return True

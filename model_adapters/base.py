@@ -20,6 +20,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 
+from model_adapters.runtime.prompt_cache import TokenCache
+from model_adapters.runtime.sharding import attention_sizes, shard_mlx_lm_layers, shard_model, shard_vocabulary
+
 
 @dataclass(frozen=True)
 class FamilyDefaults:
@@ -149,9 +152,6 @@ class DiffusionModel(nn.Module):
     def make_cache(self) -> list:
         """mlx-lm's `make_prompt_cache(model)` returns this: one TokenCache (the tokens a
         conversation holds; the adapters build their own KV caches per decode)."""
-        # Imported here: mlx_lm_diffusion imports model_adapters at its own import.
-        from mlx_lm_diffusion.prompt_cache import TokenCache
-
         return [TokenCache()]
 
     def backbone(self, inputs: mx.array, mask: Any = None, cache: Optional[list] = None) -> mx.array:
@@ -165,30 +165,22 @@ class DiffusionModel(nn.Module):
     def attention_mask(self, inputs: mx.array, cache: Optional[list]) -> Any:
         return None
 
-    # -- tensor parallelism (model_adapters.sharding)
+    # -- tensor parallelism (model_adapters.runtime.sharding)
 
     def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
         """Split the weights over `group` (mlx-lm's `Model.shard`; its `sharded_load` calls it)."""
-        from .sharding import shard_model
-
         shard_model(self, group)
 
     def shard_sizes(self) -> list:
         """(what, size) pairs that the group size must divide."""
-        from .sharding import attention_sizes
-
         return attention_sizes(self.args.text)
 
     def shard_layers(self, group: mx.distributed.Group) -> None:
         """The backbone's attention and MLPs: mlx-lm's own sharding of its module."""
-        from .sharding import shard_mlx_lm_layers
-
         shard_mlx_lm_layers(self.args.text_module, getattr(self, self.backbone_name), group)
 
     def shard_vocabulary(self, group: mx.distributed.Group) -> None:
         """The embeddings and the head, split by vocabulary rows."""
-        from .sharding import shard_vocabulary
-
         shard_vocabulary(self, group)
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None, mask: Any = None) -> mx.array:
@@ -227,13 +219,13 @@ class Adapter:
     defaults: ClassVar[FamilyDefaults]
     align_blocks: ClassVar[bool] = False  # blocks on absolute multiples of block_length
     presets: ClassVar[dict] = {}  # named option sets (LLaDA2.1's "speed" / "quality")
-    # The decoding paradigm (mlx_lm_diffusion.decoders): "masked_block" or "uniform_canvas".
+    # The decoding paradigm (mlx_lm_diffusion.decoding.decoders): "masked_block" or "uniform_canvas".
     decoder: ClassVar[str] = "masked_block"
     # The family's own decoding options (model_adapters.option.Option), with their
     # defaults; the resolved values reach `configure` and the decoder as `options.family`.
     options: ClassVar[tuple] = ()
     # Why text after the current block cannot condition it (infill with a suffix is then
-    # refused, mlx_lm_diffusion.infill); None: the attention sees the whole canvas.
+    # refused, mlx_lm_diffusion.output.infill); None: the attention sees the whole canvas.
     suffix_refusal: ClassVar[Optional[str]] = None
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
@@ -254,7 +246,7 @@ class Adapter:
         return frozenset() if self.mask_id is None else frozenset({self.mask_id})
 
     def decoder_for(self, family: Any) -> str:
-        """The decoder (mlx_lm_diffusion.decoders) for a decode with these family options
+        """The decoder (mlx_lm_diffusion.decoding.decoders) for a decode with these family options
         (a mapping, defaults filled in); a family with a second paradigm overrides it."""
         return self.decoder
 
@@ -263,19 +255,26 @@ class Adapter:
         and the options set (`values`) that it cannot decode (ValueError)."""
 
     def check_resolved(self, options: Any) -> None:
-        """Refuse resolved options (mlx_lm_diffusion.options.ResolvedOptions: the rule built,
+        """Refuse resolved options (mlx_lm_diffusion.decoding.options.ResolvedOptions: the rule built,
         every default filled) that this adapter cannot decode (ValueError)."""
+
+    # True where only the next position gets a prediction (the ar adapter): the decoding
+    # layer then refuses a commit rule that would commit any other, with this message.
+    predicts_next_only = False
+
+    def next_only_refusal(self, options: Any) -> str:
+        return f"{self.family} predicts only the next token; unmask one token per step"
 
     def configure(self, options: Any) -> None:
         """Read the family's own switches from the resolved options (`options.family`)."""
 
     def start(self, prompt: mx.array, reuse: Any = None) -> Any:
         """Prepare a decode of `prompt` (B, P); returns the adapter's state. `reuse` (a
-        model_adapters.prefix_kv.PrefixKV, given only when `reuse_length` allowed it) holds
+        model_adapters.runtime.prefix_kv.PrefixKV, given only when `reuse_length` allowed it) holds
         the keys and values of the prompt's first `reuse.length` positions: prefill the rest."""
         return None
 
-    # Prompt KV reused across decodes (model_adapters.prefix_kv). The families whose prompt
+    # Prompt KV reused across decodes (model_adapters.runtime.prefix_kv). The families whose prompt
     # keys and values a cold prefill would compute identically override both; the others
     # (bidirectional attention: the KV depends on the whole canvas) reuse nothing.
     def reuse_length(self, prefix: Any, prompt: mx.array) -> int:
@@ -325,8 +324,8 @@ class Adapter:
 
     def predict_batch(self, requests: list) -> list:
         """The logits `predict` gives for each of many decodes' forward requests
-        (mlx_lm_diffusion.decoders.Forward), from as few model calls as the family can
-        batch (model_adapters.batched); here, one call per request. A request marked
+        (mlx_lm_diffusion.decoding.decoders.Forward), from as few model calls as the family can
+        batch (model_adapters.runtime.batched); here, one call per request. A request marked
         `verify` (self-speculation's verify pass) is answered by `verify`."""
         return [self.verify(r.state, r.canvas[:, r.start : r.end]) if getattr(r, "verify", False)
                 else self.predict(r.state, r.canvas, r.start, r.end) for r in requests]

@@ -28,14 +28,14 @@ from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from . import gemma_vision
-from .vocab_top_k import top_k_ids
-from .base import Adapter as _BaseAdapter
-from .batched import answered, by_width, stacked_head, stacked_prefix_views, token_matrix
-from .base import DiffusionModel, FamilyDefaults, _stop_ids
-from .option import Option
-from .prefix_kv import CAUSAL, PrefixKV, usable
-from .sharding import SummedOverRanks, VocabShardedEmbedding, shard_in_place, shard_mlp
+from model_adapters import gemma_vision
+from model_adapters.base import Adapter as _BaseAdapter
+from model_adapters.base import DiffusionModel, FamilyDefaults, _stop_ids
+from model_adapters.option import Option
+from model_adapters.runtime.batched import answered, by_width, stacked_head, stacked_prefix_views, token_matrix
+from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
+from model_adapters.runtime.sharding import SummedOverRanks, VocabShardedEmbedding, shard_in_place, shard_mlp
+from model_adapters.runtime.vocab_top_k import top_k_ids
 
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -264,7 +264,7 @@ class Model(DiffusionModel):
             soft = _weighted_rows(table, probs)
         return soft * self.embed_scale
 
-    # -- tensor parallelism (model_adapters.sharding)
+    # -- tensor parallelism (model_adapters.runtime.sharding)
 
     def shard_sizes(self) -> list:
         t = self.args.text
@@ -572,7 +572,7 @@ class Adapter(_BaseAdapter):
             state.canvas, state.self_conditioning = start, None
 
     def predict_batch(self, requests: list) -> list:
-        """Rows with canvases of one width share a decoder forward (model_adapters.batched's
+        """Rows with canvases of one width share a decoder forward (model_adapters.runtime.batched's
         stacked prefix views: each row's encoder cache, left-padded and masked, RoPE from its
         own offset, each sliding layer's last window - 1 positions), each row with its own
         self-conditioning. A finished canvas is still encoded per row (once a canvas)."""

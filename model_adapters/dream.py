@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from mlx_lm.models import qwen2
 
-from .base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
-from .bidirectional_cache import BidirectionalCacheAdapter
+from model_adapters.attention.bidirectional_cache import BidirectionalCacheAdapter
+from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Model(DiffusionModel):
 
 class Adapter(BidirectionalCacheAdapter):
     """Bidirectional canvas with Dream's shift: position i is read from row i - 1; with
-    `cache`, Fast-dLLM's prefix or dual cache (model_adapters.bidirectional_cache)."""
+    `cache`, Fast-dLLM's prefix or dual cache (model_adapters.attention.bidirectional_cache)."""
 
     family = "Dream"
     # Dream's model card: the whole canvas is one block, one token per step,

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from mlx_lm.models import llama
 
-from .base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
-from .bidirectional_cache import BidirectionalCacheAdapter
+from model_adapters.attention.bidirectional_cache import BidirectionalCacheAdapter
+from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
 
 
 @dataclass
@@ -80,7 +80,7 @@ def _rename(key: str) -> str:
 
 class Adapter(BidirectionalCacheAdapter):
     """Bidirectional canvas, no shift: the LLaDA reference `generate`; with `cache`,
-    Fast-dLLM's prefix or dual cache (model_adapters.bidirectional_cache)."""
+    Fast-dLLM's prefix or dual cache (model_adapters.attention.bidirectional_cache)."""
 
     family = "LLaDA 1.x/1.5"
     # LLaDA's demo: block 32, one token per step, low-confidence remasking.

@@ -22,10 +22,10 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 from mlx_lm.models import bailing_moe
 
-from .base import DiffusionArgs, FamilyDefaults, LayerStack
-from .block_cache import BlockCausalAdapter, BlockCausalModel
-from .option import Option
-from .sharding import SummedOverRanks, shard_in_place, shard_mlp
+from model_adapters.attention.block_cache import BlockCausalAdapter, BlockCausalModel
+from model_adapters.base import DiffusionArgs, FamilyDefaults, LayerStack
+from model_adapters.option import Option
+from model_adapters.runtime.sharding import SummedOverRanks, shard_in_place, shard_mlp
 
 BLOCK_SIZE = 32  # LLaDA2.x is trained with block-causal attention over 32-token blocks
 

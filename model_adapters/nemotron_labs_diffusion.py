@@ -23,10 +23,11 @@ from mlx_lm.models import ministral3
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from .base import Adapter as _BaseAdapter
-from .base import DiffusionArgs, DiffusionModel, FamilyDefaults
-from .option import Option
-from .prefix_kv import CAUSAL, PrefixKV, usable
+from model_adapters.base import Adapter as _BaseAdapter
+from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults
+from model_adapters.option import Option
+from model_adapters.runtime import batched
+from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
 
 
 @dataclass
@@ -132,7 +133,7 @@ class Adapter(_BaseAdapter):
                "each block's first token from it (default on)", default=True),
         Option("self_spec", bool, "Nemotron-Labs Diffusion: self-speculative greedy decoding (a bidirectional "
                "draft and a causal verify pass per window, block_length the longest window): the tokens of "
-               "autoregressive greedy decoding (mlx_lm_diffusion.decoders.speculative)", default=False),
+               "autoregressive greedy decoding (mlx_lm_diffusion.decoding.decoders.speculative)", default=False),
     )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
@@ -207,13 +208,12 @@ class Adapter(_BaseAdapter):
         return hidden
 
     def predict_batch(self, requests: list) -> list:
-        """Many rows' block passes in one call per block width (model_adapters.batched.
+        """Many rows' block passes in one call per block width (model_adapters.runtime.batched.
         causal_prefix_batch), their self-speculation verify passes in one more
         (causal_verify_batch); each row's pending causal encode (a finished block) runs
         first, on its own."""
         if len(requests) == 1:
             return super().predict_batch(requests)
-        from .batched import answered, causal_prefix_batch, causal_verify_batch
 
         for r in requests:
             self._flush(r.state, r.canvas)
@@ -222,11 +222,11 @@ class Adapter(_BaseAdapter):
 
         def answer(rows: list) -> list:
             if rows[0].verify:
-                return causal_verify_batch(self, rows)
-            return causal_prefix_batch(self, rows, [r.state.cache for r in rows])
+                return batched.causal_verify_batch(self, rows)
+            return batched.causal_prefix_batch(self, rows, [r.state.cache for r in rows])
 
         kinds = [[i for i, r in enumerate(requests) if r.verify == verify] for verify in (False, True)]
-        return answered(requests, kinds, answer)
+        return batched.answered(requests, kinds, answer)
 
     def verify(self, state: _State, window: mx.array) -> mx.array:
         """Causal logits (B, L, V) of `window`, the L positions after the cache's, whose keys

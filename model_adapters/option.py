@@ -1,6 +1,6 @@
 """One decoding option as data: its name, type, range, default and help.
 
-The engine's generic options (mlx_lm_diffusion.options) and every family's own options
+The engine's generic options (mlx_lm_diffusion.decoding.options) and every family's own options
 (an adapter's `options`) are declared with this one class, so that the Python keyword
 checks, the CLI flags, the server's JSON fields and their error messages all come from
 the same declaration.

@@ -12,8 +12,8 @@ from typing import Any
 
 from mlx_lm.models import qwen3
 
-from .base import DiffusionArgs, FamilyDefaults, LayerStack
-from .block_cache import BlockCausalAdapter, BlockCausalModel
+from model_adapters.attention.block_cache import BlockCausalAdapter, BlockCausalModel
+from model_adapters.base import DiffusionArgs, FamilyDefaults, LayerStack
 
 
 @dataclass

@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
-
 from checkpoints import EOS_ID, VOCAB, write_tokenizer
+from mlx.utils import tree_flatten, tree_map
 
 CONFIGS = {
     "llama": dict(

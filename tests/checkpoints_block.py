@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
-
 from checkpoints import _byte_of, _linear, _norm
+from safetensors.numpy import save_file
 
 VOCAB = 320
 

@@ -68,10 +68,9 @@ def write_gemma_with_vision(path: Path, seed: int = 4, vocab_size: int = VOCAB, 
     `vocab_size`: the model's vocabulary (its embeddings and tied head), e.g. DiffusionGemma's
     released 262,144; the processor's tokenizer keeps its own few tokens, all below it."""
     import torch
+    from checkpoints_nemotron_gemma import random_diffusion_gemma
     from mlx_vlm.models.diffusion_gemma import DiffusionGemma4Processor
     from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4VideoProcessor
-
-    from checkpoints_nemotron_gemma import random_diffusion_gemma
 
     if vocab_size <= VIDEO_ID:
         raise ValueError(f"vocab_size must exceed the tokenizer's ids (up to {VIDEO_ID}), got {vocab_size}")

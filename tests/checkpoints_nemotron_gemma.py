@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
-
 from checkpoints import EOS_ID, VOCAB, _linear, _norm, write_tokenizer
+from safetensors.numpy import save_file
 
 NEMOTRON_MASK_ID = 260  # <|mdm_mask|> in the test tokenizer (100 in the released checkpoints)
 

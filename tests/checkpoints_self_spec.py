@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
-
 from checkpoints_nemotron_gemma import write_nemotron
+from safetensors.numpy import load_file, save_file
 
 ATTRACTORS = (40, 41, 42)
 

@@ -1,5 +1,4 @@
 import pytest
-
 from checkpoints import write_dream, write_llada
 
 

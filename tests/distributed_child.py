@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from decoding import engine_decode
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_lm_diffusion as mld
-from decoding import engine_decode
-from mlx_lm_diffusion.distributed import check_agreement, parameter_bytes
+from mlx_lm_diffusion.parallel.distributed import check_agreement, parameter_bytes
 
 
 def decode_cases(group, cases: list) -> dict:
@@ -51,7 +51,7 @@ def main() -> None:
     group = mx.distributed.init(strict=True, backend="ring")
     out = decode_cases(group, job["cases"])
     (out_dir / f"rank{group.rank()}.json").write_text(json.dumps(out))
-    from mlx_lm_diffusion.generate import main as cli
+    from mlx_lm_diffusion.cli.generate import main as cli
 
     if cli(job["cli"]) != 0:
         sys.exit(1)
@@ -65,7 +65,7 @@ def main() -> None:
 
 def _die_at_step(step: int, out_dir: Path) -> None:
     """Kill this process at the decode's `step`-th forward (the CLI's progress callback)."""
-    from mlx_lm_diffusion import distributed
+    from mlx_lm_diffusion.parallel import distributed
 
     progress = distributed.DistributedRun.progress
     seen = []

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import server as dserver
+from mlx_lm_diffusion.serving import startup as dserver
 
 TIMEOUT = 120
 

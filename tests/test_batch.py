@@ -8,9 +8,9 @@ from checkpoints_ar import write_causal
 from decoding import record_batch_sizes
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.batch import RunningBatch
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding.batch import RunningBatch
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108], [5, 17, 99, 200, 31, 7, 64], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44]]
@@ -102,7 +102,7 @@ def test_dream(dream):
 def test_canvases_of_very_different_widths_go_to_separate_calls():
     """A full-canvas call pads every row to its widest: on a CPU the rows of one call are
     within 1.2x in width (every padded column costs its attention row), 1.5x given."""
-    from model_adapters.batched import width_groups
+    from model_adapters.runtime.batched import width_groups
 
     assert mx.default_device() == mx.cpu  # (the tests' device, as CI's)
     assert width_groups([100, 68, 80, 78]) == [[1, 3, 2], [0]]
@@ -167,9 +167,9 @@ def test_removed_row_frees_its_place(llada):
 @pytest.mark.parametrize("strategy", ["threshold", "entropy_bounded", "factor", "low_confidence_static"])
 def test_plain_steps_are_committed_together(sdar, monkeypatch, strategy):
     """Rows with plain steps (greedy, no processors, no editing) are committed by the batch
-    in one call per step (mlx_lm_diffusion.fused_commit) and still decode as alone; the
+    in one call per step (mlx_lm_diffusion.decoding.decoders.fused_commit) and still decode as alone; the
     EOS row (a logits processor) commits on its own beside them."""
-    import mlx_lm_diffusion.batch as batch_module
+    import mlx_lm_diffusion.decoding.batch as batch_module
 
     sizes, real = [], batch_module.commit_rows
     monkeypatch.setattr(batch_module, "commit_rows", lambda plans, *a: sizes.append(len(plans)) or real(plans, *a))
@@ -218,7 +218,7 @@ class CountingModel:
 @pytest.mark.parametrize("family", ["nemotron", "causal"])
 def test_rows_share_model_calls(request, family):
     """Nemotron's block passes (over each row's causal cache) and the ar adapter's
-    next-token feeds run as one model call for all rows (model_adapters.batched)."""
+    next-token feeds run as one model call for all rows (model_adapters.runtime.batched)."""
     model, tok = request.getfixturevalue(family)
     adapter = adapter_for(model, tok)
     adapter.model = counting = CountingModel(model)
@@ -304,7 +304,7 @@ def test_fast_dllm_cache_rows_share_a_forward(llada, dream, cache, monkeypatch):
     values), those at a later step one window call; and each row still gives what it gives
     alone (canvases of different widths: padded keys masked; rows joining late: some rows
     open a block while others are inside one)."""
-    from model_adapters import bidirectional_cache
+    from model_adapters.attention import bidirectional_cache
 
     calls = {"open": record_batch_sizes(monkeypatch, bidirectional_cache, "bidirectional_batch"),
              "window": record_batch_sizes(monkeypatch, bidirectional_cache, "cached_window_batch")}

@@ -1,5 +1,5 @@
 """A batched step's cost per row (issue 15, batched serving throughput): the rows' plain
-steps build their stacked inputs on the host (fused_commit, model_adapters.batched.
+steps build their stacked inputs on the host (fused_commit, model_adapters.runtime.batched.
 token_matrix) and record their kept log-probs in one gather for all rows
 (fused_commit.SharedRecord), so an added row adds few MLX operations to a step; each row
 still gets the tokens, forwards and log-probs of its decode alone."""
@@ -13,12 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm_diffusion import fused_commit
-from mlx_lm_diffusion.batch import RunningBatch
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding.batch import RunningBatch
+from mlx_lm_diffusion.decoding.decoders import fused_commit
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
-from model_adapters.batched import token_matrix
+from model_adapters.runtime.batched import token_matrix
 
 # six prompts of different lengths: several rows of each kind share a record
 PROMPTS = [[72, 101, 108], [5, 17, 99, 200, 31, 7, 64], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44],
@@ -85,7 +85,7 @@ def test_shared_records_give_each_row_its_own_log_probs(request, family, monkeyp
 
 def test_a_shared_record_view_reads_its_own_row():
     """A view of a record stacked over rows reads its row only (index, vectors, dense)."""
-    from mlx_lm_diffusion.decoders.kept_logprobs import KeptLogprobs, KeptRows
+    from mlx_lm_diffusion.decoding.decoders.kept_logprobs import KeptLogprobs, KeptRows
 
     positions = mx.array([[0, 2], [1, 0], [3, 1]], dtype=mx.int32)
     valid = mx.array([[True, False], [True, True], [False, False]])
@@ -148,7 +148,7 @@ def test_an_added_row_adds_few_operations(request, family, monkeypatch):
     host and their kept log-probs recorded together: 47 for SDAR, 52 for LLaDA against
     one row (bench/profile_batch_step.py). The rows' canvases share one call here (a
     second width group adds its own forward's operations, by design)."""
-    from model_adapters import batched
+    from model_adapters.runtime import batched
 
     monkeypatch.setattr(batched, "CPU_WIDTH_SPREAD", 2.0)
     model, tok = request.getfixturevalue(family)
@@ -162,7 +162,7 @@ def test_the_compiled_batched_forward_gives_the_plain_one(request, family, monke
     """The batched block-causal window (SDAR) and full-canvas (LLaDA) forwards through
     mx.compile (COMPILE_WINDOWS) and without: the same kept log-probs, bit for bit, and the
     same tokens and forwards per row."""
-    from model_adapters import batched
+    from model_adapters.runtime import batched
 
     model, tok = request.getfixturevalue(family)
     results = []
@@ -183,7 +183,7 @@ def test_the_compiled_batched_forward_gives_the_plain_one(request, family, monke
 def test_a_compiled_forward_keeps_at_most_max_traces_shapes(request, family, monkeypatch):
     """Past MAX_TRACES distinct input shapes a compiled backbone call is made afresh (its
     traces freed with it), and the rows' tokens and forwards stay those of the plain forward."""
-    from model_adapters import batched
+    from model_adapters.runtime import batched
 
     model, tok = request.getfixturevalue(family)
 
@@ -246,7 +246,7 @@ def test_the_compiled_fused_commit_gives_the_plain_one(request, family, fields, 
 def test_a_compiled_commit_answers_only_groups_that_share_one_rule_and_quota():
     """Rows whose rules or quotas at their steps differ, or whose biases differ, are committed
     op by op (None: the compiled commit does not take the group)."""
-    from mlx_lm_diffusion.commit_rules import EntropyBounded, LowConfidence, Quota, Threshold
+    from mlx_lm_diffusion.decoding.commit_rules import EntropyBounded, LowConfidence, Quota, Threshold
 
     def plan(rule, quota=None, bias=None, takes_all=False):
         state = None if quota is None else Quota(mx.array([[quota]]), np.array([[quota]]))

@@ -8,7 +8,7 @@ values), itself checked against the model's full forward first. Shared deviation
 for every oracle in this suite: the mask token is never proposed, and a block that fills
 at its first step spends no second forward (Fast-dLLM's newer snapshot). The Dream loop
 here commits by the chosen rule at the block's first step too (see
-model_adapters/bidirectional_cache.py); its block's first position is fed by the first
+model_adapters/attention/bidirectional_cache.py); its block's first position is fed by the first
 full forward's row start - 1 throughout the block, as in Fast-dLLM.
 """
 
@@ -18,16 +18,15 @@ import math
 
 import mlx.core as mx
 import numpy as np
-import pytest
-
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.commit_rules import RULES
-from mlx_lm_diffusion.options import DecodeOptions, named_options, resolve, schema
-from model_adapters import adapter_for
-
 import oracles
+import pytest
 from checkpoints import MASK_ID
 from decoding import engine_decode
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.decoding.commit_rules import RULES
+from mlx_lm_diffusion.decoding.options import DecodeOptions, named_options, resolve, schema
+from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33, 40]]
 MODES = ["prefix", "dual"]
@@ -276,7 +275,7 @@ def test_window_writes_work_in_place(llada, mode, monkeypatch):
     which reads the other copy, may still run) writes in place: within a block each copy
     keeps its memory once its first write has copied it (the first forward's keys and
     values, which that forward's graph may still hold)."""
-    from model_adapters.bidirectional_cache import BidirectionalCacheAdapter
+    from model_adapters.attention.bidirectional_cache import BidirectionalCacheAdapter
 
     def address(array):
         return np.asarray(memoryview(array)).__array_interface__["data"][0]
@@ -335,7 +334,7 @@ def test_stream_generate_with_drafts(family, mode, request):
 
 def test_batched_rows_decode_as_alone(llada):
     """Rows of a batch with a cache decode as they do one at a time."""
-    from mlx_lm_diffusion.generation import generate_batch
+    from mlx_lm_diffusion.api.generation import generate_batch
 
     model, tok = llada
     prompts = [[72, 101, 108, 108], [5, 17, 99, 200]]
@@ -356,11 +355,11 @@ def test_fast_preset(llada, dream):
 
 
 def test_cache_option_everywhere_and_refused_elsewhere(tmp_path):
-    from checkpoints_block import write_sdar
-
     import argparse
 
-    from mlx_lm_diffusion.options import add_arguments, check_fields
+    from checkpoints_block import write_sdar
+
+    from mlx_lm_diffusion.decoding.options import add_arguments, check_fields
 
     assert "cache" in named_options() and schema()["cache"].json_schema()["enum"] == ["prefix", "dual"]
     assert check_fields({"cache": "dual"}) == {"cache": "dual"}  # the server's JSON field
@@ -373,7 +372,7 @@ def test_cache_option_everywhere_and_refused_elsewhere(tmp_path):
 
 
 def test_protocol_takes_cache_as_an_extension_field(llada):
-    from mlx_lm_diffusion.protocol import run_request, validate_response
+    from mlx_lm_diffusion.api.protocol import run_request, validate_response
 
     model, tok = llada
     request = dict(prompt_tokens=PROMPTS[0], target_length=21, num_steps=8, mask_schedule="cosine",

@@ -1,4 +1,4 @@
-"""The exact prefix KV cache of block-causal models (model_adapters.block_cache):
+"""The exact prefix KV cache of block-causal models (model_adapters.attention.block_cache):
 identical tokens and forward counts with and without it, each step runs only the
 current block against the cache, and the cache grows with the prefix, not the steps.
 """
@@ -6,16 +6,15 @@ current block against the cache, and the cache grows with the prefix, not the st
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints_block import write_llada2, write_sdar
 from mlx_arsenal.attention import block_causal_mask
 from mlx_lm.models.cache import KVCache
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
-from model_adapters.block_cache import window_mask
-
-from checkpoints_block import write_llada2, write_sdar
+from model_adapters.attention.block_cache import window_mask
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +101,7 @@ def test_cache_gives_the_same_tokens_and_forwards(families, family, prompt, opti
     # after the step that ends the decode is dropped, uncounted
     assert len(windows) == len(plain_windows) and len(windows) - cached[-1].forwards in (0, 1)
     assert [s.final.tolist() for s in cached] == [s.final.tolist() for s in plain]
-    block, P, total = model.block_size, len(prompt[0]), cached[-1].canvas.shape[1]
+    block, total = model.block_size, cached[-1].canvas.shape[1]
     forwards = [e for e in cached if e.forward]
     # without the cache every forward starts at position 0; with it, at the cached prefix
     assert all(offset == 0 for _, offset in plain_windows)

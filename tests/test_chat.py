@@ -5,7 +5,7 @@ import io
 import pytest
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import chat
+from mlx_lm_diffusion.cli import chat
 
 
 class ScriptedUI:

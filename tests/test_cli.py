@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from cli_run import run, run_main
 
 

@@ -10,12 +10,12 @@ import json
 import sys
 
 import pytest
-
-from mlx_lm_diffusion import chat
-from mlx_lm_diffusion import generate as _pkg_generate  # noqa: F401  (the function)
 from pty_run import run_in_pty
 
-cli = importlib.import_module("mlx_lm_diffusion.generate")
+from mlx_lm_diffusion import generate as _pkg_generate  # noqa: F401  (the function)
+from mlx_lm_diffusion.cli import chat
+
+cli = importlib.import_module("mlx_lm_diffusion.cli.generate")
 
 
 def option_strings(parser):
@@ -149,7 +149,7 @@ def test_chat_not_a_diffusion_model_is_one_line(tmp_path, capsys):
 def test_convert_takes_every_mlx_lm_convert_flag():
     from mlx_lm.convert import configure_parser
 
-    from mlx_lm_diffusion.convert import setup_arg_parser
+    from mlx_lm_diffusion.cli.convert import setup_arg_parser
 
     assert option_strings(configure_parser()) <= option_strings(setup_arg_parser())
 
@@ -160,7 +160,7 @@ def _quantization(path):
 
 def test_convert_keeps_embeddings_and_head_at_8_bits(tmp_path, dream_path):
     import mlx_lm_diffusion as mld
-    from mlx_lm_diffusion.convert import main
+    from mlx_lm_diffusion.cli.convert import main
 
     assert main(["--hf-path", str(dream_path), "--mlx-path", str(tmp_path / "q4"), "-q", "--q-bits", "4"]) == 0
     q = _quantization(tmp_path / "q4")
@@ -182,7 +182,7 @@ def test_convert_keeps_embeddings_and_head_at_8_bits(tmp_path, dream_path):
 
 
 def test_llada_head_is_kept_too(tmp_path, llada_path):
-    from mlx_lm_diffusion.convert import convert
+    from mlx_lm_diffusion.cli.convert import convert
 
     convert(str(llada_path), str(tmp_path / "q"), quantize=True, q_bits=4, q_mode="affine")
     q = _quantization(tmp_path / "q")
@@ -200,7 +200,7 @@ def test_llada_head_is_kept_too(tmp_path, llada_path):
     ],
 )
 def test_convert_errors_are_one_line(flags, word, tmp_path, llada_path, capsys, monkeypatch):
-    from mlx_lm_diffusion.convert import main
+    from mlx_lm_diffusion.cli.convert import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["--hf-path", str(llada_path), "--mlx-path", str(tmp_path / "out"), *flags]) == 2
@@ -209,7 +209,7 @@ def test_convert_errors_are_one_line(flags, word, tmp_path, llada_path, capsys, 
 
 
 def test_convert_of_a_missing_local_path_says_so(tmp_path, capsys):
-    from mlx_lm_diffusion.convert import main
+    from mlx_lm_diffusion.cli.convert import main
 
     assert main(["--hf-path", "./no-such-model", "--mlx-path", str(tmp_path / "out")]) == 2
     assert "no model at ./no-such-model" in one_error_line(capsys.readouterr().err)  # (not the Hub's repo-id rules)
@@ -219,7 +219,8 @@ def test_convert_of_a_missing_local_path_says_so(tmp_path, capsys):
 
 
 def cli_mains():
-    from mlx_lm_diffusion import convert, server
+    from mlx_lm_diffusion.cli import convert
+    from mlx_lm_diffusion.serving import startup as server
 
     return {"generate": cli.main, "chat": chat.main, "convert": convert.main, "server": server.parse_args}
 
@@ -275,7 +276,7 @@ class CharTokenizer:
 
 
 def test_canvas_on_a_terminal_is_one_line_redrawn_in_place():
-    from mlx_lm_diffusion.canvas_view import CLEAR_LINE, MASK_GLYPH, CanvasView
+    from mlx_lm_diffusion.cli.canvas_view import CLEAR_LINE, MASK_GLYPH, CanvasView
 
     out = FakeTTY()
     view = CanvasView(CharTokenizer(), mask_id=0, out=out)
@@ -292,7 +293,7 @@ def test_canvas_on_a_terminal_is_one_line_redrawn_in_place():
 
 def test_canvas_draws_a_token_without_text_as_a_dot():
     """The demo model's <blank> padding has no text: drawn, the canvas keeps its width."""
-    from mlx_lm_diffusion.canvas_view import EMPTY_GLYPH, MASK_GLYPH, CanvasView
+    from mlx_lm_diffusion.cli.canvas_view import EMPTY_GLYPH, MASK_GLYPH, CanvasView
     from mlx_lm_diffusion.demo import load_demo
     from mlx_lm_diffusion.demo.vocab import BLANK_ID, ID, MASK_ID
 
@@ -303,7 +304,7 @@ def test_canvas_draws_a_token_without_text_as_a_dot():
 
 
 def test_canvas_off_a_terminal_is_one_line_per_forward():
-    from mlx_lm_diffusion.canvas_view import CanvasView
+    from mlx_lm_diffusion.cli.canvas_view import CanvasView
 
     out = io.StringIO()
     view = CanvasView(CharTokenizer(), mask_id=0, out=out)
@@ -316,7 +317,7 @@ def test_canvas_off_a_terminal_is_one_line_per_forward():
 
 
 def test_show_canvas_under_a_terminal_keeps_the_answer_off_the_canvas_line(llada_path):
-    from mlx_lm_diffusion.canvas_view import CLEAR_LINE
+    from mlx_lm_diffusion.cli.canvas_view import CLEAR_LINE
 
     code, out, _ = run_in_pty(
         [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(llada_path), "--prompt", "Hi",

@@ -1,7 +1,8 @@
 """The generate CLI's --suffix (infill) and --allowed-tokens, and their one-line errors."""
 
-import mlx_lm_diffusion as mld
 from cli_run import run_main
+
+import mlx_lm_diffusion as mld
 
 
 def test_suffix_prints_the_filled_middle(llada_path, llada):

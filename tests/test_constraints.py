@@ -8,13 +8,13 @@ from pathlib import Path
 import jsonschema
 import mlx.core as mx
 import pytest
+from checkpoints import EOS_ID, MASK_ID, VOCAB
+from checkpoints_block import SDAR_MASK
 from mlx_lm.sample_utils import make_logits_processors, make_repetition_penalty, make_sampler
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.constraints import masks_only
-
-from checkpoints import EOS_ID, MASK_ID, VOCAB
-from checkpoints_block import SDAR_MASK
+from mlx_lm_diffusion.api import generation
+from mlx_lm_diffusion.decoding.decoders.constraints import masks_only
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 LETTERS = list(range(65, 91))  # "A".."Z" in the byte-level test vocabulary
@@ -164,7 +164,7 @@ def test_allowed_tokens_hold_in_every_family(llada, dream, sdar, nemotron, gemma
         out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=12, allowed_tokens=ALLOWED, seed=seed,
                                        sampler=make_sampler(1.0)))
         tokens = [r.token for r in out]
-        eos_ids = mld.generation.adapter_for(model, tok).eos_ids
+        eos_ids = generation.adapter_for(model, tok).eos_ids
         assert tokens and all(t in ALLOWED or t in eos_ids for t in tokens)
         assert mask not in tokens
 
@@ -194,7 +194,7 @@ SCHEMA = {
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_json_schema_outputs_parse_against_the_schema(family, request):
-    from mlx_lm_diffusion.grammar import json_schema_processor
+    from mlx_lm_diffusion.output.grammar import json_schema_processor
 
     model, tok = request.getfixturevalue(family)
     for seed in range(6):
@@ -206,7 +206,7 @@ def test_json_schema_outputs_parse_against_the_schema(family, request):
 
 
 def test_json_on_the_demo_model():
-    from mlx_lm_diffusion.grammar import json_schema_processor
+    from mlx_lm_diffusion.output.grammar import json_schema_processor
 
     model, tok = mld.load(str(Path(mld.__file__).parent / "demo" / "model"))
     schema = {"type": "integer", "minimum": 0, "maximum": 999}
@@ -225,7 +225,7 @@ def test_json_on_the_demo_model():
 
 
 def test_response_formats():
-    from mlx_lm_diffusion.grammar import response_format_processor
+    from mlx_lm_diffusion.output.grammar import response_format_processor
 
     assert response_format_processor(None, VOCAB, {"type": "text"}) is None
     for bad in ({"type": "xml"}, {"type": "json_schema"}, "json", {"type": "json_schema", "json_schema": {

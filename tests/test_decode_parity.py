@@ -5,9 +5,8 @@ EOS stopping is switched off here (the references always fill the whole canvas);
 it is tested on its own in test_generate.py.
 """
 
-import pytest
-
 import oracles
+import pytest
 from decoding import engine_decode
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]

@@ -100,9 +100,9 @@ def test_chat_template_renders_the_raw_prompt(demo):
 
 
 def test_generation_config_holds_valid_decoding_defaults(demo):
+    from mlx_lm_diffusion.decoding.commit_rules import RULES
+    from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
     from model_adapters import adapter_for
-    from mlx_lm_diffusion.commit_rules import RULES
-    from mlx_lm_diffusion.options import DecodeOptions, resolve
 
     generation = json.loads((DEMO_MODEL_PATH / "generation_config.json").read_text())
     config = json.loads((DEMO_MODEL_PATH / "config.json").read_text())
@@ -189,7 +189,7 @@ def test_the_readme_allowed_tokens_example(demo):
 
 
 def test_cli_falls_back_to_the_demo_model(capsys):
-    from mlx_lm_diffusion.generate import main
+    from mlx_lm_diffusion.cli.generate import main
 
     assert main(["--prompt", "357+468=", "--verbose", "false"]) == 0
     out, err = capsys.readouterr()

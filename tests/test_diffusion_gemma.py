@@ -11,15 +11,14 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
-from model_adapters import adapter_for
-from model_adapters.diffusion_gemma import Adapter
-
 from checkpoints import EOS_ID, VOCAB
 from checkpoints_nemotron_gemma import write_diffusion_gemma
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from model_adapters import adapter_for
+from model_adapters.diffusion_gemma import Adapter
 
 torch = pytest.importorskip("torch")
 
@@ -336,7 +335,7 @@ def test_bad_options(gemma, options, word):
 
 
 def test_quantized_convert_and_reload(tmp_path, gemma_path, gemma):
-    from mlx_lm_diffusion.convert import convert
+    from mlx_lm_diffusion.cli.convert import convert
 
     out = tmp_path / "q8"
     convert(str(gemma_path), str(out), quantize=True, q_bits=8, q_group_size=32)

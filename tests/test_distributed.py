@@ -19,17 +19,16 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-
-import mlx_lm_diffusion as mld
-from decoding import engine_decode
-from mlx_lm_diffusion.convert import convert
-from mlx_lm_diffusion.distributed import parameter_bytes
-from model_adapters.sharding import check_divisible, quantization_groups
-
 from checkpoints import write_dream, write_llada
 from checkpoints_ar import write_causal
 from checkpoints_block import write_llada2, write_sdar
 from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
+from decoding import engine_decode
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.cli.convert import convert
+from mlx_lm_diffusion.parallel.distributed import parameter_bytes
+from model_adapters.runtime.sharding import check_divisible, quantization_groups
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -147,7 +146,7 @@ def test_two_ranks_decode_as_one_process(checkpoints, two_ranks, name):
 
 
 def test_the_cli_under_mlx_launch_prints_what_one_process_prints(checkpoints, two_ranks, capsys):
-    from mlx_lm_diffusion.generate import main
+    from mlx_lm_diffusion.cli.generate import main
 
     assert main(_cli_args(checkpoints, 16)) == 0
     single = capsys.readouterr().out
@@ -240,7 +239,6 @@ def _ranks_of(launcher: subprocess.Popen) -> dict:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the ranks' processes through /proc")
 def test_the_server_under_mlx_launch_answers_cancels_and_stops(checkpoints, tmp_path):
     from openai import OpenAI
-
     from serving import free_port
 
     port = free_port()
@@ -299,7 +297,7 @@ def test_the_peer_watchdog_ends_a_rank_that_waits_too_long():
     (exit 1, one line) once no progress came for its timeout; petting it keeps it quiet."""
     script = f"""
 import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("dist", {str(ROOT / "mlx_lm_diffusion" / "distributed.py")!r})
+spec = importlib.util.spec_from_file_location("dist", {str(ROOT / "mlx_lm_diffusion" / "parallel" / "distributed.py")!r})
 dist = importlib.util.module_from_spec(spec); spec.loader.exec_module(dist)
 class Group:
     def rank(self): return 1

@@ -97,10 +97,10 @@ def test_stream_generate_bound_before_install_names_install(llada):
 
 def test_refusals_leave_autoregressive_models_alone_and_uninstall_restores():
     originals = {(m, a): getattr(importlib.import_module(m), a) for m, a, _, _ in
-                 importlib.import_module("mlx_lm_diffusion.install").REFUSALS}
+                 importlib.import_module("mlx_lm_diffusion.api.install").REFUSALS}
     mld.install()
     try:
-        assert importlib.import_module("mlx_lm_diffusion.install").installed()
+        assert importlib.import_module("mlx_lm_diffusion.api.install").installed()
         for (m, a), original in originals.items():
             patched = getattr(importlib.import_module(m), a)
             assert patched is not original and patched.__wrapped__ is original

@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pty_run import run_in_pty
 from serving import console_server
 
@@ -33,7 +32,7 @@ PROMPT, ANSWER = "357+468=", "825"
 TIMEOUT = 150
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
-cli = importlib.import_module("mlx_lm_diffusion.generate")
+cli = importlib.import_module("mlx_lm_diffusion.cli.generate")
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import pytest
 from safetensors.numpy import load_file
 
 torch = pytest.importorskip("torch")
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
-
 import json  # noqa: E402
+
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from model_adapters.llada import _rename  # noqa: E402
 

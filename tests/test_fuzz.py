@@ -4,14 +4,13 @@ answered with a 2xx or a 4xx whose body is strict JSON (a stream: JSON events en
 tests/fuzz_bodies.py, which bench/soak_server.py also runs, by the thousand."""
 
 import http.client
-import json
 import random
 
 import openai
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from fuzz_bodies import ROUTES, check_answer, encode, random_body
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from serving import running_server
 
 TIMEOUT = 60

@@ -1,4 +1,4 @@
-"""The head over the positions a step reads (mlx_lm_diffusion.decoders.gathered_rows):
+"""The head over the positions a step reads (mlx_lm_diffusion.decoding.decoders.gathered_rows):
 every family and commit rule decodes the same tokens, with the same forward counts and
 the same per-token log-probs, whether a step gathers the rows it reads before the output
 layer or runs the head over its whole block; the gather really happens (fewer rows, in
@@ -11,16 +11,15 @@ tests), which run with the gather on, as every decode does.
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints_ar import write_causal
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.decoders.gathered_rows import bucket, read_positions, spread, take_rows
-from mlx_lm_diffusion.decoders.masked_block import MaskedBlockDecoder
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
-from mlx_lm_diffusion.protocol import run_request
+from mlx_lm_diffusion.api.protocol import run_request
+from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket, read_positions, spread, take_rows
+from mlx_lm_diffusion.decoding.decoders.masked_block import MaskedBlockDecoder
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
-
-from checkpoints_ar import write_causal
 
 PROMPT = [72, 101, 108, 108, 111, 5, 17]
 BUCKETS = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64}
@@ -161,7 +160,7 @@ def test_statistics_cover_the_rows_read_only(request, monkeypatch, family, optio
     head over the whole block, but the passes over the vocabulary (greedy_parts) cover the
     masked rows only, as at every smaller bucket: each step's statistics have exactly as
     many rows as the block had masks before it."""
-    from mlx_lm_diffusion.decoders import masked_block
+    from mlx_lm_diffusion.decoding.decoders import masked_block
 
     rows, real = [], masked_block.greedy_parts
     monkeypatch.setattr(masked_block, "greedy_parts", lambda logits: rows.append(logits.shape[1]) or real(logits))

@@ -13,18 +13,17 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints import VOCAB
+from checkpoints_gemma_images import IMAGE_ID, MAX_SOFT_TOKENS, PATCH, POOL, make_image, write_gemma_with_vision
+from cli_run import run_main
+from test_diffusion_gemma import _NoText
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import images
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.media import images
 from model_adapters import adapter_for
 from model_adapters.gemma_vision import VisionInputs
-
-from checkpoints import VOCAB
-from cli_run import run_main
-from checkpoints_gemma_images import IMAGE_ID, MAX_SOFT_TOKENS, PATCH, POOL, make_image, write_gemma_with_vision
-from test_diffusion_gemma import _NoText
 
 torch = pytest.importorskip("torch")
 
@@ -347,8 +346,9 @@ def test_cli_image_flag(loaded, vision_path, picture_files):
 
 
 def test_chat_image_command_attaches_to_the_next_message(loaded, vision_path, picture_files, capsys):
-    from mlx_lm_diffusion import chat
     from test_chat import ScriptedUI, args_for
+
+    from mlx_lm_diffusion.cli import chat
 
     model, processor = loaded
     path = str(picture_files / "allowed" / "a.png")
@@ -385,7 +385,6 @@ def test_chat_turns_keep_the_conversations_images(loaded):
 @pytest.fixture(scope="module")
 def image_server(vision_path, picture_files, tmp_path_factory):
     import huggingface_hub.constants as hf_constants
-
     from serving import running_server
 
     with pytest.MonkeyPatch.context() as mp:
@@ -523,7 +522,7 @@ def test_convert_keeps_the_vision_tower_unquantized_and_the_processor(tmp_path, 
     they are; vision_config and the processor files carried over; images still work."""
     import mlx.nn as nn
 
-    from mlx_lm_diffusion.convert import convert
+    from mlx_lm_diffusion.cli.convert import convert
 
     out = tmp_path / "q4"
     convert(str(vision_path), str(out), quantize=True, q_bits=4, q_group_size=32)

@@ -12,14 +12,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints_gemma_images import IMAGE_ID, make_image, write_gemma_with_vision
 from mlx_arsenal.diffusion import uniform_canvas
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import images
-from mlx_lm_diffusion.protocol import run_request, validate_response
-from mlx_lm_diffusion.schedules import quotas
-
-from checkpoints_gemma_images import IMAGE_ID, make_image, write_gemma_with_vision
+from mlx_lm_diffusion.api.protocol import run_request, validate_response
+from mlx_lm_diffusion.decoding.schedules import quotas
+from mlx_lm_diffusion.media import images
 
 TEXT = "Look: <|image|> what?"
 NEW = 8
@@ -170,7 +169,6 @@ def test_images_on_a_model_without_a_vision_tower(llada):
 @pytest.fixture(scope="module")
 def protocol_server(vision_path, tmp_path_factory):
     import huggingface_hub.constants as hf_constants
-
     from serving import running_server
 
     with pytest.MonkeyPatch.context() as mp:

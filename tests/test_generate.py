@@ -3,13 +3,12 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints import EOS_ID, MASK_ID, VOCAB
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.commit_rules import RULES
-
-from checkpoints import EOS_ID, MASK_ID, VOCAB
+from mlx_lm_diffusion.decoding.commit_rules import RULES
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
@@ -204,7 +203,7 @@ def test_unsupported_model_type_names_the_families(tmp_path, llada_path):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_load_after_convert(tmp_path, llada_path, bits):
-    from mlx_lm_diffusion.convert import convert
+    from mlx_lm_diffusion.cli.convert import convert
 
     out = tmp_path / f"q{bits}"
     convert(str(llada_path), str(out), quantize=True, q_bits=bits)
@@ -220,7 +219,7 @@ def test_quantized_load_after_convert(tmp_path, llada_path, bits):
 
 
 def test_plain_convert_reloads_identically(tmp_path, dream_path, dream):
-    from mlx_lm_diffusion.convert import convert
+    from mlx_lm_diffusion.cli.convert import convert
 
     convert(str(dream_path), str(tmp_path / "mlx"))
     model, _ = mld.load(str(tmp_path / "mlx"))
@@ -231,7 +230,7 @@ def test_plain_convert_reloads_identically(tmp_path, dream_path, dream):
 def test_importing_the_cli_module_keeps_generate_the_function():
     import importlib
 
-    cli = importlib.import_module("mlx_lm_diffusion.generate")
+    cli = importlib.import_module("mlx_lm_diffusion.cli.generate")
     assert callable(mld.generate) and mld.generate is cli.generate
     from mlx_lm_diffusion import generate
 

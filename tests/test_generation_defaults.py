@@ -1,15 +1,15 @@
 """A checkpoint's generation_config.json gives the decoding defaults: explicit options >
-generation_config.json > the family's reference defaults (mlx_lm_diffusion.generation_defaults)."""
+generation_config.json > the family's reference defaults (mlx_lm_diffusion.decoding.generation_defaults)."""
 
 import json
 import shutil
 
 import pytest
+from checkpoints import write_dream, write_llada
 
 import mlx_lm_diffusion
-from checkpoints import write_dream, write_llada
-from mlx_lm_diffusion import generation_defaults
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding import generation_defaults
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 
 PROMPT = [3, 5, 7, 9]

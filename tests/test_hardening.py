@@ -21,12 +21,15 @@ from pathlib import Path
 import mlx_lm.server
 import openai
 import pytest
-
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import server as dserver
-
 from checkpoints import EOS_ID, EOT_ID, write_llada
 from serving import running_server
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.serving import openai_requests
+from mlx_lm_diffusion.serving import startup as dserver
+from mlx_lm_diffusion.serving.errors import Cancelled
+from mlx_lm_diffusion.serving.openai_requests import SEED_MAX, request_seed
+from mlx_lm_diffusion.serving.routes import PROTOCOL_PATH
 
 TIMEOUT = 60
 READ_TIMEOUT = 1.0
@@ -251,7 +254,7 @@ def test_fields_at_their_bounds_are_served(client, reference):
 ])
 def test_requests_over_the_forward_budget_get_a_400_before_anything_runs(port, client, reference, path, body,
                                                                          monkeypatch):
-    from mlx_lm_diffusion import engine
+    from mlx_lm_diffusion.decoding import engine
 
     ran = []
     monkeypatch.setattr(engine.Engine, "run", lambda *a, **k: ran.append(1) or iter(()))
@@ -274,18 +277,18 @@ def test_max_forwards_flag(port, served, client, reference, monkeypatch):
 
 
 def test_protocol_decode_stops_when_cancelled(llada):
-    from mlx_lm_diffusion.protocol import run_request
+    from mlx_lm_diffusion.api.protocol import run_request
 
     seen = []
 
     def on_step(step):
         seen.append(step.forwards)
         if len(seen) == 2:
-            raise dserver.Cancelled()
+            raise Cancelled()
 
     request = {"prompt_tokens": [72, 101], "target_length": 12, "num_steps": 8, "mask_schedule": "cosine",
                "temperature_schedule": [0.0] * 8, "top_p": 1.0}
-    with pytest.raises(dserver.Cancelled):
+    with pytest.raises(Cancelled):
         run_request(*llada, request, on_step=on_step)
     assert seen == [1, 2]
 
@@ -323,28 +326,28 @@ def test_unseeded_requests_draw_from_their_own_key(served, client, monkeypatch, 
                                            max_tokens=12, extra_body={"logit_bias": NO_STOP}, **kwargs)
         return r.choices[0].message.content
 
-    monkeypatch.setattr(dserver, "request_seed", lambda: 1234)
+    monkeypatch.setattr(openai_requests, "request_seed", lambda: 1234)
     first = sampled()
     mx.random.seed(99)  # the global state moved (as another request's draws move it)
     mx.random.uniform(shape=(7,))
     assert sampled() == first
     assert sampled(seed=1234) == first
     assert sampled(seed=4321) != first  # (the check can fail: seeds do change this decode)
-    monkeypatch.setattr(dserver, "request_seed", lambda: 4321)
+    monkeypatch.setattr(openai_requests, "request_seed", lambda: 4321)
     assert sampled() == sampled(seed=4321)
     protocol = {"prompt_tokens": [72, 101, 108], "target_length": 12, "num_steps": 4, "mask_schedule": "linear",
                 "temperature_schedule": [1.0] * 4, "top_p": 1.0}
     status, _, data = exchange(port=served[0].server_address[1],
-                               data=request_bytes(json.dumps(protocol).encode(), path=dserver.PROTOCOL_PATH))
+                               data=request_bytes(json.dumps(protocol).encode(), path=PROTOCOL_PATH))
     status_seeded, _, data_seeded = exchange(
         port=served[0].server_address[1],
-        data=request_bytes(json.dumps({**protocol, "seed": 4321}).encode(), path=dserver.PROTOCOL_PATH))
+        data=request_bytes(json.dumps({**protocol, "seed": 4321}).encode(), path=PROTOCOL_PATH))
     assert status == status_seeded == 200 and json.loads(data) == json.loads(data_seeded)
 
 
 def test_request_seeds_are_fresh_and_in_range():
-    seeds = {dserver.request_seed() for _ in range(64)}
-    assert len(seeds) == 64 and all(0 <= s <= dserver.SEED_MAX for s in seeds)
+    seeds = {request_seed() for _ in range(64)}
+    assert len(seeds) == 64 and all(0 <= s <= SEED_MAX for s in seeds)
 
 
 def _failing_after(n):
@@ -843,6 +846,7 @@ def test_base_dependencies_cover_what_the_server_imports():
     the protocol import."""
     import importlib.metadata as md
     import re
+
     import tomllib
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
@@ -889,7 +893,7 @@ def test_base_dependencies_cover_what_the_server_imports():
         return any(d.lower().replace("_", "-") in dists for d in owners[m])
 
     # The `constraints` extra (llguidance) is imported only when a grammar is asked for, and its
-    # absence is a clear error there (mlx_lm_diffusion.grammar): it need not be a base dependency.
+    # absence is a clear error there (mlx_lm_diffusion.output.grammar): it need not be a base dependency.
     optional = {name(r) for r in project["optional-dependencies"]["constraints"]}
     missing = {m: owners[m] for m in sorted(modules - own) if m in owners and not owned_by(m, required | optional)
                and (m in top or not owned_by(m, vision))}

@@ -4,14 +4,14 @@ the middle as the output, and the families that cannot see a suffix refusing it.
 
 import mlx.core as mx
 import numpy as np
+import oracles
 import pytest
+from checkpoints import EOS_ID, MASK_ID
 
 import mlx_lm_diffusion as mld
-import oracles
-from checkpoints import EOS_ID, MASK_ID
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.infill import suffix_seed
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.output.infill import suffix_seed
 from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]
@@ -203,7 +203,7 @@ def test_diffusion_gemma_suffix_must_share_the_canvas(gemma):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_generate_batch_infills_each_row_as_alone(family, request):
-    from mlx_lm_diffusion.generation import generate_batch
+    from mlx_lm_diffusion.api.generation import generate_batch
 
     model, tok = request.getfixturevalue(family)
     prompts, suffix = [[72, 101, 108, 108], [5, 17, 99, 200]], SUFFIXES[0]

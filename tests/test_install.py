@@ -12,19 +12,18 @@ import mlx.core as mx
 import mlx_lm
 import openai
 import pytest
+from checkpoints import VOCAB, write_dream, write_llada, write_tokenizer
+from checkpoints_block import write_llada2, write_sdar
+from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import compat
-from mlx_lm_diffusion.compat import TokenCache
+from mlx_lm_diffusion.api import compat
+from mlx_lm_diffusion.api.compat import TokenCache
 
-from checkpoints import VOCAB, write_dream, write_llada, write_tokenizer
-from checkpoints_block import write_llada2, write_sdar
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
-
-install_module = importlib.import_module("mlx_lm_diffusion.install")
+install_module = importlib.import_module("mlx_lm_diffusion.api.install")
 cache_module = importlib.import_module("mlx_lm.models.cache")
 generate_module = importlib.import_module("mlx_lm.generate")
 
@@ -233,7 +232,8 @@ def test_request_options_apply_and_explicit_keywords_win(llada):
 def test_stock_mlx_lm_server_drives_diffusion(llada, llada_path, installed):
     """mlx_lm.server's own ResponseGenerator and APIHandler, after install()."""
     import mlx_lm.server as stock
-    from mlx_lm_diffusion import server as dserver
+
+    from mlx_lm_diffusion.serving import startup as dserver
 
     args = dserver.parse_args(["--model", str(llada_path), "--port", "0"])
     generator = stock.ResponseGenerator(stock.ModelProvider(args), stock.LRUPromptCache(4))
@@ -301,7 +301,7 @@ def test_batch_generate_keeps_autoregressive_models_on_mlx_lm(tmp_path):
 def test_stock_load_keeps_the_checkpoint_decoding_defaults(installed):
     """generation_config.json's defaults (the demo: block 8, 8 steps) hold through
     mlx_lm.load, hence through mlx_lm.generate and the server, as through mld.load."""
-    from mlx_lm_diffusion import generation_defaults
+    from mlx_lm_diffusion.decoding import generation_defaults
     from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 
     ours, tok = mld.load(str(DEMO_MODEL_PATH))
@@ -317,9 +317,9 @@ def test_stock_load_keeps_the_checkpoint_decoding_defaults(installed):
 def test_the_server_decodes_with_the_checkpoint_defaults():
     import http.client
 
-    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
-
     from serving import running_server
+
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 
     model, tok = mld.load(str(DEMO_MODEL_PATH))
     forwards = list(mld.stream_generate(model, tok, "357+468="))[-1].forwards

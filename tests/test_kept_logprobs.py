@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.decoders.kept_logprobs import KeptLogprobs
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding.decoders.kept_logprobs import KeptLogprobs
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 
 PROMPT = [72, 101, 108, 108, 111, 5, 17]
@@ -122,7 +122,7 @@ def test_dense_block_logprobs_match_the_per_token_vectors(llada):
 def test_a_batch_keeps_each_rows_log_probs(llada, options):
     """A running batch (its rows' commits fused: fused_commit) records each row's commits
     as a lone decode does: every token's log-prob equals the lone decode's vector at it."""
-    from mlx_lm_diffusion.batch_generate import generate_batch
+    from mlx_lm_diffusion.api.batch_generate import generate_batch
 
     model, tok = llada
     prompts = [PROMPT, PROMPT[:4], PROMPT[2:]]

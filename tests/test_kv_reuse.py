@@ -1,4 +1,4 @@
-"""Prompt KV reused across requests (model_adapters.prefix_kv, mlx_lm_diffusion.kv_reuse).
+"""Prompt KV reused across requests (model_adapters.runtime.prefix_kv, mlx_lm_diffusion.decoding.kv_reuse).
 
 For each family whose prompt KV is exact (SDAR and LLaDA2: block-causal; Nemotron-Labs
 Diffusion: causal prefix; DiffusionGemma: causal encoder; the ar adapter), a decode that
@@ -20,20 +20,19 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from mlx_lm.models.cache import LRUPromptCache
-
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.kv_reuse import PromptReuse
-from mlx_lm_diffusion.options import DecodeOptions, resolve
-from mlx_lm_diffusion.prompt_cache import TokenCache
-from model_adapters import adapter_for
-from model_adapters.prefix_kv import CAUSAL, PrefixKV, block_causal
-
 from checkpoints_ar import write_causal
 from checkpoints_block import write_llada2, write_sdar
 from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
+from mlx_lm.models.cache import LRUPromptCache
 from serving import TIMEOUT, running_server
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from model_adapters import adapter_for
+from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, block_causal
+from model_adapters.runtime.prompt_cache import TokenCache
 
 EXACT = ["sdar", "llada2", "nemotron", "gemma", "ar"]
 # per family: decoding options (seeded: DiffusionGemma samples) and the first prompt's length
@@ -148,7 +147,7 @@ def test_follow_up_turn_prefills_only_its_new_tokens(families, family):
 def test_batched_row_starts_from_the_cached_prefix(families, family):
     """A running batch's row with a cached prefix (next to a cold row) gives the cold
     decode's tokens and forwards, reports the positions it reused, and leaves its KV."""
-    from mlx_lm_diffusion.batch import RunningBatch
+    from mlx_lm_diffusion.decoding.batch import RunningBatch
 
     history, prefix = first_turn(families, family)
     follow_up = history + [int(t) for t in np.random.default_rng(8).integers(0, 250, 7)]
@@ -274,7 +273,7 @@ def test_token_cache_keeps_kv_within_its_tokens(families):
 def test_stream_generate_reuses_the_prompt_cache(families):
     """mlx-lm's calling convention (compat.stream_generate with a prompt cache, as the chat
     REPL and the server call it): the second call prefills only past the cached KV."""
-    from mlx_lm_diffusion import compat
+    from mlx_lm_diffusion.api import compat
 
     model, tok = families["sdar"]
     ids = [int(t) for t in np.random.default_rng(3).integers(0, 250, 14)]
@@ -311,7 +310,7 @@ def test_lru_prompt_cache_bounds_the_kv_bytes(families):
 def test_cache_occupancy_counts_entries_bytes_and_tokens(families):
     """kv_reuse.cache_occupancy reads mlx-lm's LRUPromptCache (its LRU order and trie: this
     pins the names it relies on)."""
-    from mlx_lm_diffusion.kv_reuse import cache_occupancy
+    from mlx_lm_diffusion.decoding.kv_reuse import cache_occupancy
 
     history, prefix = first_turn(families, "sdar")
     lru = LRUPromptCache()

@@ -8,8 +8,8 @@ import pytest
 
 from model_adapters import FAMILIES, family_module
 
-PACKAGE = Path(__file__).resolve().parents[1] / "mlx_lm_diffusion"
-GENERIC = ["engine.py", "options.py", "decoders/__init__.py", "decoders/base.py"]
+PACKAGE = Path(__file__).resolve().parents[1] / "mlx_lm_diffusion" / "decoding"
+GENERIC = ["engine.py", "options.py", "option_schema.py", "decoders/__init__.py", "decoders/base.py"]
 FAMILY_WORDS = ["llada", "dream", "sdar", "trado", "nemotron", "gemma", "ministral", "qwen", "bailing"]
 
 

@@ -9,15 +9,14 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints_block import LLADA2_EOS, LLADA2_MASK, write_llada2
 from mlx_arsenal.attention import block_causal_mask
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import generation as api  # (mld.generate is rebound if the CLI module loads)
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.api import generation as api  # (mld.generate is rebound if the CLI module loads)
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
-
-from checkpoints_block import LLADA2_EOS, LLADA2_MASK, write_llada2
 
 TOL = 1e-4
 BLOCK = 32
@@ -329,7 +328,7 @@ def test_cli_and_bad_input(llada2, llada2_path):
 def test_convert_and_quantize_reload(tmp_path, llada2_path, llada2, bits):
     from mlx.utils import tree_flatten
 
-    from mlx_lm_diffusion.convert import convert
+    from mlx_lm_diffusion.cli.convert import convert
 
     out = tmp_path / f"q{bits}"
     convert(str(llada2_path), str(out), quantize=bits is not None, q_bits=bits or 4)

@@ -10,8 +10,6 @@ import importlib
 import inspect
 from http.server import ThreadingHTTPServer
 
-import pytest
-
 import mlx_lm
 import mlx_lm.chat
 import mlx_lm.cli_ui
@@ -19,6 +17,7 @@ import mlx_lm.sample_utils
 import mlx_lm.server as server
 import mlx_lm.tokenizer_utils
 import mlx_lm.utils
+import pytest
 
 generate_module = importlib.import_module("mlx_lm.generate")  # `import mlx_lm.generate` gives the function
 cache_module = importlib.import_module("mlx_lm.models.cache")
@@ -237,7 +236,7 @@ def test_batch_generate_signature_and_response():
     """generate_batch mirrors mlx_lm.batch_generate (install() routes diffusion models to it)."""
     from mlx_lm.generate_utils import BatchStats
 
-    from mlx_lm_diffusion.batch_generate import generate_batch
+    from mlx_lm_diffusion.api.batch_generate import generate_batch
 
     assert params(generate_module.batch_generate) == params(generate_batch)
     fields = [f.name for f in dataclasses.fields(generate_module.BatchResponse)]

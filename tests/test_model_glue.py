@@ -8,19 +8,18 @@ import sys
 
 import mlx_lm
 import pytest
-from mlx.utils import tree_flatten
-
-import model_adapters
-import mlx_lm_diffusion as mld
-from model_adapters.base import DiffusionLM
-from mlx_lm_diffusion.prompt_cache import TokenCache
-
 from checkpoints import write_dream, write_llada
 from checkpoints_block import write_llada2, write_sdar
 from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
+from mlx.utils import tree_flatten
+
+import mlx_lm_diffusion as mld
+import model_adapters
+from model_adapters.base import DiffusionLM
+from model_adapters.runtime.prompt_cache import TokenCache
 
 cache_module = importlib.import_module("mlx_lm.models.cache")
-install_module = importlib.import_module("mlx_lm_diffusion.install")
+install_module = importlib.import_module("mlx_lm_diffusion.api.install")
 
 WRITERS = {
     "llada": write_llada, "dream": write_dream, "sdar": write_sdar, "llada2": write_llada2,
@@ -37,7 +36,7 @@ def test_stock_make_prompt_cache_gives_a_token_cache(family, tmp_path):
     assert not install_module.installed()
     model, _ = mlx_lm.load(str(WRITERS[family](tmp_path / family)))
     for name in CALLERS:
-        make_prompt_cache = getattr(importlib.import_module(name), "make_prompt_cache")
+        make_prompt_cache = importlib.import_module(name).make_prompt_cache
         assert [type(c) for c in make_prompt_cache(model)] == [TokenCache], name
     assert [type(c) for c in cache_module.make_prompt_cache(model, 64)] == [TokenCache]
     if family != "diffusion_gemma":  # its adapter calls encode/decode, not backbone
@@ -48,10 +47,10 @@ def test_stock_make_prompt_cache_gives_a_token_cache(family, tmp_path):
 
 def test_install_leaves_make_prompt_cache_alone():
     assert all(attr != "make_prompt_cache" for _, attr, _ in install_module.TARGETS)
-    before = [getattr(importlib.import_module(m), "make_prompt_cache") for m in CALLERS]
+    before = [importlib.import_module(m).make_prompt_cache for m in CALLERS]
     mld.install()
     try:
-        during = [getattr(importlib.import_module(m), "make_prompt_cache") for m in CALLERS]
+        during = [importlib.import_module(m).make_prompt_cache for m in CALLERS]
     finally:
         mld.uninstall()
     assert during == before

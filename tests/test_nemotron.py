@@ -14,14 +14,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx_lm_diffusion as mld
-from model_adapters import adapter_for
-
 from checkpoints import EOS_ID, VOCAB
 from checkpoints_nemotron_gemma import NEMOTRON_MASK_ID as MASK_ID
 from checkpoints_nemotron_gemma import write_nemotron
 from decoding import engine_decode
+
+import mlx_lm_diffusion as mld
+from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]
 
@@ -293,7 +292,7 @@ def test_bad_input(nemotron, llada):
 
 
 def test_quantized_convert_and_reload(tmp_path, nemotron_path, nemotron):
-    from mlx_lm_diffusion.convert import convert
+    from mlx_lm_diffusion.cli.convert import convert
 
     out = tmp_path / "q8"
     convert(str(nemotron_path), str(out), quantize=True, q_bits=8)

@@ -5,18 +5,17 @@ every family with a mask token and every kind of commit rule."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.sample_utils import make_sampler
-
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.decoders import decoder_class
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, check_forward_budget, forward_bound, resolve
-from mlx_lm_diffusion.schedules import ScheduleQuota
-from model_adapters import adapter_for
-
 from checkpoints_ar import write_causal
 from checkpoints_block import write_llada2, write_sdar
 from checkpoints_nemotron_gemma import write_nemotron
+from mlx_lm.sample_utils import make_sampler
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.decoding.decoders import decoder_class
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, check_forward_budget, forward_bound, resolve
+from mlx_lm_diffusion.decoding.schedules import ScheduleQuota
+from model_adapters import adapter_for
 
 
 @pytest.fixture(scope="module")

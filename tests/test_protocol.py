@@ -8,14 +8,13 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from checkpoints import MASK_ID
+from checkpoints_ar import write_causal
 
 import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.api.protocol import REQUEST_SCHEMA, prepare_request, run_request, validate_response
+from mlx_lm_diffusion.decoding.schedules import masked_after, quotas
 from model_adapters import adapter_for
-from mlx_lm_diffusion.protocol import REQUEST_SCHEMA, prepare_request, run_request, validate_response
-from mlx_lm_diffusion.schedules import masked_after, quotas
-
-from checkpoints import EOS_ID, MASK_ID
-from checkpoints_ar import write_causal
 
 BASE = {
     "prompt_tokens": [72, 101, 108, 108, 111],
@@ -182,6 +181,7 @@ def protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, atte
     confident masked positions committed with their argmax (never a suppressed id).
     Returns (final tokens, per step the positions committed)."""
     from mlx_arsenal.attention import block_causal_mask
+
     from model_adapters import adapter_for
 
     adapter = adapter_for(model, tok)

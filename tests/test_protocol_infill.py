@@ -1,14 +1,13 @@
 """The step-schedule protocol's `seed_canvas` extension: pinned positions are kept, never
 listed as unmasked, and the schedule counts the free positions only."""
 
-import pytest
-
-from mlx_lm_diffusion.protocol import run_request, validate_response
-from mlx_lm_diffusion.schedules import quotas
-
 import oracles
+import pytest
 from checkpoints import MASK_ID
 from test_protocol import BASE
+
+from mlx_lm_diffusion.api.protocol import run_request, validate_response
+from mlx_lm_diffusion.decoding.schedules import quotas
 
 
 def seeded(pinned: dict):
@@ -68,8 +67,9 @@ def test_bad_seed_canvases(llada, canvas, word):
 
 
 def test_causal_models_refuse_pinned_positions(tmp_path):
-    import mlx_lm_diffusion as mld
     from checkpoints_ar import write_causal
+
+    import mlx_lm_diffusion as mld
 
     model, tok = mld.load(str(write_causal(tmp_path / "ar", "qwen3")), autoregressive=True)
     with pytest.raises(ValueError, match="cannot infill"):

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from pty_run import run_in_pty
 
 AUTO_MAP = {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM"}
@@ -113,8 +112,8 @@ def test_trust_remote_code_reaches_the_tokenizer(auto_map_path, monkeypatch):
 
 
 def test_cli_flags_exist():
-    from mlx_lm_diffusion import chat
-    from mlx_lm_diffusion.generate import setup_arg_parser
+    from mlx_lm_diffusion.cli import chat
+    from mlx_lm_diffusion.cli.generate import setup_arg_parser
 
     assert setup_arg_parser().parse_args(["--trust-remote-code"]).trust_remote_code is True
     assert setup_arg_parser().parse_args([]).trust_remote_code is False

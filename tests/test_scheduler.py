@@ -188,7 +188,7 @@ def test_no_batch_serves_one_at_a_time(llada_path, client):
 def test_error_after_a_batched_stream_began_is_an_sse_event(served, monkeypatch):
     """A request whose decode fails mid-stream ends with an SSE error event and [DONE];
     the scheduler goes on serving."""
-    from mlx_lm_diffusion.scheduler import Scheduler
+    from mlx_lm_diffusion.serving.scheduler import Scheduler
 
     emit = Scheduler._emit
 
@@ -273,7 +273,7 @@ def post_protocol(port, body):
 def test_protocol_requests_join_the_scheduler(served, client, llada):
     """Concurrent step-schedule requests (beside chat requests) are batched rows, and each
     response is the one run_request gives alone (seeded sampling included)."""
-    from mlx_lm_diffusion.protocol import run_request
+    from mlx_lm_diffusion.api.protocol import run_request
 
     port, scheduler = served[0].server_address[1], served[1].scheduler
     before = scheduler.stats()

@@ -9,15 +9,14 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from checkpoints_block import SDAR_EOS, SDAR_MASK, VOCAB, write_sdar
 from mlx_arsenal.attention import block_causal_mask
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import generation as api  # (mld.generate is rebound if the CLI module loads)
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.api import generation as api  # (mld.generate is rebound if the CLI module loads)
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
-
-from checkpoints_block import SDAR_EOS, SDAR_MASK, VOCAB, write_sdar
 
 TOL = 1e-4
 BLOCK = 4
@@ -254,7 +253,7 @@ def test_bad_input_and_cli(sdar, sdar_path):
 def test_convert_and_quantize_reload(tmp_path, sdar_path, sdar, bits):
     from mlx.utils import tree_flatten
 
-    from mlx_lm_diffusion.convert import convert
+    from mlx_lm_diffusion.cli.convert import convert
 
     out = tmp_path / f"q{bits}"
     convert(str(sdar_path), str(out), quantize=bits is not None, q_bits=bits or 4)

@@ -1,4 +1,4 @@
-"""Nemotron-Labs Diffusion self-speculation (`self_spec`, mlx_lm_diffusion.decoders.speculative).
+"""Nemotron-Labs Diffusion self-speculation (`self_spec`, mlx_lm_diffusion.decoding.decoders.speculative).
 
 Checked against an independent oracle (greedy autoregressive decoding written here: one full
 causal forward per token, no cache), against the engine's own autoregressive decode (block
@@ -17,17 +17,16 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.engine import Engine
-from mlx_lm_diffusion.options import DecodeOptions, forward_bound, resolve
-from model_adapters import adapter_for
-
 from checkpoints import EOS_ID
 from checkpoints_nemotron_gemma import NEMOTRON_MASK_ID as MASK_ID
 from checkpoints_nemotron_gemma import write_nemotron
 from checkpoints_self_spec import write_speculable_nemotron
 from decoding import engine_decode, record_batch_sizes
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, forward_bound, resolve
+from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]
 LONGEST = 40
@@ -227,7 +226,7 @@ def test_batch_rows_match_single_prompts(models):
 def test_batch_rows_share_their_verify_passes(models, oracle, kind, monkeypatch):
     """A batch's rows verify their drafts in one causal forward (batched.causal_verify_batch):
     each row still gives the autoregressive greedy tokens and its own forward count."""
-    import model_adapters.batched as batched
+    import model_adapters.runtime.batched as batched
 
     model, tok = models[kind]
     shared = record_batch_sizes(monkeypatch, batched, "causal_verify_batch")
@@ -242,8 +241,8 @@ def test_batch_rows_share_their_verify_passes(models, oracle, kind, monkeypatch)
 def test_batched_verify_is_each_rows_verify(models):
     """causal_verify_batch on rows of very different cache lengths and window widths (a short
     row padded past its own tokens) gives each row the logits and cache of its own verify."""
-    from mlx_lm_diffusion.decoders.base import Verify
-    from model_adapters.batched import causal_verify_batch
+    from mlx_lm_diffusion.decoding.decoders.base import Verify
+    from model_adapters.runtime.batched import causal_verify_batch
 
     model, tok = models["random"]
     adapter = adapter_for(model, tok)
@@ -269,7 +268,7 @@ def test_batched_verify_is_each_rows_verify(models):
 def _cli(path, *flags):
     import importlib
 
-    cli = importlib.import_module("mlx_lm_diffusion.generate")
+    cli = importlib.import_module("mlx_lm_diffusion.cli.generate")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = cli.main(["--model", str(path), "--prompt", "Hi", "--max-tokens", "12", *flags])
@@ -290,7 +289,6 @@ def test_cli_flag(paths):
 def test_server_json_field(paths, models, tmp_path, flags):
     import huggingface_hub.constants as hf_constants
     import openai
-
     from serving import running_server
 
     model, tok = models["partial"]
@@ -315,7 +313,7 @@ def test_server_json_field(paths, models, tmp_path, flags):
 
 
 def test_protocol_refuses_it(models):
-    from mlx_lm_diffusion.protocol import REQUEST_SCHEMA, run_request
+    from mlx_lm_diffusion.api.protocol import REQUEST_SCHEMA, run_request
 
     assert REQUEST_SCHEMA["properties"]["self_spec"]["type"] == "boolean"
     request = dict(prompt_tokens=PROMPTS[0], target_length=15, num_steps=4, mask_schedule="cosine",
@@ -327,7 +325,7 @@ def test_protocol_refuses_it(models):
 def test_named_option_everywhere():
     import argparse
 
-    from mlx_lm_diffusion.options import add_arguments, check_fields, named_options, schema
+    from mlx_lm_diffusion.decoding.options import add_arguments, check_fields, named_options, schema
 
     assert "self_spec" in named_options() and schema()["self_spec"].json_schema()["type"] == "boolean"
     assert check_fields({"self_spec": True}) == {"self_spec": True}
@@ -365,8 +363,8 @@ def test_a_batched_row_refused_only_by_its_sampler_is_a_400(models):
     a logit_bias) refused there is the client's error, a 400 RequestError, not a 500."""
     import mlx_lm.server as mlx_server
 
-    from mlx_lm_diffusion import scheduler
-    from mlx_lm_diffusion.server import RequestError
+    from mlx_lm_diffusion.serving import scheduler
+    from mlx_lm_diffusion.serving.errors import RequestError
 
     model, tokenizer = models["random"]
 

@@ -17,13 +17,13 @@ import mlx_lm.server
 import numpy as np
 import openai
 import pytest
-
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion import server as dserver
-from mlx_lm_diffusion.scheduler import Scheduler
-
 from checkpoints import EOS_ID, EOT_ID
 from serving import console_server, running_server
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.serving import startup as dserver
+from mlx_lm_diffusion.serving.openai_requests import merge_options
+from mlx_lm_diffusion.serving.scheduler import Scheduler
 
 TIMEOUT = 120  # seconds any single client call may take before the test fails
 MAX_TOKENS = 12
@@ -277,7 +277,7 @@ def test_disconnect_mid_stream_frees_the_server(client, port, monkeypatch):
             yield response
 
     monkeypatch.setattr(mlx_lm.server, "stream_generate", counting)  # served one at a time
-    emitted = {}  # batched (mlx_lm_diffusion.scheduler): tokens sent per request
+    emitted = {}  # batched (mlx_lm_diffusion.serving.scheduler): tokens sent per request
     emit = Scheduler._emit
 
     def counting_emit(self, batch, job, step):
@@ -394,6 +394,7 @@ def test_python_m_server(llada_path, tmp_path):
 
 def test_console_scripts_point_at_main():
     import importlib
+
     import tomllib
 
     scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
@@ -403,7 +404,7 @@ def test_console_scripts_point_at_main():
 
 
 def test_request_fields_over_server_defaults():
-    merge = dserver.merge_options
+    merge = merge_options
     assert merge({"steps": 4, "threshold": 0.9}, {"block_length": 8}) == {
         "steps": 4, "threshold": 0.9, "block_length": 8}
     # naming another rule drops the default rule's settings
@@ -423,7 +424,7 @@ PROTOCOL_REQUEST = {
 
 
 def test_protocol_endpoint_matches_the_library(port, llada):
-    from mlx_lm_diffusion.protocol import run_request, validate_response
+    from mlx_lm_diffusion.api.protocol import run_request, validate_response
 
     status, body = raw(port, "POST", "/v1/diffusion/generate", json.dumps(PROTOCOL_REQUEST))
     assert status == 200

@@ -6,10 +6,10 @@ import json
 import jsonschema
 import openai
 import pytest
-
-import mlx_lm_diffusion as mld
 from checkpoints import MASK_ID
 from serving import running_server
+
+import mlx_lm_diffusion as mld
 
 TIMEOUT = 120
 SCHEMA = {
@@ -91,7 +91,7 @@ def test_bad_fields_get_400(client, fields, match):
 
 
 def test_missing_grammar_library_is_a_400(client, monkeypatch):
-    from mlx_lm_diffusion import grammar
+    from mlx_lm_diffusion.output import grammar
 
     def missing():
         raise ValueError(f"grammar-constrained output needs llguidance: {grammar.INSTALL_HINT}")
@@ -127,7 +127,6 @@ def test_a_grammar_the_vocabulary_cannot_begin_is_a_400(stream):
 def test_an_autoregressive_model_refuses_the_fields(tmp_path):
     """A plain mlx-lm model is decoded by mlx-lm's own loop, which would ignore them."""
     import huggingface_hub.constants as hf_constants
-
     from checkpoints_ar import write_causal
 
     path = write_causal(tmp_path / "qwen3", "qwen3")

@@ -1,4 +1,4 @@
-"""The stacked prefix cache of batched block-causal steps (model_adapters.stacked_prefix):
+"""The stacked prefix cache of batched block-causal steps (model_adapters.runtime.stacked_prefix):
 what a step reads equals each row's own cache, as rows join, grow, leave and come back,
 and a batch whose rows come and go over a long decode gives every row its tokens alone."""
 
@@ -8,10 +8,10 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from test_batch import alone, batched
 
-from mlx_lm_diffusion.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
-from model_adapters.block_cache import PrefixCache
-from model_adapters.stacked_prefix import POSITION_STEP, StackedPrefix
+from model_adapters.attention.block_cache import PrefixCache
+from model_adapters.runtime.stacked_prefix import POSITION_STEP, StackedPrefix
 
 HEADS, DIM, LAYERS = 2, 8, 2
 

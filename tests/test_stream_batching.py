@@ -1,5 +1,5 @@
-"""A request's tokens reach its HTTP thread in mailboxes (mlx_lm_diffusion.stream_batching)
-and the clients of a batch's rows are polled at once (mlx_lm_diffusion.peers)."""
+"""A request's tokens reach its HTTP thread in mailboxes (mlx_lm_diffusion.serving.stream_batching)
+and the clients of a batch's rows are polled at once (mlx_lm_diffusion.serving.peers)."""
 
 import socket
 import threading
@@ -8,8 +8,8 @@ from queue import Queue
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.server import Response
 
-from mlx_lm_diffusion import peers
-from mlx_lm_diffusion.stream_batching import Mailbox, ResponseSender, merge_texts, unpack
+from mlx_lm_diffusion.serving import peers
+from mlx_lm_diffusion.serving.stream_batching import Mailbox, ResponseSender, merge_texts, unpack
 
 
 def responses(texts, last_finish=None):

@@ -6,14 +6,13 @@ import json
 
 import openai
 import pytest
-
-import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.options import named_options
-
 import toy_family  # noqa: F401  (registers the family: the one registry line)
 from checkpoints import write_dream
 from cli_run import run_main
 from serving import running_server
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.decoding.options import named_options
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 

@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lm_diffusion.decoders import vocab_stats
+from mlx_lm_diffusion.decoding.decoders import vocab_stats
 
 
 def reference(logits: np.ndarray):

@@ -1,11 +1,11 @@
-"""model_adapters.vocab_top_k: the two-pass top-k ids give the k largest logits exactly
+"""model_adapters.runtime.vocab_top_k: the two-pass top-k ids give the k largest logits exactly
 (the same values as one argpartition over the vocabulary), on chunked and unchunked sizes."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from model_adapters.vocab_top_k import chunk_size, top_k_ids
+from model_adapters.runtime.vocab_top_k import chunk_size, top_k_ids
 
 
 def test_chunk_size_divides_the_vocabulary_near_sqrt_v_over_k():

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from .problems import GEN_LENGTH, answer_text, held_out_problems, is_held_out, prompt_text
+from mlx_lm_diffusion.api.loading import load
+from mlx_lm_diffusion.demo.problems import GEN_LENGTH, answer_text, held_out_problems, is_held_out, prompt_text
 
 DEMO_MODEL_PATH = Path(__file__).resolve().parent / "model"
 DEMO_MAX_TOKENS = GEN_LENGTH  # a small canvas that holds any answer (5 slots), its EOS and padding
@@ -43,8 +44,6 @@ def model_or_demo(model: Optional[str]) -> str:
 
 def load_demo():
     """(model, tokenizer) of the embedded demo checkpoint."""
-    from .. import load
-
     return load(str(DEMO_MODEL_PATH))
 
 

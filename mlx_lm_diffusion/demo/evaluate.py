@@ -24,12 +24,14 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlx_lm_diffusion.api.loading import load
+from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+from mlx_lm_diffusion.demo.problems import GEN_LENGTH, answer_text, group_by_prompt_length, held_out_problems
+from mlx_lm_diffusion.demo.vocab import ANSWER_WIDTH, decode
+from mlx_lm_diffusion.flags import one_line_errors
 from model_adapters import adapter_for
-
-from ..engine import Engine
-from ..options import DecodeOptions, resolve
-from .problems import GEN_LENGTH, answer_text, group_by_prompt_length
-from .vocab import ANSWER_WIDTH, decode
 
 MAX_TOKENS = (8, 64, 512)  # the max_tokens the shipped figures are measured at (512: capped to the context)
 DECODING_KEYS = ("block_length", "steps", "strategy")  # generation_config.json keys read here
@@ -120,9 +122,6 @@ def metrics(path, n: int, max_tokens: Sequence[int] = MAX_TOKENS, threshold: flo
             stream=sys.stderr) -> dict:
     """Held-out exact match and tokens per forward of the checkpoint at `path`, at its
     defaults and with `threshold`, at every max_tokens: the record in recipe.json."""
-    from .. import load
-    from .problems import held_out_problems
-
     model, tokenizer = load(str(path))
     defaults = generation_defaults(path)
     pairs = held_out_problems(n)
@@ -154,9 +153,6 @@ def table(record: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from . import DEMO_MODEL_PATH
-
-    from ..generate import one_line_errors
 
     p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.evaluate",
                                                 description=__doc__.split("\n\n")[0]))

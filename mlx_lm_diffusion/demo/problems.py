@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .vocab import ANSWER_WIDTH, EOS_ID, encode, encode_answer
+from mlx_lm_diffusion.demo.vocab import ANSWER_WIDTH, EOS_ID, encode, encode_answer
 
 MIN_DIGITS, MAX_DIGITS = 1, 4  # operand digit counts are drawn from this range
 ANSWER_MAX = 2 * (10**MAX_DIGITS - 1)  # 19998: at most 5 digits

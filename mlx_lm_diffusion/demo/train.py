@@ -37,11 +37,19 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_lm_diffusion.demo.evaluate import evaluate, metrics
+from mlx_lm_diffusion.demo.problems import (
+    CANVAS_LENGTHS,
+    CANVAS_WEIGHTS,
+    CONTEXT,
+    GEN_LENGTH,
+    TRAIN_MAX_CANVAS,
+    canvas_batch,
+    held_out_problems,
+)
+from mlx_lm_diffusion.demo.vocab import EOS_ID, MASK_ID, VOCAB_SIZE, write_tokenizer
+from mlx_lm_diffusion.flags import one_line_errors
 from model_adapters import llada
-
-from .problems import (CANVAS_LENGTHS, CANVAS_WEIGHTS, CONTEXT, GEN_LENGTH, TRAIN_MAX_CANVAS, canvas_batch,
-                       held_out_problems)
-from .vocab import EOS_ID, MASK_ID, VOCAB_SIZE, write_tokenizer
 
 MASK_EPS = 1e-3  # LLaDA's minimum mask probability
 
@@ -317,8 +325,6 @@ def train(
 
 def _accuracy(model: nn.Module, n: int, max_tokens: int = GEN_LENGTH) -> tuple:
     """Held-out exact match and per-slot accuracy at the demo's default decoding."""
-    from .evaluate import evaluate
-
     # EOS comes from the config; the decoding as generation_config.json will say
     r = evaluate(model, None, held_out_problems(n), max_tokens=max_tokens,
                  block_length=GENERATION_DEFAULTS["block_length"], steps=GENERATION_DEFAULTS["steps"])
@@ -326,8 +332,6 @@ def _accuracy(model: nn.Module, n: int, max_tokens: int = GEN_LENGTH) -> tuple:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    from ..generate import one_line_errors
-
     p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.train",
                                                 description=__doc__.split("\n\n")[0]))
     p.add_argument("--out", type=Path, required=True, help="Checkpoint directory to write")
@@ -388,8 +392,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def final_metrics(path: Path, n: int) -> dict:
     """Held-out exact match of the saved checkpoint at its defaults and at threshold 0.9,
     at max_tokens 8, 64 and 512 (`evaluate.metrics`)."""
-    from .evaluate import metrics
-
     return metrics(path, n)
 
 

@@ -1,0 +1,93 @@
+"""`load`: a diffusion checkpoint through mlx-lm's own loader (and mlx-vlm's processor)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from mlx_lm.utils import _download, load_config
+from mlx_lm.utils import load as mlx_lm_load
+
+from mlx_lm_diffusion.api.install import quiet_config_warnings
+from mlx_lm_diffusion.decoding import generation_defaults
+from mlx_lm_diffusion.media.images import load_processor
+from mlx_lm_diffusion.parallel.distributed import shard_loaded
+from model_adapters import FAMILIES, family_module
+
+
+def _check_local_path(path_or_hf_repo: str) -> None:
+    """A name that can only be a local path (not 'namespace/name') must exist: the Hub
+    would answer with "Repo id must be in the form ..." instead of saying so."""
+    name = str(path_or_hf_repo)
+    if os.path.exists(name):
+        return
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name:
+        raise FileNotFoundError(
+            f"no model at {name}: that path does not exist (a Hugging Face repo is named 'namespace/name')"
+        )
+
+
+def load(
+    path_or_hf_repo: str,
+    tokenizer_config: Optional[Dict[str, Any]] = None,
+    model_config: Optional[Dict[str, Any]] = None,
+    revision: Optional[str] = None,
+    autoregressive: bool = False,
+    adapter_path: Optional[str] = None,
+    trust_remote_code: bool = False,
+    group: Any = None,
+):
+    """Load a diffusion checkpoint (Hugging Face layout or converted MLX) with mlx-lm's
+    own loader; returns (model, tokenizer) as `mlx_lm.load` does, or (model, processor)
+    as `mlx_vlm.load` does for a checkpoint with a vision tower and processor files
+    (DiffusionGemma: mlx-vlm's DiffusionGemma4Processor; pass it where the tokenizer
+    goes, with `image=[...]`).
+
+    Remote code is never run unless `trust_remote_code=True` (as in mlx-lm): the
+    released checkpoints name their modeling code in config.json's `auto_map`, but
+    the models are built here and their tokenizers load without it, so transformers
+    is told `trust_remote_code=False` and never asks ("Do you wish to run the custom
+    code? [y/N]") nor waits. A `trust_remote_code` in `tokenizer_config` wins.
+
+    With `autoregressive=True` any mlx-lm causal LM loads too and is decoded through
+    the "ar" adapter (a degenerate diffusion model: model_adapters.ar).
+
+    The checkpoint's generation_config.json gives the decoding defaults for what a call
+    leaves unset (block_length, steps, strategy, max_new_tokens, ...), over the family's
+    reference defaults: mlx_lm_diffusion.decoding.generation_defaults.
+
+    With `group` (an `mx.distributed.Group` of more than one process, e.g.
+    `mx.distributed.init()` under mlx.launch) the weights are loaded lazily and only
+    this rank's shard is read (tensor parallelism: mlx_lm_diffusion.parallel.distributed)."""
+    _check_local_path(path_or_hf_repo)
+    model_path = _download(path_or_hf_repo, revision=revision)
+    config = load_config(model_path)
+    if not autoregressive or str(config.get("model_type")) in FAMILIES:
+        family_module(str(config.get("model_type")))  # clear error for other model types
+    with quiet_config_warnings():
+        sharded = group is not None and group.size() > 1
+        model, tokenizer = mlx_lm_load(
+            str(model_path),
+            tokenizer_config={"trust_remote_code": bool(trust_remote_code), **(tokenizer_config or {})},
+            model_config=model_config,
+            adapter_path=adapter_path,
+            lazy=sharded,
+            trust_remote_code=bool(trust_remote_code),
+        )
+        if sharded:
+            shard_loaded(model, group)
+        processor = _processor(model, model_path, config)
+    # the checkpoint's decoding defaults (generation_config.json), below explicit options
+    generation_defaults.attach(model, model_path)
+    if processor is None:
+        return model, tokenizer
+    processor._mlx_lm_tokenizer = tokenizer  # the text doors keep mlx-lm's wrapper
+    return model, processor
+
+
+def _processor(model: Any, model_path: Any, config: dict) -> Any:
+    """The image processor of a checkpoint whose model loaded a vision tower, or None."""
+    if not getattr(model, "has_vision", False):
+        return None
+    return load_processor(Path(model_path), config)

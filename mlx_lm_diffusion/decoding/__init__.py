@@ -1,0 +1,1 @@
+"""The one decoding engine: options, commit rules, mask schedules, decoders, running batches."""

@@ -1,0 +1,1 @@
+"""Output control above the engine: infilling, grammar-constrained formats, a request's output fields."""

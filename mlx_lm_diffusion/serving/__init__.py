@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server and everything only it uses: request parsing, routes, scheduling, streaming."""

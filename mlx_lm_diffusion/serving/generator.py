@@ -1,0 +1,329 @@
+"""The generation side of the server: mlx_lm.server's ResponseGenerator with decoding
+options, drafts, the served-model allow-list, continuous batching and the protocol."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+import mlx_lm.server as mlx_server
+from mlx_lm.server import (
+    LRUPromptCache,
+    ModelProvider,
+    ResponseGenerator,
+)
+
+from mlx_lm_diffusion.api import compat
+from mlx_lm_diffusion.api.protocol import prepare_request, run_request
+from mlx_lm_diffusion.decoding.decoders.speculative import check_greedy
+from mlx_lm_diffusion.decoding.engine import Step
+from mlx_lm_diffusion.decoding.kv_reuse import CachedTokensTap, cache_occupancy
+from mlx_lm_diffusion.media import images
+from mlx_lm_diffusion.output import request_constraints
+from mlx_lm_diffusion.parallel import distributed
+from mlx_lm_diffusion.serving import distributed_server, openai_requests, peers
+from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone, RequestError, StartupError
+from mlx_lm_diffusion.serving.openai_requests import (
+    DiffusionRequest,
+    check_sampling_against_vocabulary,
+    merge_options,
+)
+from mlx_lm_diffusion.serving.responses import render_draft
+from mlx_lm_diffusion.serving.scheduler import Scheduler, prepare_job
+from model_adapters import adapter_for, is_diffusion_model
+
+DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
+# Forwards a request may cost at most (--max-forwards): above any reference decode of a
+# few thousand tokens, below what would hold the model for hours ("steps": 10**5).
+DEFAULT_MAX_FORWARDS = 16384
+
+
+def _model_names(name: str) -> List[str]:
+    """The strings a client may send for a model the operator named: the name as
+    given, and for a local directory its absolute and resolved paths."""
+    names = [name]
+    path = Path(name).expanduser()
+    if path.exists():
+        names += [str(path.absolute()), str(path.resolve())]
+    return names
+
+
+def _model_id(name: str) -> str:
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
+class DiffusionResponseGenerator(distributed_server.DistributedGeneration, ResponseGenerator):
+    """mlx_lm.server's generation loop, with decoding options, drafts, up-front checks,
+    the served-model allow-list and per-step cancellation."""
+
+    def __init__(self, model_provider: ModelProvider, prompt_cache: LRUPromptCache, defaults: Optional[dict] = None):
+        self.defaults = dict(defaults or {})  # set before the generation thread starts
+        # One decode at a time: the generation thread's requests and the step-schedule
+        # protocol's (served on handler threads) take turns on the model.
+        self.decode_lock = threading.Lock()
+        self.load_error: Optional[BaseException] = None
+        self.loaded = threading.Event()
+        cli = model_provider.cli_args
+        self.served: Dict[str, str] = {}  # what a client may send -> what mlx_lm.server loads
+        self.listed: Dict[str, str] = {}  # what mlx_lm.server loads -> the id /v1/models lists
+        if cli.model is not None:
+            self.listed["default_model"] = _model_id(cli.model)
+            for name in ["default_model", *_model_names(cli.model)]:
+                self.served[name] = "default_model"
+        for extra in getattr(cli, "allowed_models", None) or []:
+            self.listed.setdefault(extra, _model_id(extra))
+            for name in _model_names(extra):
+                self.served.setdefault(name, extra)
+        for key, listed in self.listed.items():
+            self.served.setdefault(listed, key)
+        self.model_ids: List[str] = list(dict.fromkeys(self.listed.values()))
+        # Continuous batching (mlx_lm_diffusion.serving.scheduler), started once the model loads;
+        # None with --no-batch: one request at a time, as before.
+        self.scheduler: Optional[Scheduler] = None
+        super().__init__(model_provider, prompt_cache)
+
+    def wait_loaded(self, timeout: Optional[float] = None) -> None:
+        """Block until --model is loaded; raise StartupError if it cannot be."""
+        if not self.loaded.wait(timeout):
+            raise StartupError("the model did not load in time")
+        if self.load_error is not None:
+            message = str(self.load_error).strip().splitlines() or [type(self.load_error).__name__]
+            raise StartupError(f"cannot load --model {self.cli_args.model!r}: {message[0]}")
+
+    def run_protocol(self, body: Any, cancel: Optional[threading.Event] = None) -> dict:
+        """Decode one step-schedule InferenceRequest on the served model: a row of the
+        scheduler's batches when batching (a batch of protocol rows), else here."""
+        scheduler = self.scheduler
+        # (DiffusionGemma's committing uniform canvas and a request's images decode alone)
+        alone = isinstance(body, dict) and bool(body.get("images")) or getattr(
+            scheduler, "model", None) is not None and getattr(scheduler.model, "has_vision", None) is not None
+        if scheduler is not None and self.model_provider.model is scheduler.model and not alone:
+            if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
+                body = {**body, "seed": openai_requests.request_seed()}
+            with self.decode_lock:  # (validated and resolved as alone; the decode is the scheduler's)
+                self._check_cancel(cancel)
+                decode = prepare_request(scheduler.model, scheduler.tokenizer, body, max_forwards=self.max_forwards)
+            return scheduler.submit_protocol(decode, lambda: self._check_cancel(cancel)).result()
+        with self.decode_lock:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled()
+            model, tokenizer = self.model_provider.model, self.model_provider.tokenizer
+            if model is None:
+                raise RequestError("no model is loaded yet; start the server with --model", status=503)
+            if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
+                raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
+            if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
+                body = {**body, "seed": openai_requests.request_seed()}
+            pictures = isinstance(body, dict) and bool(body.get("images"))  # the `images` extension
+            return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
+                               on_step=lambda step: self._check_cancel(cancel),
+                               processor=images.served_processor(self.model_provider) if pictures else None,
+                               image_policy=images.server_policy(self.cli_args))
+
+    @property
+    def max_forwards(self) -> Optional[int]:
+        return getattr(self.cli_args, "max_forwards", DEFAULT_MAX_FORWARDS)
+
+    @staticmethod
+    def _check_cancel(cancel: Optional[threading.Event]) -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled()
+
+    # -- handler thread
+
+    def generate(self, request, generation_args, progress_callback=None):
+        try:
+            self._check_model(generation_args.model)
+            ctx, responses = super().generate(
+                request, generation_args, self._progress(request, progress_callback)
+            )
+        except RequestError as e:
+            if isinstance(request, DiffusionRequest):
+                request.error_status = e.status
+            raise
+        if isinstance(request, DiffusionRequest):
+            request.ctx = ctx
+        return ctx, responses
+
+    @staticmethod
+    def _progress(request, callback):
+        sink = getattr(request, "draft_sink", None)
+
+        def progress(*values):
+            if values and values[0] == DRAFT_EVENT:
+                if sink is not None:
+                    sink(values[1])
+            elif callback is not None:
+                callback(*values)
+
+        return progress
+
+    def _check_model(self, description) -> None:
+        """Only the models the operator named are served: any other name is a 404,
+        decided on the string alone (no filesystem, no Hub, the served model stays)."""
+        name = description.model
+        if isinstance(name, str) and name in self.served:
+            description.model = self.served[name]
+            return
+        served = ", ".join(self.model_ids) or "nothing"
+        raise RequestError(
+            f"model {name!r} is not served here; this server serves: {served}",
+            status=404, param="model", code="model_not_found",
+        )
+
+    # -- generation thread
+
+    def _generate(self):
+        try:
+            self.model_provider.load_default()
+        except Exception as e:  # reported by wait_loaded; the thread ends
+            self.load_error = e
+            self.model_provider.reset()
+            self.loaded.set()
+            return
+        self._start_scheduler()
+        self.loaded.set()
+        super()._generate()  # load_default again: the same model key, no reload
+
+    def _start_scheduler(self) -> None:
+        model, cli = self.model_provider.model, self.cli_args
+        # (under mlx.launch every rank follows mlx_lm.server's own loop, request by request:
+        # a batch's rows would be stepped on rank 0 alone)
+        if is_diffusion_model(model) and not getattr(cli, "no_batch", False) and self.group is None:
+            self.scheduler = Scheduler(model, self.model_provider.tokenizer, self.decode_lock,
+                                       getattr(cli, "decode_concurrency", 32))
+
+    def stop_and_join(self):
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        super().stop_and_join()
+
+    def _batched(self, request) -> bool:
+        """Whether the scheduler decodes this request (the served diffusion model, batching
+        on). Images, an infill's suffix and a response_format take the serial path, whose
+        decode applies them (a batch row knows none of them yet)."""
+        options = self._options(request[1])
+        return (self.scheduler is not None and self.model_provider.model is self.scheduler.model
+                and not any(mlx_server._image_parts(getattr(request[1], "messages", None) or []))
+                and all(options.get(name) is None for name in request_constraints.REQUEST_FIELDS))
+
+    def _options(self, request) -> dict:
+        return merge_options(self.defaults, getattr(request, "options", {}))
+
+    def _tokenize(self, tokenizer, request, args):
+        try:
+            ids = getattr(request, "image_prompt", None)
+            result = (ids, [ids], ["assistant"], "normal", None) if ids is not None else super()._tokenize(
+                tokenizer, request, args)
+        except Exception as e:
+            raise RequestError(f"cannot build a prompt from this request: {e}") from e
+        model = self.model_provider.model
+        check_sampling_against_vocabulary(args, adapter_for(model, tokenizer).vocab_size)
+        if is_diffusion_model(model):
+            try:
+                compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request),
+                                     max_forwards=self.max_forwards)
+                if self._options(request).get("self_spec"):  # (sampling is in mlx-lm's args, not the fields)
+                    check_greedy(args.sampling.temperature, bool(mlx_server._make_logits_processors(args)))
+            except (ValueError, TypeError) as e:
+                raise RequestError(str(e)) from e
+        else:  # mlx-lm's own decode would ignore them
+            try:
+                request_constraints.refuse_unserved(self._options(request))
+            except ValueError as e:
+                raise RequestError(str(e)) from e
+        return result
+
+    @staticmethod
+    def _canceller(req) -> Callable[[], None]:
+        """Raises when the request was cancelled or its client left."""
+        cancel = getattr(req, "cancel", None)
+        sock = getattr(req, "connection", None)
+
+        def check(peer_closed: Optional[bool] = None) -> None:
+            """`peer_closed`: whether the client left, when the caller polled it already."""
+            if cancel is not None and cancel.is_set():
+                raise req.cancel_error or Cancelled()
+            if sock is not None and (peers.closed([sock])[0] if peer_closed is None else peer_closed):
+                raise ClientGone("the client closed its connection")
+
+        check.socket = sock  # (a running batch polls every row's socket at once: mlx_lm_diffusion.serving.peers)
+        return check
+
+    def _serve_single(self, request, stream):
+        if self._batched(request):  # joins a running batch at its next step; returns at once
+            job = prepare_job(self, request)
+            if job is not None:
+                self.scheduler.submit(job)
+            return
+        rqueue, req, _ = request
+        options = self._options(req)
+        check = self.agreed(self._canceller(req))  # (mlx.launch: rank 0 decides for every rank)
+        if is_diffusion_model(self.model_provider.model):
+            # usage's cached_tokens: the prompt positions whose KV the decode reused
+            tap = CachedTokensTap(rqueue)
+            request = (tap, *request[1:])
+            options["cached_tokens_callback"] = tap.report
+            drafts = self._draft_sender(rqueue) if getattr(req, "drafts", False) else None
+
+            def on_step(step: Step) -> None:
+                check()  # a cancelled request or a gone client stops at the next forward
+                if drafts is not None:
+                    drafts(step)
+
+            options["draft_callback"] = on_step
+            # (temperature 0: the decoder's greedy proposal, as a batched row's, not mlx-lm's argmax sampler)
+            options["greedy_at_zero_temperature"] = request[2].sampling.temperature == 0
+            if getattr(req, "images", None):
+                try:
+                    options["vision"] = self._image_prompt(req, request[2])
+                except (RequestError, ValueError) as e:
+                    rqueue.put(e if isinstance(e, RequestError) else RequestError(str(e), status=getattr(e, "status", 400)))
+                    return
+        with self.decode_lock, compat.request_options(**options):
+            try:
+                check()
+            except (RequestError, ClientGone, distributed.StoppedByLeader) as e:
+                rqueue.put(e)
+                return
+            super()._serve_single(request, stream)
+
+    def _image_prompt(self, req, args):
+        """A request with images: its prompt through the processor (`req.image_prompt`)
+        and the vision inputs its decode encodes."""
+        template_kwargs = dict(self.model_provider.cli_args.chat_template_args or {})
+        template_kwargs.update(args.chat_template_kwargs or {})
+        template_kwargs.pop("tools", None)
+        req.image_prompt, vision = images.served_prompt(
+            self.model_provider, self.model_provider.tokenizer, req.messages, req.images, template_kwargs)
+        return vision
+
+    def stats(self) -> dict:
+        """GET /v1/stats: decodes running and requests waiting (served one at a time: 0 or 1
+        running) and the prompt cache's occupancy (kv_reuse.cache_occupancy)."""
+        running, queued = int(self.decode_lock.locked()), self.requests.qsize()
+        if self.scheduler is not None:  # batched: the rows decoding and the requests waiting for a row
+            batch = self.scheduler.stats()
+            running, queued = batch["running_rows"], queued + batch["queued_requests"]
+        return {
+            "object": "stats",
+            "running": running,
+            "queued": queued,
+            "prompt_cache": cache_occupancy(self.prompt_cache),
+        }
+
+    def _draft_sender(self, rqueue) -> Callable[[Step], None]:
+        tokenizer = self.model_provider.tokenizer
+        mask_id = adapter_for(self.model_provider.model, tokenizer).mask_id
+
+        def send(step: Step) -> None:
+            payload = {
+                "forwards": int(step.forwards),
+                "committed": int(step.final[0]),
+                "text": render_draft(tokenizer, step, mask_id),
+            }
+            rqueue.put((DRAFT_EVENT, payload))
+
+        return send

@@ -1,0 +1,242 @@
+"""OpenAI requests as the server reads them: the JSON body's limits, each field checked
+(numbers finite and in range, ids in the vocabulary), the decoding fields, a seed."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Tuple
+
+from mlx_lm.server import (
+    CompletionRequest,
+)
+
+from mlx_lm_diffusion.api import compat
+from mlx_lm_diffusion.output import request_constraints
+from mlx_lm_diffusion.serving import distributed_server
+from mlx_lm_diffusion.serving.errors import RequestError
+
+SEED_MAX = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
+CONTEXT_SIZE_MAX = 1 << 20
+MAX_JSON_DEPTH = 64
+_RULE_FIELDS = ("strategy", "threshold")
+
+
+def check_sampling_against_vocabulary(args: Any, vocab_size: int) -> None:
+    """The sampling fields that name token ids, against the model that will decode them
+    (known on the generation thread only): an id outside the vocabulary would index past
+    the logits (a logit_bias key of 100000 on a 16-token vocabulary is a segfault), and
+    mlx-lm's top-k raises mid-decode for top_k >= the vocabulary."""
+    top_k = args.sampling.top_k
+    if top_k >= vocab_size:
+        raise RequestError(f"top_k must be below the vocabulary size ({vocab_size}), got {top_k}; "
+                           "0 keeps every token", param="top_k")
+    for token, bias in (args.logits.logit_bias or {}).items():
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias key {token} is not a token id (0 to {vocab_size - 1})",
+                               param="logit_bias")
+        if not math.isfinite(bias):
+            raise RequestError(f"logit_bias values must be finite numbers, got {bias!r} for {token}",
+                               param="logit_bias")
+
+
+def request_seed() -> int:
+    """The seed of a request that names none. Every request draws from its own key
+    (isolation: no request's draws depend on another's, or on a global random state a
+    failed request left behind). Drawn here, on the HTTP thread before the request is
+    queued, so under mlx.launch rank 0's choice travels with the request to every rank."""
+    return secrets.randbits(64)
+
+
+@dataclass
+class DiffusionRequest(CompletionRequest):
+    """mlx_lm.server's request plus its decoding fields and draft channel."""
+
+    options: dict = field(default_factory=dict)
+    drafts: bool = False
+    draft_sink: Optional[Callable[[dict], None]] = None
+    error_status: Optional[int] = None
+    ctx: Any = None  # mlx_lm.server's GenerationContext once generation starts
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel_error: Optional[BaseException] = None  # what a cancelled decode raises
+    connection: Any = None  # the client's socket: a closed one cancels the decode
+    images: list = field(default_factory=list)  # decoded on the handler thread (images.py)
+    image_prompt: Optional[List[int]] = None  # their prompt, built by the processor
+
+    # mlx.launch: the other ranks receive the request without this process's channels
+    def __getstate__(self):
+        return distributed_server.request_state(self)
+
+    def __setstate__(self, state):
+        distributed_server.restore_request(self, state)
+
+
+def parse_request_options(body: dict) -> Tuple[dict, bool]:
+    """The decoding fields and the `drafts` flag of a JSON body, checked (ValueError)."""
+    options = compat.check_decode_fields({k: body[k] for k in compat.DECODE_FIELDS if k in body})
+    options.update(request_constraints.parse_fields(body))  # suffix, response_format
+    drafts = body.get("drafts", False)
+    if drafts is None:
+        drafts = False
+    if not isinstance(drafts, bool):
+        raise ValueError(f"drafts must be a boolean, got {drafts!r}")
+    return options, drafts
+
+
+def merge_options(defaults: dict, requested: dict) -> dict:
+    """The server's decoding defaults under a request's fields. A request that names its
+    commit rule (strategy or threshold) drops the server's rule defaults, which belong
+    to another rule."""
+    if any(name in requested for name in _RULE_FIELDS):
+        defaults = {k: v for k, v in defaults.items() if k not in _RULE_FIELDS}
+    return {**defaults, **requested}
+
+
+_BODY_FIELDS = (
+    "model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
+    "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
+    "xtc_probability", "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed",
+    "stop", "tools", "role_mapping", "chat_template_kwargs", "draft_model", "adapters",
+    "num_draft_tokens", "drafts",
+)
+
+
+# finite-number fields and their ranges (low, high), checked before mlx_lm.server's own
+_NUMBER_RANGES = {
+    "temperature": (0.0, 100.0),
+    "top_p": (0.0, 1.0),
+    "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.0, 100.0),
+    "presence_penalty": (-100.0, 100.0),
+    "frequency_penalty": (-100.0, 100.0),
+    "xtc_probability": (0.0, 1.0),
+    "xtc_threshold": (0.0, 1.0),
+}
+
+
+_INTEGER_RANGES = {
+    "max_tokens": (1, None),
+    "top_k": (0, None),
+    "repetition_context_size": (0, CONTEXT_SIZE_MAX),
+    "presence_context_size": (0, CONTEXT_SIZE_MAX),
+    "frequency_context_size": (0, CONTEXT_SIZE_MAX),
+}
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+class RequestFields:
+    """The handler's reading and checking of an OpenAI body's fields (a mixin of
+    DiffusionAPIHandler: mlx_lm.server's APIHandler reads them in do_POST)."""
+
+    def _read_fields(self, body: dict) -> None:
+        """mlx_lm.server's field extraction (APIHandler.do_POST), unchanged in meaning."""
+        cli = self.response_generator.cli_args
+        self.stream = body.get("stream", False)
+        self.stream_options = body.get("stream_options", None)
+        self.requested_model = body.get("model", "default_model")
+        for name in ("draft_model", "adapters", "num_draft_tokens"):
+            if body.get(name) is not None:
+                raise RequestError(f"{name} is not accepted: speculative decoding and adapters do "
+                                   "not apply to this server's diffusion models", param=name)
+        self.requested_draft_model = "default_model"
+        self.num_draft_tokens = cli.num_draft_tokens
+        self.adapter = None
+        self.max_tokens = body.get("max_completion_tokens", None)
+        if self.max_tokens is None:
+            self.max_tokens = body.get("max_tokens", cli.max_tokens)
+        self.temperature = body.get("temperature", cli.temp)
+        self.top_p = body.get("top_p", cli.top_p)
+        self.top_k = body.get("top_k", cli.top_k)
+        self.min_p = body.get("min_p", cli.min_p)
+        self.repetition_penalty = body.get("repetition_penalty", 0.0)
+        self.repetition_context_size = body.get("repetition_context_size", 20)
+        self.presence_penalty = body.get("presence_penalty", 0.0)
+        self.presence_context_size = body.get("presence_context_size", 20)
+        self.frequency_penalty = body.get("frequency_penalty", 0.0)
+        self.frequency_context_size = body.get("frequency_context_size", 20)
+        self.xtc_probability = body.get("xtc_probability", 0.0)
+        self.xtc_threshold = body.get("xtc_threshold", 0.1)
+        self.logit_bias = body.get("logit_bias", None)
+        self.logprobs = body.get("logprobs", False)
+        self.top_logprobs = body.get("top_logprobs", -1)
+        self.seed = body.get("seed", None)
+        self.chat_template_kwargs = body.get("chat_template_kwargs")
+
+    @staticmethod
+    def _stop_words(stop: Any) -> List[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            return [stop] if stop else []
+        if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            return [s for s in stop if s]
+        raise RequestError("stop must be a string or a list of strings", param="stop")
+
+    def validate_model_parameters(self) -> None:
+        for name, (low, high) in _NUMBER_RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise RequestError(f"{name} must be a number", param=name)
+            if not math.isfinite(value) or not low <= value <= high:
+                raise RequestError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value!r}",
+                                   param=name)
+            setattr(self, name, float(value))  # mlx_lm.server wants floats for xtc_*
+        for name, (low, high) in _INTEGER_RANGES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise RequestError(f"{name} must be an integer", param=name)
+            if value < low or (high is not None and value > high):
+                span = f">= {low}" if high is None else f"in [{low}, {high}]"
+                raise RequestError(f"{name} must be an integer {span}, got {value!r}", param=name)
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
+            raise RequestError("top_logprobs must be an integer", param="top_logprobs")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX
+        ):
+            raise RequestError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}", param="seed")
+        if self.seed is None:
+            self.seed = request_seed()
+        if self.stream_options is not None:
+            if not isinstance(self.stream_options, dict):
+                raise RequestError("stream_options must be an object", param="stream_options")
+            include = self.stream_options.get("include_usage", False)
+            if not isinstance(include, bool):
+                raise RequestError("stream_options.include_usage must be a boolean", param="stream_options")
+            self.stream_options = {**self.stream_options, "include_usage": include}
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+        if (self.chat_template_kwargs or {}).get("chat_template") is not None and not getattr(
+            self.response_generator.cli_args, "allow_client_chat_templates", False
+        ):
+            raise RequestError("a client-supplied chat_template is refused (a template is code this "
+                               "server would run); start it with --allow-client-chat-templates",
+                               param="chat_template_kwargs")
+        super().validate_model_parameters()
+        self.decode_options, self.drafts = parse_request_options(self.body)
+        if self.drafts and not self.stream:
+            raise ValueError("drafts are sent as SSE comments of a stream; set stream to true")

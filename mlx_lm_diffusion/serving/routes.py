@@ -1,0 +1,241 @@
+"""The routes: GET (models, stats, health) and POST (completions, chat completions, the
+step-schedule protocol), on mlx_lm.server's handler."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+from urllib.parse import unquote
+
+from mlx_lm.server import (
+    CompletionRequest,
+    ResponseGenerator,
+)
+
+from mlx_lm_diffusion.api import compat
+from mlx_lm_diffusion.media import images
+from mlx_lm_diffusion.serving import stream_batching
+from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
+from mlx_lm_diffusion.serving.openai_requests import _BODY_FIELDS, DiffusionRequest
+from mlx_lm_diffusion.serving.responses import json_safe
+
+# The decoding fields are the options schema's named options, looked up per request (a
+# family registered after this import adds its own): compat.DECODE_FIELDS.
+PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
+STATS_PATH = "/v1/stats"  # running decodes, queued requests, prompt cache occupancy
+POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
+
+
+class _Answered(BaseException):
+    """The error was answered already (passes mlx_lm.server's `except Exception`)."""
+
+
+class _DecodeFailed(Exception):
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Guarded:
+    """The response generator as one request's handler sees it: a failure of
+    generate() is answered as an error here; a failure while iterating is marked as
+    the decode's (not the client connection's)."""
+
+    def __init__(self, real: ResponseGenerator, handler: "Routes"):
+        self._real = real
+        self._handler = handler
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def generate(self, request, args, progress_callback=None):
+        try:
+            ctx, responses = self._real.generate(request, args, progress_callback)
+        except Exception as e:
+            self._handler._answer_failure(e)
+            raise _Answered() from None
+        return ctx, self._iterate(responses)
+
+    @staticmethod
+    def _iterate(responses):
+        try:
+            yield from stream_batching.unpack(responses)  # (the scheduler's tokens come in mailboxes)
+        except _CLIENT_ERRORS:  # writing keepalives or drafts to a gone client
+            raise
+        except Exception as e:
+            raise _DecodeFailed(e) from e
+
+
+class Routes:
+    """The routes of DiffusionAPIHandler (a mixin over mlx_lm.server's APIHandler)."""
+
+    def do_GET(self):
+        self._request = None
+        if not self._gate():
+            return
+        if self.path == STATS_PATH:
+            return self._send_json(200, self.response_generator.stats())
+        if not (self.path.startswith("/v1/models") or self.path == "/health"):
+            return self._send_error(404, f"no such endpoint: GET {self.path[:200]}")
+        super().do_GET()
+
+    # -- POST
+
+    def do_POST(self):
+        self._request = None
+        if not self._gate():
+            return
+        if self.path != PROTOCOL_PATH and self.path not in POST_PATHS:
+            self.close_connection = True
+            return self._send_error(404, f"no such endpoint: POST {self.path[:200]}")
+        body = self._read_body()
+        if body is NO_BODY:
+            return
+        if self.path == PROTOCOL_PATH:
+            return self.handle_protocol(body)
+        if not isinstance(body, dict):
+            logging.warning(f"Invalid Request Body: {excerpt(json.dumps(body).encode())}")
+            return self._send_error(400, "the request body must be a JSON object")
+        self.body = body
+        try:
+            self._read_fields(body)
+            self.validate_model_parameters()
+            stop_words = self._stop_words(body.get("stop"))
+        except RequestError as e:
+            return self._send_error(e.status, str(e), param=e.param, code=e.code)
+        except (ValueError, TypeError) as e:
+            return self._send_error(400, str(e), param=_param_of(str(e), _BODY_FIELDS + compat.DECODE_FIELDS))
+        factories = {
+            "/v1/completions": self.handle_text_completions,
+            "/v1/chat/completions": self.handle_chat_completions,
+            "/chat/completions": self.handle_chat_completions,
+        }
+        try:
+            request = factories[self.path]()
+        except RequestError as e:
+            return self._send_error(e.status, str(e), param=e.param, code=e.code)
+        except Exception as e:
+            message = str(e) or type(e).__name__
+            return self._send_error(400, message, param=_param_of(message, _BODY_FIELDS + compat.DECODE_FIELDS))
+        self.handle_completion(request, stop_words)
+
+    def handle_chat_completions(self) -> CompletionRequest:
+        messages = self.body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise RequestError("messages must be a list of message objects", param="messages")
+        try:  # read in full here, before anything runs (mlx_lm_diffusion.media.images)
+            pictures = images.check_served_messages(messages, images.server_policy(self.response_generator.cli_args))
+        except images.ImageError as e:
+            raise RequestError(str(e), status=e.status, param="messages") from None
+        request = self._diffusion_request(super().handle_chat_completions())
+        request.images = pictures
+        return request
+
+    def handle_text_completions(self) -> CompletionRequest:
+        return self._diffusion_request(super().handle_text_completions())
+
+    def _diffusion_request(self, request: CompletionRequest) -> DiffusionRequest:
+        stock = {f.name: getattr(request, f.name) for f in dataclasses.fields(CompletionRequest)}
+        self._request = DiffusionRequest(
+            **stock,
+            options=self.decode_options,
+            drafts=self.drafts,
+            draft_sink=self._send_draft if self.drafts else None,
+            connection=self.connection,
+        )
+        if self.cancel.is_set():
+            self._request.cancel_error = self.cancel_error
+            self._request.cancel.set()
+        return self._request
+
+    # -- completions
+
+    def handle_completion(self, request, stop_words):
+        self._stream_started = False
+        real = self.response_generator
+        self.response_generator = _Guarded(real, self)
+        try:
+            super().handle_completion(request, stop_words)
+        except _Answered:
+            pass
+        except _DecodeFailed as e:
+            self._answer_failure(e.error)
+        except _CLIENT_ERRORS:
+            self.close_connection = True  # the client left; its decode is cancelled below
+        except Exception as e:
+            logging.exception("completion failed")
+            self._answer_failure(e)
+        finally:
+            self.response_generator = real
+            ctx = getattr(request, "ctx", None)
+            if ctx is not None:
+                ctx.stop()
+            if isinstance(request, DiffusionRequest) and not request.cancel.is_set():
+                request.cancel_error = ClientGone("the response has ended")
+                request.cancel.set()  # a decode still running for it stops at the next forward
+
+    def _answer_failure(self, error: BaseException) -> None:
+        """Answer an error: a status and a JSON body before the response began, an SSE
+        error event and [DONE] once a stream has."""
+        if isinstance(error, ClientGone):
+            self.close_connection = True
+            return
+        if isinstance(error, RequestError):
+            status, param, code = error.status, error.param, error.code
+        else:
+            status, param, code = 500, None, None
+            logging.error(f"request failed: {type(error).__name__}: {error}")
+        message = str(error) or type(error).__name__
+        try:
+            if self._stream_started:
+                body = error_body(message, status, param, code)
+                self.wfile.write(f"data: {json.dumps(body)}\n\n".encode())
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
+            else:
+                self._headers_buffer = []  # a 200 may be buffered, never sent
+                self._send_error(status, message, param=param, code=code)
+        except _CLIENT_ERRORS:
+            self.close_connection = True
+
+    def generate_response(self, *args, **kwargs) -> dict:
+        return json_safe(super().generate_response(*args, **kwargs))
+
+    def _set_stream_headers(self, status_code: int = 200):
+        super()._set_stream_headers(status_code)
+        self._stream_started = True
+
+    def handle_models_request(self):
+        """The served models only (mlx_lm.server lists the whole Hugging Face cache)."""
+        ids = list(self.response_generator.model_ids)
+        models = [{"id": i, "object": "model", "created": self.created, "owned_by": "operator"} for i in ids]
+        path = self.path.split("?", 1)[0]
+        parts = path.split("/")
+        if len(parts) > 3 and "/".join(parts[3:]):
+            wanted = unquote("/".join(parts[3:]))
+            key = self.response_generator.served.get(wanted)
+            found = [m for m in models if key is not None and m["id"] == self.response_generator.listed[key]]
+            if not found:
+                return self._send_error(404, f"model {wanted[:200]!r} is not served here",
+                                        param="model", code="model_not_found")
+            return self._send_json(200, found[0])
+        self._send_json(200, {"object": "list", "data": models})
+
+    def handle_protocol(self, body: Any) -> None:
+        """POST /v1/diffusion/generate: an InferenceRequest in, an InferenceResponse out;
+        a request that breaks the schema gets a 400 carrying the validation message."""
+        try:
+            response = self.response_generator.run_protocol(body, self.cancel)
+        except RequestError as e:
+            return self._send_error(e.status, str(e), param=e.param, code=e.code)
+        except images.ImageError as e:  # (400, or 413 past the size limits)
+            return self._send_error(e.status, str(e), param="images")
+        except (ValueError, TypeError) as e:
+            return self._send_error(400, str(e))
+        except Exception as e:
+            logging.exception("protocol request failed")
+            return self._send_error(500, f"{type(e).__name__}: {e}")
+        self._send_bytes(200, json.dumps(json_safe(response)).encode())

@@ -1,0 +1,442 @@
+"""Continuous batching for the server: one running batch per compatible group.
+
+mlx_lm.server's generation thread hands each diffusion request to `Scheduler.submit`
+(the server's `_serve_single` hook) instead of decoding it there; the scheduler's own
+thread keeps one `RunningBatch` per group of requests that can share a forward (the
+same family options: `batch.family_key`; generic options such as block_length, steps,
+max_tokens, sampler or seed differ freely per row). Each turn:
+
+1. queued requests join their group's batch (FIFO, at most `max_rows` rows a batch:
+   `--decode-concurrency`); a request whose batch is full waits for a row to leave;
+2. the next group in turn (round robin: groups take turns, none starves) drops the rows
+   whose client left or whose request was cancelled, then runs one step (one model
+   forward for all its rows) under the server's decode lock, which the step-schedule
+   protocol endpoint and the serial path also take;
+3. every row's new final tokens go to its client as mlx_lm.server `Response`s (its own
+   detokenizer, stop words, logprobs); a row that finished (EOS, max_tokens, a stop
+   word) leaves at once and its client gets the end of its stream.
+
+A row decodes exactly as the request alone would (mlx_lm_diffusion.decoding.batch). The prompt
+cache is used as the serial path uses it (mlx_lm_diffusion.api.compat, kv_reuse): a request
+takes the nearest cached prefix when it is prepared; for the families whose prompt KV is
+exact its row starts from that prefix's keys and values (usage's cached_tokens: the
+positions it took), and a request that ends leaves prompt + tokens sent, with the KV its
+row vouches for, in the cache before its client hears the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from queue import Queue
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _make_logits_processors, _make_sampler
+
+from mlx_lm_diffusion.api.compat import check_decode_fields, fit_max_tokens
+from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch, family_key
+from mlx_lm_diffusion.decoding.engine import Step
+from mlx_lm_diffusion.decoding.options import DecodeOptions, ResolvedOptions, named_options, resolve
+from mlx_lm_diffusion.serving import peers
+from mlx_lm_diffusion.serving.errors import Cancelled, RequestError
+from mlx_lm_diffusion.serving.stream_batching import ResponseSender
+from model_adapters import adapter_for
+from model_adapters.runtime.prompt_cache import TokenCache
+
+
+@dataclass
+class Job:
+    """One request in the scheduler: where its responses go and how to make them."""
+
+    rqueue: Queue
+    ctx: GenerationContext
+    prompt: list
+    options: ResolvedOptions
+    check: Callable[[], None]  # raises when the request was cancelled or its client left
+    drafts: Optional[Callable[[Step], None]]
+    stop_matcher: Any
+    top_logprobs: int
+    detokenizer: Any
+    cache_entry: Optional[Callable[..., None]] = None  # stores prompt + tokens (and their KV) in the prompt cache
+    cache_lookup: Optional[Callable[[list], Any]] = None  # the prompt cache's KV of a prompt's prefix
+    logprobs: bool = False  # the client asked for each token's log-prob
+    prefix: Any = None  # ... this prompt's (a PrefixKV, or None), once looked up
+    looked_up: bool = False
+    tokens: list = field(default_factory=list)  # the tokens sent
+    emitted: int = 0
+    ended: bool = False
+    row: Any = None
+    submitted: float = field(default_factory=time.monotonic)
+    sender: Optional[ResponseSender] = None  # the way to rqueue: tokens in mailboxes (stream_batching)
+
+    def __post_init__(self):
+        if self.sender is None:
+            self.sender = ResponseSender(self.rqueue)
+
+    @property
+    def group(self) -> tuple:
+        return family_key(self.options)
+
+    @property
+    def keeps_logprobs(self) -> bool:
+        """Whether its row keeps each token's log-probs (else none are written or read back)."""
+        return self.logprobs or self.top_logprobs > 0
+
+
+@dataclass
+class ProtocolJob:
+    """A step-schedule protocol request (mlx_lm_diffusion.api.protocol) in the scheduler: its
+    row decodes in a batch of protocol rows (their adapter ignores EOS), its steps are
+    kept, and `future` gets the InferenceResponse (or the error) once it ends."""
+
+    decode: Any  # protocol.ProtocolDecode
+    check: Callable[[], None]  # raises when the request was cancelled
+    future: Future = field(default_factory=Future)
+    steps: list = field(default_factory=list)
+    ended: bool = False
+    row: Any = None
+    looked_up: bool = True  # (no prompt cache: the protocol's requests neither read nor write it)
+    prefix: Any = None
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def prompt(self) -> list:
+        return self.decode.prompt
+
+    @property
+    def options(self) -> ResolvedOptions:
+        return self.decode.options
+
+    @property
+    def group(self) -> tuple:
+        return ("step-schedule protocol", family_key(self.options))
+
+    def end(self, error: Optional[BaseException]) -> None:
+        self.ended = True
+        if error is not None:
+            self.future.set_exception(error)
+            return
+        try:
+            self.future.set_result(self.decode.response(self.steps))
+        except Exception as e:  # noqa: BLE001 (the response could not be built: the request's error)
+            self.future.set_exception(e)
+
+
+def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
+    """mlx_lm.server's `_serve_single` up to the decode: tokenize, context (sent to the
+    client's queue), sampler, logits processors, stop words; the decode's options.
+    A request that cannot be served gets its error on its queue (None returned)."""
+    rqueue, req, args = request
+    try:
+        tokenizer = generator.model_provider.tokenizer
+        model = generator.model_provider.model
+        prompt, _, _, initial_state, vision = generator._tokenize(tokenizer, req, args)
+        if vision is not None:
+            raise ValueError("images are not supported for diffusion models")
+        stop_sequences, text_sm = generator._make_state_machine(
+            generator.model_provider.model_key, tokenizer, args.stop_words)
+        ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
+                                tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
+                                prompt=prompt)
+        ctx.prompt_cache_count = 0  # usage's cached_tokens: set when the row starts (the KV it reused)
+        adapter = adapter_for(model, tokenizer)
+        options = _resolve_request(generator, req, args, model, tokenizer, adapter, prompt)
+        sender = ResponseSender(rqueue)  # (drafts and tokens keep their order through it)
+        drafts = generator._draft_sender(sender) if getattr(req, "drafts", False) else None
+        job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
+                  args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator),
+                  cache_lookup=_cache_reader(generator), logprobs=bool(args.logprobs), sender=sender)
+    except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
+        rqueue.put(e)
+        return None
+    rqueue.put(ctx)
+    return job
+
+
+def _resolve_request(generator: Any, req: Any, args: Any, model: Any, tokenizer: Any, adapter: Any,
+                     prompt: list) -> Any:
+    """The request's resolved decoding options. The HTTP thread checked its fields without
+    the sampler and processors (`compat.check_request`); an error that only they reveal
+    is still the client's request, answered with a 400, not a 500."""
+    try:
+        fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
+        decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
+                               sampler=_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
+                               seed=args.seed, **fields)
+        return resolve(decode, adapter, len(prompt))
+    except (ValueError, TypeError) as e:
+        if isinstance(e, RequestError):
+            raise
+        raise RequestError(str(e)) from e
+
+
+def _sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
+    """mlx_lm.server's sampler; None (the decoder's own argmax) at temperature 0, where
+    mlx-lm's is an argmax too, so that a greedy row reads nothing back to check it."""
+    return None if args.sampling.temperature == 0 else _make_sampler(args, tokenizer)
+
+
+_cache_lock = threading.Lock()  # the prompt cache is read on the generation thread, written here
+
+
+def _cache_writer(generator: Any) -> Callable[..., None]:
+    key = generator.model_provider.model_key
+
+    def write(tokens: list, kv_source: Optional[Callable] = None) -> None:
+        """`kv_source(tokens)`: the KV of their leading positions (PromptReuse.export)."""
+        cache = TokenCache(tokens)
+        if kv_source is not None:
+            cache.hold_kv(kv_source)
+            kv = cache.kv  # (evaluated here: a lazy array would name this thread's stream, which the
+            if kv is not None:  # serial path's thread cannot run)
+                mx.eval(kv.keys, kv.values)
+        with _cache_lock:
+            generator.prompt_cache.insert_cache(key, list(tokens), [cache])
+
+    return write
+
+
+def _cache_reader(generator: Any) -> Callable[[list], Any]:
+    """`lookup(prompt)`: the KV of the longest cached prefix of `prompt` (mlx-lm's
+    fetch_nearest_cache, as the serial path fetches it), or None. Called on the
+    scheduler's thread under the decode lock: reading a cache's KV may run MLX work (an
+    export, a trim), which must run on the thread whose stream decodes the rows and not
+    overlap a serial decode."""
+    key = generator.model_provider.model_key
+
+    def lookup(prompt: list) -> Any:
+        with _cache_lock:
+            cache, _ = generator.prompt_cache.fetch_nearest_cache(key, list(prompt))
+            if not cache or not isinstance(cache[0], TokenCache):
+                return None
+            return cache[0].kv
+
+    return lookup
+
+
+class Scheduler:
+    """Runs the server's diffusion requests in running batches on its own thread."""
+
+    def __init__(self, model: Any, tokenizer: Any, decode_lock: threading.Lock, max_rows: int = 32):
+        if max_rows < 1:
+            raise ValueError(f"--decode-concurrency must be at least 1, got {max_rows}")
+        self.model, self.tokenizer = model, tokenizer
+        self.decode_lock = decode_lock
+        self.max_rows = max_rows
+        self.queued: deque = deque()  # jobs not in a batch yet, FIFO
+        self.batches: dict = {}  # group -> RunningBatch
+        self.turns: deque = deque()  # groups with rows, in the order they step
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="diffusion-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- any thread
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self.queued.append(job)
+            self._cond.notify()
+
+    def submit_protocol(self, decode: Any, check: Callable[[], None]) -> Future:
+        """A step-schedule protocol request (protocol.prepare_request's decode): its
+        InferenceResponse arrives on the returned future."""
+        job = ProtocolJob(decode, check)
+        self.submit(job)
+        return job.future
+
+    def stats(self) -> dict:
+        """Running rows and queued requests (what /v1/stats reports)."""
+        with self._cond:
+            running = sum(len(b) for b in self.batches.values())
+            return {"running_rows": running, "queued_requests": len(self.queued), "groups": len(self.batches),
+                    "max_rows": self.max_rows}
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    # -- the scheduler's thread
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.queued and not self.turns:
+                    self._cond.wait(0.5)
+                if self._stop:
+                    break
+                new = [job for job in self.queued if not job.looked_up]
+            self._look_up(new)  # (outside the condition: it waits for the decode lock)
+            with self._cond:
+                self._admit()
+                group = self._next_group()
+            if group is not None:
+                try:
+                    self._step(group)
+                except Exception as e:  # noqa: BLE001 (a broken batch fails its requests, not the server)
+                    self._fail_group(group, e)
+        self._cancel_all()
+
+    def _look_up(self, jobs: list) -> None:
+        """Each new job's cached prompt prefix (the KV its row may start from)."""
+        if not jobs:
+            return
+        with self.decode_lock:
+            for job in jobs:
+                job.looked_up = True
+                if job.cache_lookup is None:
+                    continue
+                try:
+                    job.prefix = job.cache_lookup(job.prompt)
+                except Exception as e:  # noqa: BLE001 (a cache that cannot be read: a cold prefill)
+                    logging.warning("prompt cache lookup failed, prefilling the whole prompt: %r", e)
+                    job.prefix = None
+
+    def _admit(self) -> None:
+        """Queued jobs join their group's batch in FIFO order while it has room."""
+        waiting = deque()
+        while self.queued:
+            job = self.queued.popleft()
+            if not job.looked_up:  # (submitted after this turn's look-ups: it joins at the next)
+                waiting.append(job)
+                continue
+            batch = self.batches.get(job.group)
+            if batch is None:
+                protocol = isinstance(job, ProtocolJob)  # (its adapter ignores EOS)
+                adapter = job.decode.adapter if protocol else adapter_for(self.model, self.tokenizer)
+                batch = self.batches[job.group] = RunningBatch(adapter, keep_logprobs=not protocol)
+            if len(batch) >= self.max_rows:
+                waiting.append(job)
+                continue
+            if isinstance(job, ProtocolJob):
+                job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
+            else:
+                job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix,
+                                    keep_logprobs=job.keeps_logprobs)
+                job.prefix = None
+                job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
+            if job.group not in self.turns:
+                self.turns.append(job.group)
+        self.queued = waiting
+
+    def _next_group(self) -> Optional[tuple]:
+        while self.turns:
+            group = self.turns[0]
+            self.turns.rotate(-1)
+            if len(self.batches.get(group) or ()):
+                return group
+            self.turns.remove(group)
+            self.batches.pop(group, None)
+        return None
+
+    def _step(self, group: tuple) -> None:
+        batch = self.batches[group]
+        rows = list(batch.rows.values())
+        gone = peers.closed([getattr(row.payload.check, "socket", None) for row in rows])  # (one poll for all)
+        for row, closed in zip(rows, gone):  # a client that left frees its row now
+            try:
+                row.payload.check() if closed is None else row.payload.check(closed)
+            except Exception as e:  # noqa: BLE001 (the client's error; the batch goes on)
+                self._end(batch, row.payload, e)
+        if not len(batch):
+            return
+        with self.decode_lock:  # (reading tokens and log-probs back is MLX work too)
+            for event in batch.step():
+                try:
+                    self._dispatch(batch, event)
+                except Exception as e:  # noqa: BLE001 (that request fails; the others go on)
+                    if not event.row.payload.ended:
+                        self._end(batch, event.row.payload, e)
+
+    def _dispatch(self, batch: RunningBatch, event: RowEvent) -> None:
+        job: Job = event.row.payload
+        if job.ended:
+            return
+        if event.error is not None:
+            self._end(batch, job, event.error)
+            return
+        if isinstance(job, ProtocolJob):  # its steps make its response, at its end
+            if event.step is not None:
+                job.steps.append(event.step)
+                job.check()  # (a cancelled request stops at its next step, as alone)
+            if event.finished:
+                self._end(batch, job, None)
+            return
+        step = event.step
+        if step is not None:
+            if job.drafts is not None and step.ran_forward:
+                job.drafts(step)
+            self._emit(batch, job, step)
+        if event.finished and not job.ended:
+            self._end(batch, job, None)
+
+    def _emit(self, batch: RunningBatch, job: Job, step: Step) -> None:
+        """The row's newly final tokens, one Response each (as stream_generate yields
+        them), handed to its client together (stream_batching)."""
+        P, eos = len(job.prompt), batch.adapter.eos_ids
+        top = job.top_logprobs > 0
+        values = step.token_logprobs(0, P + job.emitted, P + int(step.final[0])) if job.logprobs and not top else None
+        out = []
+        try:
+            while job.emitted < step.final[0]:
+                position = P + job.emitted
+                token = int(step.canvas[0, position])
+                logprobs = step.logprobs(0, position) if top else None
+                job.emitted += 1
+                stop = token in eos
+                finish = "stop" if stop else ("length" if job.emitted == job.options.max_tokens else None)
+                if not stop:
+                    job.detokenizer.add_token(token)
+                if finish is not None:
+                    job.detokenizer.finalize()
+                if job.stop_matcher.advance(token):
+                    finish = "stop"
+                if values is not None:
+                    logprob = values.get(position, 0.0)
+                else:
+                    logprob = logprobs[token].item() if logprobs is not None else 0.0
+                ranked = _format_top_logprobs(logprobs, job.top_logprobs, self.tokenizer) if logprobs is not None else ()
+                job.tokens.append(token)
+                out.append(Response(job.detokenizer.last_segment, token, logprob, finish, ranked))
+                if finish is not None or job.ctx._should_stop:
+                    job.sender.send(out)
+                    out = []
+                    self._end(batch, job, None)
+                    return
+        finally:
+            job.sender.send(out)  # (the tokens made before an error too)
+
+    def _end(self, batch: RunningBatch, job: Job, error: Optional[BaseException]) -> None:
+        job.ended = True
+        batch.remove(job.row)
+        if isinstance(job, ProtocolJob):
+            job.end(error)
+            return
+        if error is None and job.cache_entry is not None:  # (before the client can send its next turn)
+            job.cache_entry(job.prompt + job.tokens, job.row.prompt_kv.export if job.row is not None else None)
+        job.sender.put(error)  # None: the end of the stream
+
+    def _fail_group(self, group: tuple, error: BaseException) -> None:
+        batch = self.batches.pop(group, None)
+        for row in list(batch.rows.values()) if batch is not None else ():
+            if not row.payload.ended:
+                self._end(batch, row.payload, error)
+
+    def _cancel_all(self) -> None:
+        with self._cond:
+            jobs = list(self.queued) + [r.payload for b in self.batches.values() for r in b.rows.values()]
+            self.queued.clear()
+        for job in jobs:
+            if not job.ended:
+                if isinstance(job, ProtocolJob):
+                    job.end(Cancelled())
+                    continue
+                job.ended = True
+                job.sender.put(Cancelled())
