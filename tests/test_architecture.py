@@ -1,0 +1,90 @@
+"""The architecture as a contract: import-linter's layers, independence, forbidden and
+acyclic contracts (.importlinter) hold, and fail on an upward import or a circle; ruff is
+clean; no module is past ~600 lines; each package says in one line what it holds."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("mlx_lm_diffusion", "model_adapters")
+BIN = Path(sys.executable).parent
+MAX_MODULE_LINES = 650  # "~600": the largest, DiffusionGemma's family module, is 623
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(BIN / "lint-imports"), "--config", str(root / ".importlinter"), "--no-cache"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_import_contracts_hold():
+    r = lint_imports(ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "BROKEN" not in r.stdout and r.stdout.count("KEPT") == 7, r.stdout
+
+
+@pytest.fixture
+def tree_copy(tmp_path):
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "model"))
+    shutil.copy(ROOT / ".importlinter", tmp_path / ".importlinter")
+    return tmp_path
+
+
+def _add_import(path: Path, line: str) -> None:
+    text = path.read_text()
+    head, sep, rest = text.partition("from __future__ import annotations\n")
+    path.write_text(head + sep + line + "\n" + rest)
+
+
+def test_an_upward_import_breaks_the_house(tree_copy):
+    _add_import(tree_copy / "mlx_lm_diffusion/decoding/engine.py", "from mlx_lm_diffusion.serving import errors")
+    r = lint_imports(tree_copy)
+    assert r.returncode == 1, r.stdout
+    assert "mlx_lm_diffusion.decoding.engine -> mlx_lm_diffusion.serving.errors" in r.stdout, r.stdout
+    assert "Decoding never imports serving, the CLIs, the API or the demo BROKEN" in " ".join(r.stdout.split())
+
+
+def test_a_circle_breaks_the_contracts(tree_copy):
+    """commit_rules <- options: an import back from commit_rules closes a circle."""
+    _add_import(tree_copy / "mlx_lm_diffusion/decoding/commit_rules.py", "from mlx_lm_diffusion.decoding import options")
+    r = lint_imports(tree_copy)
+    assert r.returncode == 1, r.stdout
+    assert "No import circles between sibling modules or packages, at any depth BROKEN" in " ".join(r.stdout.split())
+
+
+def test_a_family_importing_another_breaks_independence(tree_copy):
+    _add_import(tree_copy / "model_adapters/dream.py", "from model_adapters import llada")
+    r = lint_imports(tree_copy)
+    assert r.returncode == 1 and "The families never import each other BROKEN" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_ruff_is_clean():
+    r = subprocess.run([str(BIN / "ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _modules():
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            yield path
+
+
+def test_no_module_is_past_about_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_each_package_opens_with_what_it_holds():
+    for init in (p for p in _modules() if p.name == "__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and doc.strip(), f"{init.relative_to(ROOT)} has no docstring"
