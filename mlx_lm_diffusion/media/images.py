@@ -6,8 +6,11 @@ images or data: URLs, videos as paths) into the prompt's token ids and the
 `DiffusionGemma4Processor` (imported, with mlx-vlm's loader); it expands each image
 placeholder into the image's soft tokens and gives the pixel values.
 
-Reading an image is all-or-nothing: it is opened, its size checked against the limits,
-and decoded in full (a truncated file fails here, not half-way through a decode).
+Reading an image is all-or-nothing: it is opened from its header in one of
+ALLOWED_FORMATS (PNG, JPEG, WebP, GIF, BMP: never a PIL plugin that runs a program, as
+EPS runs Ghostscript), its size, frames and the request's total pixels checked against
+the limits, and only then decoded in full (a truncated file fails here, not half-way
+through a decode).
 Remote URLs are never fetched. Local paths are read in the Python door and the CLI; the
 server reads them only under a directory its operator allows (`ImagePolicy.allowed_dir`).
 """
@@ -19,7 +22,7 @@ import binascii
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -28,6 +31,11 @@ from model_adapters.gemma_vision import VisionInputs
 MAX_IMAGES = 8  # per request
 MAX_IMAGE_BYTES = 20 * 1000 * 1000  # an encoded image
 MAX_IMAGE_PIXELS = 40 * 1000 * 1000  # a decoded image (width * height): decompression bombs
+MAX_REQUEST_PIXELS = 2 * MAX_IMAGE_PIXELS  # all of one request's images together
+# The formats an image may be in, the only PIL plugins ever tried: none of them runs an
+# external program (PIL's EPS plugin runs Ghostscript on the bytes; PDF, PSD, ICNS, ...
+# are never needed for a photo).
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 
 
 class ImageError(ValueError):
@@ -49,6 +57,7 @@ class ImagePolicy:
     max_images: int = MAX_IMAGES
     max_bytes: int = MAX_IMAGE_BYTES
     max_pixels: int = MAX_IMAGE_PIXELS
+    max_request_pixels: int = MAX_REQUEST_PIXELS
 
 
 LOCAL = ImagePolicy()
@@ -92,58 +101,91 @@ def _path_bytes(source: str, policy: ImagePolicy) -> bytes:
         raise ImageError(f"cannot read image {name!r}: {e.strerror or e}") from None
 
 
-def _decode(data: bytes, what: str, policy: ImagePolicy):
+def _header(data: bytes, what: str, policy: ImagePolicy):
+    """The image opened from its header only (nothing decoded yet), in an allowed format,
+    one frame, within the size limit."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+    except Image.UnidentifiedImageError:
+        raise ImageError(f"{what} is not an image in an allowed format ({', '.join(ALLOWED_FORMATS)})") from None
+    except Image.DecompressionBombError:
+        raise ImageError(f"{what} is past the decoded size limit", status=413) from None
+    except Exception as e:  # PIL raises several kinds for damaged headers
+        raise ImageError(f"{what} is not a readable image ({type(e).__name__}: {e})") from None
+    if image.width * image.height > policy.max_pixels:
+        raise ImageError(f"{what} has {image.width}x{image.height} pixels, past the limit of "
+                         f"{policy.max_pixels}", status=413)
+    if getattr(image, "is_animated", False):
+        raise ImageError(f"{what} is animated; send a single frame")
+    return image
+
+
+def _decode(image: Any, what: str):
+    """Decode an image opened by `_header` in full (a truncated file fails here)."""
     from PIL import Image, ImageOps
 
     try:
-        image = Image.open(io.BytesIO(data))
-        if image.width * image.height > policy.max_pixels:
-            raise ImageError(f"{what} has {image.width}x{image.height} pixels, past the limit of "
-                             f"{policy.max_pixels}", status=413)
-        image.load()  # decoded in full now: a truncated file fails here
+        image.load()
         return ImageOps.exif_transpose(image).convert("RGB")
-    except ImageError:
-        raise
-    except Image.UnidentifiedImageError:
-        raise ImageError(f"{what} is not an image (no image format recognised)") from None
     except Image.DecompressionBombError:
         raise ImageError(f"{what} is past the decoded size limit", status=413) from None
     except Exception as e:  # PIL raises several kinds for damaged data
         raise ImageError(f"{what} is not a readable image ({type(e).__name__}: {e})") from None
 
 
-def open_image(source: Any, policy: ImagePolicy = LOCAL):
-    """A PIL RGB image from a PIL image, raw bytes, a data: URL or a local path (as the
-    policy allows). Remote URLs are refused: nothing is fetched."""
+def _opened(source: Any, policy: ImagePolicy) -> Tuple[Any, str]:
+    """(the image from its header, what to call it in errors), or (a PIL image as given, None)."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
         if source.width * source.height > policy.max_pixels:
             raise ImageError(f"an image has {source.width}x{source.height} pixels, past the limit", status=413)
-        return source.convert("RGB")
+        return source, None
     if isinstance(source, (bytes, bytearray)):
         if len(source) > policy.max_bytes:
             raise ImageError(f"an image is larger than the limit of {policy.max_bytes} bytes", status=413)
-        return _decode(bytes(source), "an image", policy)
+        return _header(bytes(source), "an image", policy), "an image"
     if isinstance(source, Path):
         source = str(source)
     if not isinstance(source, str) or not source:
         raise ImageError(f"an image must be a path, a data: URL or a PIL image, not {type(source).__name__}")
-    if source.startswith(("http://", "https://")):
-        raise ImageError("remote image URLs are refused (nothing is fetched); images must be data: URLs")
+    _check_kind(source)
     if source.startswith("data:"):
-        return _decode(_data_url_bytes(source, policy), "an image data: URL", policy)
-    return _decode(_path_bytes(source, policy), f"image {source!r}", policy)
+        return _header(_data_url_bytes(source, policy), "an image data: URL", policy), "an image data: URL"
+    what = f"image {source!r}"
+    return _header(_path_bytes(source, policy), what, policy), what
+
+
+def _check_kind(source: Any) -> None:
+    """Refuse a source that is never read, from its text alone: remote URLs."""
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise ImageError("remote image URLs are refused (nothing is fetched); images must be data: URLs")
+
+
+def open_image(source: Any, policy: ImagePolicy = LOCAL):
+    """A PIL RGB image from a PIL image, raw bytes, a data: URL or a local path (as the
+    policy allows), in one of ALLOWED_FORMATS. Remote URLs are refused: nothing is fetched."""
+    return open_images([source], policy)[0]
 
 
 def open_images(sources: Any, policy: ImagePolicy = LOCAL) -> list:
-    """Every image of a request, read in full before anything runs (count checked first)."""
+    """Every image of a request, read in full before anything runs: the count checked
+    first, then every header (format, size, one frame) and the request's total pixels,
+    and only then is anything decoded."""
+
     if sources is None:
         return []
     items = list(sources) if isinstance(sources, (list, tuple)) else [sources]
     if len(items) > policy.max_images:
         raise ImageError(f"{len(items)} images in one request; at most {policy.max_images}")
-    return [open_image(s, policy) for s in items]
+    opened = [_opened(s, policy) for s in items]
+    total = sum(image.width * image.height for image, _ in opened)
+    if total > policy.max_request_pixels:
+        raise ImageError(f"the request's images have {total} pixels together, past the limit of "
+                         f"{policy.max_request_pixels}", status=413)
+    return [image.convert("RGB") if what is None else _decode(image, what) for image, what in opened]
 
 
 def open_videos(sources: Any) -> list:
@@ -443,12 +485,18 @@ def server_policy(cli_args: Any) -> ImagePolicy:
                        max_bytes=getattr(cli_args, "max_image_bytes", MAX_IMAGE_BYTES) or MAX_IMAGE_BYTES)
 
 
-def check_served_messages(messages: Sequence[dict], policy: ImagePolicy) -> list:
+def check_served_messages(messages: Sequence[dict], policy: ImagePolicy,
+                          takes_images: Callable[[], bool] = lambda: True) -> list:
     """Every image of a chat request, read in full on the handler thread (ImageError with
-    the status to answer); video parts are not served."""
+    the status to answer); video parts are not served. A model without a vision tower
+    (`takes_images()` False) refuses images before any is decoded."""
     _, sources, videos = chat_messages(messages)
     if videos:
         raise ImageError("video content parts are not served; use the Python API or the CLI (--video)")
+    for source in sources:
+        _check_kind(source)
+    if sources and not takes_images():
+        raise ImageError("the served model takes no images (no vision tower and processor)")
     return open_images(sources, policy)
 
 

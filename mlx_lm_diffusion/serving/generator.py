@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
 import mlx_lm.server as mlx_server
@@ -159,6 +160,19 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 callback(*values)
 
         return progress
+
+    def takes_images(self, name: Any) -> bool:
+        """Whether the served model a request names has a vision tower, decided before any
+        image of the request is decoded: an unknown name is the 404 it will be anyway; a
+        model other than the one loaded is not known yet (it loads at its turn)."""
+        if not (isinstance(name, str) and name in self.served):
+            self._check_model(SimpleNamespace(model=name))  # (raises the 404)
+        key = self.served[name]
+        path = self.cli_args.model if key == "default_model" else key
+        loaded = getattr(self.model_provider, "model_key", None)
+        if loaded is None or loaded[0] != path:
+            return True
+        return bool(getattr(self.model_provider.model, "has_vision", False))
 
     def _check_model(self, description) -> None:
         """Only the models the operator named are served: any other name is a 404,

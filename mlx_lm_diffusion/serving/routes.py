@@ -126,8 +126,10 @@ class Routes:
         messages = self.body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a list of message objects", param="messages")
+        generator = self.response_generator
         try:  # read in full here, before anything runs (mlx_lm_diffusion.media.images)
-            pictures = images.check_served_messages(messages, images.server_policy(self.response_generator.cli_args))
+            pictures = images.check_served_messages(messages, images.server_policy(generator.cli_args),
+                                                    takes_images=lambda: generator.takes_images(self.requested_model))
         except images.ImageError as e:
             raise RequestError(str(e), status=e.status, param="messages") from None
         request = self._diffusion_request(super().handle_chat_completions())
