@@ -169,13 +169,15 @@ class ScheduleWithEarlyExit(ScheduleQuota):
 
 def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None,
                 on_step: Optional[Callable[[Step], None]] = None, processor: Any = None,
-                image_policy: Optional[image_inputs.ImagePolicy] = None) -> dict:
+                image_policy: Optional[image_inputs.ImagePolicy] = None, validated: bool = False) -> dict:
     """Decode one InferenceRequest; returns an InferenceResponse (a dict). A request that
     could take more than `max_forwards` forwards is refused (ValueError) before it runs;
     `on_step` sees every step and may raise to stop the decode (a server's cancellation).
     `images` need the checkpoint's processor (`processor`, or `tokenizer` when it is one)
-    and are read under `image_policy` (default: data: URLs only, the server's limits)."""
-    decode = prepare_request(model, tokenizer, request, max_forwards, processor, image_policy)
+    and are read under `image_policy` (default: data: URLs only, the server's limits).
+    `validated`: the caller ran validate_request on this request already (a server does,
+    before it waits for the model)."""
+    decode = prepare_request(model, tokenizer, request, max_forwards, processor, image_policy, validated)
     engine = Engine(decode.adapter, decode.options, keep_logprobs=False)
     steps = engine.run(mx.array([decode.prompt]), decode.seed)
     return decode.response(steps if on_step is None else _watched(steps, on_step))
@@ -245,10 +247,12 @@ class ProtocolDecode:
 
 
 def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None, processor: Any = None,
-                    image_policy: Optional[image_inputs.ImagePolicy] = None) -> ProtocolDecode:
-    """Validate an InferenceRequest and resolve its decode (ValueError / ValidationError on
-    a bad one, before anything runs; its images read in full)."""
-    validate_request(request)
+                    image_policy: Optional[image_inputs.ImagePolicy] = None,
+                    validated: bool = False) -> ProtocolDecode:
+    """Validate an InferenceRequest (unless `validated`) and resolve its decode (ValueError /
+    ValidationError on a bad one, before anything runs; its images read in full)."""
+    if not validated:
+        validate_request(request)
     if request.get("self_spec"):
         raise ValueError("self_spec decodes greedily by its own windows, not by a mask schedule: the "
                          "step-schedule protocol cannot drive it; use the completions endpoints")

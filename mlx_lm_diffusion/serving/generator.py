@@ -4,6 +4,7 @@ options, drafts, the served-model allow-list, continuous batching and the protoc
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
@@ -16,7 +17,7 @@ from mlx_lm.server import (
 )
 
 from mlx_lm_diffusion.api import compat
-from mlx_lm_diffusion.api.protocol import prepare_request, run_request
+from mlx_lm_diffusion.api.protocol import prepare_request, run_request, validate_request
 from mlx_lm_diffusion.decoding.decoders.speculative import check_greedy
 from mlx_lm_diffusion.decoding.engine import Step
 from mlx_lm_diffusion.decoding.kv_reuse import CachedTokensTap, cache_occupancy
@@ -64,6 +65,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         # One decode at a time: the generation thread's requests and the step-schedule
         # protocol's (served on handler threads) take turns on the model.
         self.decode_lock = threading.Lock()
+        # The one thread the step-schedule protocol's MLX work runs on (run_protocol)
+        self.protocol_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion-protocol")
         self.load_error: Optional[BaseException] = None
         self.loaded = threading.Event()
         cli = model_provider.cli_args
@@ -95,33 +98,43 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
 
     def run_protocol(self, body: Any, cancel: Optional[threading.Event] = None) -> dict:
         """Decode one step-schedule InferenceRequest on the served model: a row of the
-        scheduler's batches when batching (a batch of protocol rows), else here."""
+        scheduler's batches when batching (a batch of protocol rows), else alone.
+
+        The body is checked against the schema here, on the handler thread, before any
+        lock the decoder needs (a large body's check stalls nobody). Everything that runs
+        MLX runs on one thread of the server's (`protocol_worker`), never on the handler's:
+        MLX keeps a stream, and a native thread, for every thread that evaluates."""
+        validate_request(body)
+        if "seed" not in body:  # its own key, as for completions
+            body = {**body, "seed": openai_requests.request_seed()}
         scheduler = self.scheduler
         # (DiffusionGemma's committing uniform canvas and a request's images decode alone)
-        alone = isinstance(body, dict) and bool(body.get("images")) or getattr(
+        alone = bool(body.get("images")) or getattr(
             scheduler, "model", None) is not None and getattr(scheduler.model, "has_vision", None) is not None
         if scheduler is not None and self.model_provider.model is scheduler.model and not alone:
-            if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
-                body = {**body, "seed": openai_requests.request_seed()}
-            with self.decode_lock:  # (validated and resolved as alone; the decode is the scheduler's)
-                self._check_cancel(cancel)
-                decode = prepare_request(scheduler.model, scheduler.tokenizer, body, max_forwards=self.max_forwards)
+            decode = self.protocol_worker.submit(self._prepare_protocol, scheduler, body, cancel).result()
             return scheduler.submit_protocol(decode, lambda: self._check_cancel(cancel)).result()
+        return self.protocol_worker.submit(self._run_protocol_alone, body, cancel).result()
+
+    def _prepare_protocol(self, scheduler: Scheduler, body: dict, cancel: Optional[threading.Event]):
+        with self.decode_lock:  # (resolved as alone; the decode is the scheduler's)
+            self._check_cancel(cancel)
+            return prepare_request(scheduler.model, scheduler.tokenizer, body, max_forwards=self.max_forwards,
+                                   validated=True)
+
+    def _run_protocol_alone(self, body: dict, cancel: Optional[threading.Event]) -> dict:
         with self.decode_lock:
-            if cancel is not None and cancel.is_set():
-                raise Cancelled()
+            self._check_cancel(cancel)
             model, tokenizer = self.model_provider.model, self.model_provider.tokenizer
             if model is None:
                 raise RequestError("no model is loaded yet; start the server with --model", status=503)
-            if self.group is not None:  # (decoded on this handler thread: rank 0 alone)
+            if self.group is not None:  # (decoded on rank 0 alone)
                 raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
-            if isinstance(body, dict) and "seed" not in body:  # its own key, as for completions
-                body = {**body, "seed": openai_requests.request_seed()}
-            pictures = isinstance(body, dict) and bool(body.get("images"))  # the `images` extension
+            pictures = bool(body.get("images"))  # the `images` extension
             return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
                                on_step=lambda step: self._check_cancel(cancel),
                                processor=images.served_processor(self.model_provider) if pictures else None,
-                               image_policy=images.server_policy(self.cli_args))
+                               image_policy=images.server_policy(self.cli_args), validated=True)
 
     @property
     def max_forwards(self) -> Optional[int]:
@@ -212,6 +225,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
     def stop_and_join(self):
         if self.scheduler is not None:
             self.scheduler.stop()
+        self.protocol_worker.shutdown(wait=True, cancel_futures=True)
         super().stop_and_join()
 
     def _batched(self, request) -> bool:

@@ -1,0 +1,71 @@
+"""Faults and fairness of the server (issue 33): request-scoped resources are released and
+nothing a client sends is checked while the decoder's lock is held."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import sys
+import threading
+
+import pytest
+from serving import running_server
+
+from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+PROTOCOL = {"prompt_tokens": [3, 4, 5], "target_length": 8, "num_steps": 4, "mask_schedule": "linear",
+            "temperature_schedule": [0.0] * 4, "top_p": 1.0}
+
+
+def protocol(port: int, body, timeout: float = 120):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/diffusion/generate", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture(scope="module", params=["batched", "serial"])
+def server(request):
+    flags = [] if request.param == "batched" else ["--no-batch"]
+    with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING", *flags]) as s:
+        yield s
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts native threads in /proc")
+def test_protocol_requests_keep_no_thread(server):
+    """Each connection's handler thread used to run the decode: MLX kept a stream and a
+    native thread for each (400 requests: 415 threads; from the 693rd, every one a 500)."""
+    httpd, _ = server
+    port = httpd.server_address[1]
+    first = [protocol(port, PROTOCOL) for _ in range(3)]  # (the worker's own threads start)
+    before = native_threads()
+    answers = [protocol(port, PROTOCOL) for _ in range(40)]
+    assert all(status == 200 for status, _ in first + answers)
+    assert answers[0][1]["final_tokens"] == answers[-1][1]["final_tokens"]
+    assert native_threads() <= before + 2, (before, native_threads())
+
+
+def test_a_bad_protocol_body_is_refused_without_the_decoders_lock(server):
+    """The schema check runs before the decode lock: a body that ends in a 400 does not wait
+    for (nor hold up) generation. Here the lock stays held until the answer came."""
+    httpd, generator = server
+    port = httpd.server_address[1]
+    bad = {**PROTOCOL, "num_steps": "four"}
+    answered = []
+    with generator.decode_lock:
+        client = threading.Thread(target=lambda: answered.append(protocol(port, bad, timeout=60)))
+        client.start()
+        client.join(timeout=60)
+        held_throughout = client.is_alive() is False
+    client.join(timeout=60)
+    assert held_throughout and answered, "the 400 waited for the decode lock"
+    status, body = answered[0]
+    assert status == 400 and "num_steps" in body["error"]["message"]
