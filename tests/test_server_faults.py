@@ -69,3 +69,62 @@ def test_a_bad_protocol_body_is_refused_without_the_decoders_lock(server):
     assert held_throughout and answered, "the 400 waited for the decode lock"
     status, body = answered[0]
     assert status == 400 and "num_steps" in body["error"]["message"]
+
+
+def chat(port: int, body: dict, timeout: float = 120):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_stop_strings_are_bounded(server):
+    """Each stop string is compiled into a matcher before decoding (400,000 of them held the
+    server for 44-105 s and 1.2 GB): a count or a length past the limit is a 400."""
+    from mlx_lm_diffusion.serving.openai_requests import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    port = server[0].server_address[1]
+    base = {"messages": [{"role": "user", "content": "357+468="}], "max_tokens": 6}
+    many = [f"#{i}" for i in range(MAX_STOP_STRINGS + 1)]
+    for stop, words in ((many, "at most 16"), ("x" * (MAX_STOP_CHARS + 1), "at most 256")):
+        status, body = chat(port, {**base, "stop": stop})
+        assert status == 400 and words in body["error"]["message"] and body["error"]["param"] == "stop", body
+    at_limit = [f"#{i}" + "x" * (MAX_STOP_CHARS - 4) for i in range(MAX_STOP_STRINGS)]
+    status, body = chat(port, {**base, "stop": at_limit})
+    assert status == 200 and body["choices"][0]["message"]["content"], body
+
+
+def test_a_temperature_past_the_bound_is_a_400(server):
+    """temperature_schedule 1e308 overflowed the scaled logits: the protocol answered all
+    zeros with null confidences. Temperatures are bounded as the chat route's are."""
+    port = server[0].server_address[1]
+    status, body = protocol(port, {**PROTOCOL, "temperature_schedule": [1e308] * 4})
+    assert status == 400 and "temperature_schedule" in body["error"]["message"], body
+    status, body = protocol(port, {**PROTOCOL, "temperature_schedule": [100.0] * 4})
+    assert status == 200 and None not in body["confidence"], body
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO")
+def test_a_fifo_in_the_allowed_image_directory_is_refused_not_read(tmp_path):
+    from mlx_lm_diffusion.media import images
+
+    os.mkfifo(tmp_path / "pipe.png")
+    policy = images.ImagePolicy(allow_paths=False, allowed_dir=tmp_path)
+    outcome = []
+
+    def read():
+        try:
+            images.open_image(str(tmp_path / "pipe.png"), policy)
+        except images.ImageError as e:
+            outcome.append(str(e))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if reader.is_alive():  # (release the blocked read: open the FIFO's writing end)
+        with open(tmp_path / "pipe.png", "wb"):
+            pass
+    assert outcome and "not a regular file" in outcome[0], "the read blocked on the FIFO"

@@ -25,6 +25,9 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 _PROBABILITY = dict(kind=float, low=0.0, high=1.0)
 _COUNT_LIMIT = 1 << 20  # block and step counts past this are input errors, not decodes
+# The server's bound on `temperature` too: far past it every draw is uniform noise, and a
+# temperature of 1e308 overflowed the scaled logits (the protocol answered all zeros).
+MAX_TEMPERATURE = 100.0
 
 GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("max_tokens", int, "Tokens to generate", default=256, low=1, named=False,
@@ -48,7 +51,7 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     Option("schedule", str, f"Mask schedule as the per-step quota, instead of --strategy: "
            f"{', '.join(GAMMAS)}", choices=tuple(GAMMAS)),
     Option("temperature_schedule", tuple, "One temperature per step (0: greedy)", item=float, low=0.0,
-           named=False),
+           high=MAX_TEMPERATURE, named=False),
     Option("top_p", float, "Nucleus sampling with temperature_schedule", default=1.0, low=0.0, high=1.0,
            low_open=True, named=False),
     Option("sampler", callable, "mlx-lm sampler over log-probs; greedy if None", named=False),

@@ -22,6 +22,7 @@ import binascii
 import io
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -90,9 +91,12 @@ def _path_bytes(source: str, policy: ImagePolicy) -> bytes:
             raise ImageError(f"image path {name!r} is not under the allowed image directory")
         path = resolved
     try:
-        size = path.stat().st_size
+        stat = path.stat()
     except OSError:
         raise ImageError(f"no image at {name!r}") from None
+    if not S_ISREG(stat.st_mode):  # a FIFO or a device would block the read, or never end
+        raise ImageError(f"image {name!r} is not a regular file")
+    size = stat.st_size
     if size > policy.max_bytes:
         raise ImageError(f"image {name!r} is larger than the limit of {policy.max_bytes} bytes", status=413)
     try:
