@@ -128,3 +128,29 @@ def test_a_fifo_in_the_allowed_image_directory_is_refused_not_read(tmp_path):
         with open(tmp_path / "pipe.png", "wb"):
             pass
     assert outcome and "not a regular file" in outcome[0], "the read blocked on the FIFO"
+
+
+def test_long_requests_leave_rows_for_short_ones(llada_path):
+    """Requests at the forward bound took every row of the batch (a normal request behind
+    32 of them waited 429 s); long ones now hold at most half of a batch, and a short one
+    behind them is admitted at once."""
+    argv = ["--model", str(llada_path), "--port", "0", "--log-level", "WARNING", "--decode-concurrency", "4",
+            "--long-request-forwards", "16"]
+    long_body = {**PROTOCOL, "target_length": 3 + 48, "num_steps": 48, "temperature_schedule": [0.0] * 48}
+    with running_server(argv) as (httpd, generator):
+        port = httpd.server_address[1]
+        answers = []
+        longs = [threading.Thread(target=lambda: answers.append(protocol(port, long_body))) for _ in range(8)]
+        for thread in longs:
+            thread.start()
+        for _ in range(600):  # (until the long ones have been admitted: two rows of four)
+            if generator.scheduler.stats()["running_rows"] >= 2:
+                break
+            threading.Event().wait(0.05)
+        assert generator.scheduler.stats()["running_rows"] == 2
+        status, _ = protocol(port, PROTOCOL)  # short: 4 forwards
+        unfinished = sum(thread.is_alive() for thread in longs)
+        for thread in longs:
+            thread.join(timeout=300)
+    assert status == 200 and unfinished >= 5, unfinished
+    assert len(answers) == 8 and all(s == 200 for s, _ in answers)

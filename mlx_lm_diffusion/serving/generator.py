@@ -39,6 +39,9 @@ DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's res
 # Forwards a request may cost at most (--max-forwards): above any reference decode of a
 # few thousand tokens, below what would hold the model for hours ("steps": 10**5).
 DEFAULT_MAX_FORWARDS = 16384
+# A request whose decode could take more forwards than this is long: long rows may hold
+# at most half of a batch (scheduler), so that a short request never waits for them all.
+DEFAULT_LONG_FORWARDS = 1024
 
 
 def _model_names(name: str) -> List[str]:
@@ -220,7 +223,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         # a batch's rows would be stepped on rank 0 alone)
         if is_diffusion_model(model) and not getattr(cli, "no_batch", False) and self.group is None:
             self.scheduler = Scheduler(model, self.model_provider.tokenizer, self.decode_lock,
-                                       getattr(cli, "decode_concurrency", 32))
+                                       getattr(cli, "decode_concurrency", 32),
+                                       getattr(cli, "long_request_forwards", DEFAULT_LONG_FORWARDS))
 
     def stop_and_join(self):
         if self.scheduler is not None:

@@ -7,7 +7,11 @@ same family options: `batch.family_key`; generic options such as block_length, s
 max_tokens, sampler or seed differ freely per row). Each turn:
 
 1. queued requests join their group's batch (FIFO, at most `max_rows` rows a batch:
-   `--decode-concurrency`); a request whose batch is full waits for a row to leave;
+   `--decode-concurrency`); a request whose batch is full waits for a row to leave, and
+   a long request (one that could take more than `long_forwards` forwards:
+   `--long-request-forwards`) waits while long rows hold half of its batch, so that
+   requests at the forward bound cannot take every row: a short one behind them is
+   admitted at once (a waiting job never blocks a later one that fits);
 2. the next group in turn (round robin: groups take turns, none starves) drops the rows
    whose client left or whose request was cancelled, then runs one step (one model
    forward for all its rows) under the server's decode lock, which the step-schedule
@@ -41,7 +45,7 @@ from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _ma
 from mlx_lm_diffusion.api.compat import check_decode_fields, fit_max_tokens
 from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch, family_key
 from mlx_lm_diffusion.decoding.engine import Step
-from mlx_lm_diffusion.decoding.options import DecodeOptions, ResolvedOptions, named_options, resolve
+from mlx_lm_diffusion.decoding.options import DecodeOptions, ResolvedOptions, forward_bound, named_options, resolve
 from mlx_lm_diffusion.serving import peers
 from mlx_lm_diffusion.serving.errors import Cancelled, RequestError
 from mlx_lm_diffusion.serving.stream_batching import ResponseSender
@@ -72,6 +76,7 @@ class Job:
     ended: bool = False
     row: Any = None
     submitted: float = field(default_factory=time.monotonic)
+    forwards: int = 0  # the most forwards its decode can take (options.forward_bound)
     sender: Optional[ResponseSender] = None  # the way to rqueue: tokens in mailboxes (stream_batching)
 
     def __post_init__(self):
@@ -103,6 +108,7 @@ class ProtocolJob:
     looked_up: bool = True  # (no prompt cache: the protocol's requests neither read nor write it)
     prefix: Any = None
     submitted: float = field(default_factory=time.monotonic)
+    forwards: int = 0
 
     @property
     def prompt(self) -> list:
@@ -150,7 +156,8 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         drafts = generator._draft_sender(sender) if getattr(req, "drafts", False) else None
         job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
                   args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator),
-                  cache_lookup=_cache_reader(generator), logprobs=bool(args.logprobs), sender=sender)
+                  cache_lookup=_cache_reader(generator), logprobs=bool(args.logprobs), sender=sender,
+                  forwards=forward_bound(options, adapter, len(prompt)))
     except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
         rqueue.put(e)
         return None
@@ -222,12 +229,15 @@ def _cache_reader(generator: Any) -> Callable[[list], Any]:
 class Scheduler:
     """Runs the server's diffusion requests in running batches on its own thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, decode_lock: threading.Lock, max_rows: int = 32):
+    def __init__(self, model: Any, tokenizer: Any, decode_lock: threading.Lock, max_rows: int = 32,
+                 long_forwards: Optional[int] = None):
         if max_rows < 1:
             raise ValueError(f"--decode-concurrency must be at least 1, got {max_rows}")
         self.model, self.tokenizer = model, tokenizer
         self.decode_lock = decode_lock
         self.max_rows = max_rows
+        self.long_forwards = long_forwards  # None: no request counts as long
+        self.max_long_rows = max(1, max_rows // 2)
         self.queued: deque = deque()  # jobs not in a batch yet, FIFO
         self.batches: dict = {}  # group -> RunningBatch
         self.turns: deque = deque()  # groups with rows, in the order they step
@@ -246,7 +256,7 @@ class Scheduler:
     def submit_protocol(self, decode: Any, check: Callable[[], None]) -> Future:
         """A step-schedule protocol request (protocol.prepare_request's decode): its
         InferenceResponse arrives on the returned future."""
-        job = ProtocolJob(decode, check)
+        job = ProtocolJob(decode, check, forwards=forward_bound(decode.options, decode.adapter, len(decode.prompt)))
         self.submit(job)
         return job.future
 
@@ -312,7 +322,7 @@ class Scheduler:
                 protocol = isinstance(job, ProtocolJob)  # (its adapter ignores EOS)
                 adapter = job.decode.adapter if protocol else adapter_for(self.model, self.tokenizer)
                 batch = self.batches[job.group] = RunningBatch(adapter, keep_logprobs=not protocol)
-            if len(batch) >= self.max_rows:
+            if len(batch) >= self.max_rows or self._long(job) and self._long_rows(batch) >= self.max_long_rows:
                 waiting.append(job)
                 continue
             if isinstance(job, ProtocolJob):
@@ -325,6 +335,12 @@ class Scheduler:
             if job.group not in self.turns:
                 self.turns.append(job.group)
         self.queued = waiting
+
+    def _long(self, job: Any) -> bool:
+        return self.long_forwards is not None and job.forwards > self.long_forwards
+
+    def _long_rows(self, batch: RunningBatch) -> int:
+        return sum(1 for row in batch.rows.values() if self._long(row.payload))
 
     def _next_group(self) -> Optional[tuple]:
         while self.turns:

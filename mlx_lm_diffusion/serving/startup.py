@@ -89,7 +89,7 @@ from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.parallel import distributed
 from mlx_lm_diffusion.serving import distributed_server
 from mlx_lm_diffusion.serving.errors import StartupError
-from mlx_lm_diffusion.serving.generator import DEFAULT_MAX_FORWARDS, DiffusionResponseGenerator
+from mlx_lm_diffusion.serving.generator import DEFAULT_LONG_FORWARDS, DEFAULT_MAX_FORWARDS, DiffusionResponseGenerator
 from mlx_lm_diffusion.serving.handler import DEFAULT_MAX_BODY_BYTES
 from mlx_lm_diffusion.serving.http_server import (
     DEFAULT_MAX_CONNECTIONS,
@@ -256,6 +256,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--max-forwards", type=int, default=DEFAULT_MAX_FORWARDS,
                        help="Model forwards a request may take at most, from its settings (steps x blocks, "
                             f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})")
+    group.add_argument("--long-request-forwards", type=int, default=DEFAULT_LONG_FORWARDS,
+                       help="A request that could take more forwards than this is long: long requests hold at "
+                            f"most half of a batch's rows, the rest stay for short ones (default {DEFAULT_LONG_FORWARDS})")
     group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
                             "(default 30)")
@@ -311,6 +314,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _fail("--max-connections must be at least 1")
     if args.max_forwards < 1:
         _fail("--max-forwards must be at least 1")
+    if args.long_request_forwards < 1:
+        _fail("--long-request-forwards must be at least 1")
     if not args.shutdown_grace >= 0:
         _fail("--shutdown-grace must be >= 0")
     return args
