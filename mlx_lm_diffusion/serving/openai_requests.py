@@ -159,11 +159,18 @@ class RequestFields:
     DiffusionAPIHandler: mlx_lm.server's APIHandler reads them in do_POST)."""
 
     def _read_fields(self, body: dict) -> None:
-        """mlx_lm.server's field extraction (APIHandler.do_POST), unchanged in meaning."""
+        """mlx_lm.server's field extraction (APIHandler.do_POST), unchanged in meaning but
+        for null: an explicit null is the field left out, as in OpenAI's API (mlx_lm.server
+        answered `"temperature": null` with a 400)."""
         cli = self.response_generator.cli_args
-        self.stream = body.get("stream", False)
-        self.stream_options = body.get("stream_options", None)
-        self.requested_model = body.get("model", "default_model")
+
+        def get(name: str, default: Any = None) -> Any:
+            value = body.get(name)
+            return default if value is None else value
+
+        self.stream = get("stream", False)
+        self.stream_options = get("stream_options")
+        self.requested_model = get("model", "default_model")
         for name in ("draft_model", "adapters", "num_draft_tokens"):
             if body.get(name) is not None:
                 raise RequestError(f"{name} is not accepted: speculative decoding and adapters do "
@@ -171,26 +178,26 @@ class RequestFields:
         self.requested_draft_model = "default_model"
         self.num_draft_tokens = cli.num_draft_tokens
         self.adapter = None
-        self.max_tokens = body.get("max_completion_tokens", None)
+        self.max_tokens = get("max_completion_tokens")
         if self.max_tokens is None:
-            self.max_tokens = body.get("max_tokens", cli.max_tokens)
-        self.temperature = body.get("temperature", cli.temp)
-        self.top_p = body.get("top_p", cli.top_p)
-        self.top_k = body.get("top_k", cli.top_k)
-        self.min_p = body.get("min_p", cli.min_p)
-        self.repetition_penalty = body.get("repetition_penalty", 0.0)
-        self.repetition_context_size = body.get("repetition_context_size", 20)
-        self.presence_penalty = body.get("presence_penalty", 0.0)
-        self.presence_context_size = body.get("presence_context_size", 20)
-        self.frequency_penalty = body.get("frequency_penalty", 0.0)
-        self.frequency_context_size = body.get("frequency_context_size", 20)
-        self.xtc_probability = body.get("xtc_probability", 0.0)
-        self.xtc_threshold = body.get("xtc_threshold", 0.1)
-        self.logit_bias = body.get("logit_bias", None)
-        self.logprobs = body.get("logprobs", False)
-        self.top_logprobs = body.get("top_logprobs", -1)
-        self.seed = body.get("seed", None)
-        self.chat_template_kwargs = body.get("chat_template_kwargs")
+            self.max_tokens = get("max_tokens", cli.max_tokens)
+        self.temperature = get("temperature", cli.temp)
+        self.top_p = get("top_p", cli.top_p)
+        self.top_k = get("top_k", cli.top_k)
+        self.min_p = get("min_p", cli.min_p)
+        self.repetition_penalty = get("repetition_penalty", 0.0)
+        self.repetition_context_size = get("repetition_context_size", 20)
+        self.presence_penalty = get("presence_penalty", 0.0)
+        self.presence_context_size = get("presence_context_size", 20)
+        self.frequency_penalty = get("frequency_penalty", 0.0)
+        self.frequency_context_size = get("frequency_context_size", 20)
+        self.xtc_probability = get("xtc_probability", 0.0)
+        self.xtc_threshold = get("xtc_threshold", 0.1)
+        self.logit_bias = get("logit_bias")
+        self.logprobs = get("logprobs", False)
+        self.top_logprobs = get("top_logprobs", -1)
+        self.seed = get("seed")
+        self.chat_template_kwargs = get("chat_template_kwargs")
 
     @staticmethod
     def _stop_words(stop: Any) -> List[str]:

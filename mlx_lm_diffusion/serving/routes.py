@@ -59,10 +59,11 @@ class _Guarded:
             raise _Answered() from None
         return ctx, self._iterate(responses)
 
-    @staticmethod
-    def _iterate(responses):
+    def _iterate(self, responses):
         try:
-            yield from stream_batching.unpack(responses)  # (the scheduler's tokens come in mailboxes)
+            for response in stream_batching.unpack(responses):  # (the scheduler's tokens come in mailboxes)
+                self._handler._generated.append(response)  # (their log-probabilities: Routes.generate_response)
+                yield response
         except _CLIENT_ERRORS:  # writing keepalives or drafts to a gone client
             raise
         except Exception as e:
@@ -157,6 +158,7 @@ class Routes:
 
     def handle_completion(self, request, stop_words):
         self._stream_started = False
+        self._generated = []  # the tokens generated, not yet in a response (with their log-probs)
         real = self.response_generator
         self.response_generator = _Guarded(real, self)
         try:
@@ -204,7 +206,40 @@ class Routes:
             self.close_connection = True
 
     def generate_response(self, *args, **kwargs) -> dict:
-        return json_safe(super().generate_response(*args, **kwargs))
+        """mlx_lm.server's response or stream chunk; a chat's log-probabilities as OpenAI
+        defines them (mlx_lm.server's entries were the first of an unsorted top-k, often
+        not the generated token, and streams carried none): one entry per token the
+        response or chunk adds."""
+        response = super().generate_response(*args, **kwargs)
+        if self.object_type.startswith("chat.completion") and response.get("choices"):
+            choice = response["choices"][0]
+            choice.pop("logprobs", None)
+            if self.logprobs or self.top_logprobs > 0:
+                choice["logprobs"] = {"content": self._logprob_entries()}
+        return json_safe(response)
+
+    def _logprob_entries(self) -> list:
+        """The pending generated tokens as OpenAI's log-probability entries: `token` the
+        token's own text, its `logprob` (a diffusion token's log-probability at the step
+        that committed it), `bytes` (UTF-8), and `top_logprobs` sorted by log-probability,
+        descending; `id` is mlx_lm.server's. An EOS that ends the answer has no entry (its
+        text is not in the answer)."""
+        tokenizer = self.response_generator.model_provider.tokenizer
+        generated, self._generated = getattr(self, "_generated", []), []
+        eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+
+        def entry(token: int, logprob: float) -> dict:
+            text = tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "id": token}
+
+        entries = []
+        for gen in generated:
+            if gen.finish_reason == "stop" and gen.token in eos:
+                continue
+            top = sorted(gen.top_tokens or (), key=lambda t: -t["logprob"]) if self.top_logprobs > 0 else []
+            alternatives = [entry(t["id"], gen.logprob if t["id"] == gen.token else t["logprob"]) for t in top]
+            entries.append({**entry(gen.token, gen.logprob), "top_logprobs": alternatives})
+        return entries
 
     def _set_stream_headers(self, status_code: int = 200):
         super()._set_stream_headers(status_code)

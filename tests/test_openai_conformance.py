@@ -1,0 +1,77 @@
+"""The server's answers as OpenAI's API defines them (issue 34, items 1 and 3, in part):
+chat log-probabilities, in full answers and in stream chunks, and null as "left out"."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import openai
+import pytest
+from serving import running_server
+
+from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+USER = [{"role": "user", "content": "357+468="}]
+
+
+@pytest.fixture(scope="module", params=["batched", "serial"])
+def server(request):
+    flags = [] if request.param == "batched" else ["--no-batch"]
+    with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING", *flags]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    port = server[0].server_address[1]
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def check_entry(entry, top_n: int) -> None:
+    assert entry.bytes == list(entry.token.encode("utf-8"))
+    assert len(entry.top_logprobs) == top_n
+    ranked = [t.logprob for t in entry.top_logprobs]
+    assert ranked == sorted(ranked, reverse=True)
+    own = [t for t in entry.top_logprobs if t.model_extra["id"] == entry.model_extra["id"]]
+    if own:  # the generated token among the alternatives: the same entry, the same log-prob
+        assert own[0].token == entry.token and own[0].logprob == entry.logprob
+
+
+def test_chat_logprobs_are_the_generated_tokens(client):
+    r = client.chat.completions.create(model="default_model", messages=USER, logprobs=True, top_logprobs=3)
+    text, content = r.choices[0].message.content, r.choices[0].logprobs.content
+    assert text == "825" and "".join(e.token for e in content) == text
+    for entry in content:
+        check_entry(entry, 3)
+        # greedy decoding commits its position's most likely token
+        assert entry.top_logprobs[0].model_extra["id"] == entry.model_extra["id"]
+    plain = client.chat.completions.create(model="default_model", messages=USER, logprobs=True).choices[0]
+    assert [e.token for e in plain.logprobs.content] == [e.token for e in content]
+    assert all(e.top_logprobs == [] and e.bytes is not None for e in plain.logprobs.content)
+    assert client.chat.completions.create(model="default_model", messages=USER).choices[0].logprobs is None
+
+
+def test_stream_chunks_carry_their_tokens_logprobs(client):
+    whole = client.chat.completions.create(model="default_model", messages=USER, logprobs=True, top_logprobs=2)
+    chunks = [c for c in client.chat.completions.create(model="default_model", messages=USER, logprobs=True,
+                                                         top_logprobs=2, stream=True) if c.choices]
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "825"
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
+    for entry in streamed:
+        check_entry(entry, 2)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "max_tokens", "max_completion_tokens", "logprobs",
+                                   "top_logprobs", "stream", "stream_options", "seed", "stop", "logit_bias",
+                                   "threshold", "block_length"])
+def test_null_is_a_field_left_out(server, field):
+    port = server[0].server_address[1]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": USER, field: None}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    body = json.loads(response.read())
+    assert response.status == 200, body
+    assert body["choices"][0]["message"]["content"] == "825"
