@@ -75,3 +75,25 @@ def test_null_is_a_field_left_out(server, field):
     body = json.loads(response.read())
     assert response.status == 200, body
     assert body["choices"][0]["message"]["content"] == "825"
+
+
+def test_without_max_tokens_the_server_uses_the_models_default(client):
+    """The demo's generation_config.json says how long an answer may be; the generate CLI
+    and the Python API use it when max_tokens is not given, and so does the server (it
+    used mlx_lm.server's 512: '9999+9999=' answered 18998 where the CLI said 19998)."""
+    import mlx_lm_diffusion as mld
+    from mlx_lm_diffusion.decoding.options import default_max_tokens
+
+    model, tok = mld.load(str(DEMO_MODEL_PATH))
+    prompt = [{"role": "user", "content": "9999+9999="}]
+    expected = mld.generate(model, tok, tok.apply_chat_template(prompt, add_generation_prompt=True))
+    assert default_max_tokens(model) != 512
+    r = client.chat.completions.create(model="default_model", messages=prompt)
+    assert r.choices[0].message.content == expected == "19998"
+
+
+def test_chat_takes_the_models_default_length_too():
+    from mlx_lm_diffusion.cli import chat
+
+    assert chat.setup_arg_parser().parse_args([]).max_tokens is None
+    assert chat.setup_arg_parser().parse_args(["--max-tokens", "7"]).max_tokens == 7

@@ -1,7 +1,7 @@
 """A chat REPL for diffusion models: mlx_lm.chat's flags, commands and screen, plus
 the diffusion defaults and a live canvas.
 
-    mlx_lm_diffusion.chat [--model PATH] [--max-tokens 256] [--block-length 32] [--show-canvas]
+    mlx_lm_diffusion.chat [--model PATH] [--max-tokens N] [--block-length 32] [--show-canvas]
 
 Without --model it chats with the embedded demo model (as mlx_lm_diffusion.generate does).
 
@@ -34,6 +34,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.cli.canvas_view import CanvasView
 from mlx_lm_diffusion.cli.generate import load_for_cli
+from mlx_lm_diffusion.decoding.options import default_max_tokens
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import one_line_errors, refuse_flags, refused_flag
 from mlx_lm_diffusion.media import images
@@ -59,9 +60,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.prog = PROG
     parser.description = "Chat with a diffusion language model"
     parser.set_defaults(model=None)  # mlx_lm.chat's default is an autoregressive model: ours, the demo
+    parser.set_defaults(max_tokens=None)  # the model's own (generation_config.json), as the generate CLI
     for action in parser._actions:
         if action.dest == "model":
             action.help = MODEL_HELP
+        if action.dest == "max_tokens":
+            action.help = "Maximum tokens per reply (default: the model's generation_config.json, else 256)"
     refuse_flags(parser, REFUSED)
     compat.add_decode_arguments(parser)
     parser.add_argument("--show-canvas", action="store_true",
@@ -158,7 +162,7 @@ def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, dra
                 model,
                 tokenizer,
                 prompt,
-                max_tokens=args.max_tokens,
+                max_tokens=default_max_tokens(model) if args.max_tokens is None else args.max_tokens,
                 sampler=_sampler(args, tokenizer),
                 prompt_cache=prompt_cache,
                 draft_callback=draft_callback,
@@ -210,6 +214,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 130
     if not is_diffusion_model(model):
         fail(f"{args.model} is not a diffusion model; use mlx_lm.chat for it")
+    if args.max_tokens is None:  # (shown on the chat's screen)
+        args.max_tokens = default_max_tokens(model)
     view, text = None, images.text_tokenizer(tokenizer)  # (a processor's tokenizer, for the text)
     if args.show_canvas:
         view = CanvasView(text, adapter_for(model, text).mask_id)

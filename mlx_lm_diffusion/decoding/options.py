@@ -131,6 +131,13 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int, suffix_le
     return resolved
 
 
+def default_max_tokens(model: Any) -> int:
+    """The length of an answer nobody bounded: the checkpoint's generation_config.json
+    `max_new_tokens`, else the schema's default (what `resolve` gives max_tokens=None)."""
+    defaults = getattr(model, generation_defaults.GENERATION_DEFAULTS_ATTR, None) or {}
+    return int(defaults.get("max_tokens") or schema()["max_tokens"].default)
+
+
 def forward_bound(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int) -> int:
     """The most model forwards this decode can take: each block's step bound (the rule's
     schedule, or one token per step, plus the editing passes), summed over the blocks."""
@@ -261,5 +268,6 @@ __all__ = [
     "add_arguments",
     "resolve",
     "forward_bound",
+    "default_max_tokens",
     "check_forward_budget",
 ]

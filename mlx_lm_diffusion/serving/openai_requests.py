@@ -14,6 +14,7 @@ from mlx_lm.server import (
 )
 
 from mlx_lm_diffusion.api import compat
+from mlx_lm_diffusion.decoding.options import default_max_tokens
 from mlx_lm_diffusion.output import request_constraints
 from mlx_lm_diffusion.serving import distributed_server
 from mlx_lm_diffusion.serving.errors import RequestError
@@ -181,6 +182,8 @@ class RequestFields:
         self.max_tokens = get("max_completion_tokens")
         if self.max_tokens is None:
             self.max_tokens = get("max_tokens", cli.max_tokens)
+        if self.max_tokens is None:  # neither the request nor --max-tokens: the model's own default
+            self.max_tokens = default_max_tokens(self.response_generator.model_provider.model)
         self.temperature = get("temperature", cli.temp)
         self.top_p = get("top_p", cli.top_p)
         self.top_k = get("top_k", cli.top_k)

@@ -300,6 +300,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for dest, (flag, why) in INAPPLICABLE_FLAGS.items():
         if dest in given:
             _fail(f"{flag} cannot apply: {why}")
+    if "max_tokens" not in given:  # the model's own default, as the generate CLI (openai_requests)
+        args.max_tokens = None
     if "allowed_origins" not in given:
         args.allowed_origins = []  # CORS off unless the operator names origins
     try:
