@@ -97,3 +97,36 @@ def test_chat_takes_the_models_default_length_too():
 
     assert chat.setup_arg_parser().parse_args([]).max_tokens is None
     assert chat.setup_arg_parser().parse_args(["--max-tokens", "7"]).max_tokens == 7
+
+
+def post(server, body: dict):
+    conn = http.client.HTTPConnection("127.0.0.1", server[0].server_address[1], timeout=120)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": USER, **body}),
+                 {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read())
+
+
+@pytest.mark.parametrize("field,near", [("threshhold", "threshold"), ("block_lenght", "block_length"),
+                                        ("temprature", "temperature"), ("max_token", "max_tokens")])
+def test_a_misspelled_field_is_a_400_naming_the_field(server, field, near):
+    """It used to decode with the default, silently ("threshhold": 5 passed where
+    "threshold": 5 was a 400)."""
+    status, body = post(server, {field: 0.5})
+    assert status == 400 and f"did you mean {near!r}" in body["error"]["message"], body
+    assert body["error"]["param"] == field
+
+
+@pytest.mark.parametrize("field", ["user", "store", "metadata", "parallel_tool_calls", "x_client_trace"])
+def test_fields_the_server_does_not_use_are_ignored(server, field):
+    status, body = post(server, {field: {"a": 1} if field == "metadata" else "x"})
+    assert status == 200 and body["choices"][0]["message"]["content"] == "825", body
+
+
+def test_n_other_than_one_is_refused_not_ignored(server, client):
+    for n in (0, 2, 5):
+        status, body = post(server, {"n": n})
+        assert status == 400 and body["error"]["param"] == "n", body
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(model="default_model", messages=USER, n=2)
+    assert client.chat.completions.create(model="default_model", messages=USER, n=1).choices[0].message.content == "825"

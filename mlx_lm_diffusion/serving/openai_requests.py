@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from mlx_lm.server import (
     CompletionRequest,
@@ -77,6 +78,27 @@ class DiffusionRequest(CompletionRequest):
 
     def __setstate__(self, state):
         distributed_server.restore_request(self, state)
+
+
+# OpenAI's request fields this server reads no meaning from: accepted and ignored (README)
+IGNORED_OPENAI_FIELDS = (
+    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "tool_choice", "function_call",
+    "functions", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity",
+    "prompt_cache_key", "safety_identifier", "best_of", "echo", "n",
+)
+
+
+def check_unknown_fields(body: dict, known: Sequence[str]) -> None:
+    """A field this server does not know that looks like one it does ("threshhold") is a
+    misspelling that would silently decode with the default: a 400 naming the field it
+    resembles. Other unknown fields (OpenAI's and clients' extras) are ignored."""
+    names = [n for n in known if n not in IGNORED_OPENAI_FIELDS]
+    for name in body:
+        if not isinstance(name, str) or name in known:
+            continue
+        near = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
+        if near:
+            raise RequestError(f"unknown field {name[:60]!r}; did you mean {near[0]!r}?", param=name[:60])
 
 
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
@@ -233,6 +255,10 @@ class RequestFields:
             if value < low or (high is not None and value > high):
                 span = f">= {low}" if high is None else f"in [{low}, {high}]"
                 raise RequestError(f"{name} must be an integer {span}, got {value!r}", param=name)
+        n = self.body.get("n")
+        if n is not None and (isinstance(n, bool) or n != 1):
+            raise RequestError(f"n must be 1, got {n!r}: this server answers one choice per request (send the "
+                               "request n times, with different seeds, for several)", param="n")
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
             raise RequestError("top_logprobs must be an integer", param="top_logprobs")
         if self.seed is not None and (

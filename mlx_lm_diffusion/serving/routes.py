@@ -18,7 +18,12 @@ from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.serving import stream_batching
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
-from mlx_lm_diffusion.serving.openai_requests import _BODY_FIELDS, DiffusionRequest
+from mlx_lm_diffusion.serving.openai_requests import (
+    _BODY_FIELDS,
+    IGNORED_OPENAI_FIELDS,
+    DiffusionRequest,
+    check_unknown_fields,
+)
 from mlx_lm_diffusion.serving.responses import json_safe
 
 # The decoding fields are the options schema's named options, looked up per request (a
@@ -26,6 +31,8 @@ from mlx_lm_diffusion.serving.responses import json_safe
 PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
 STATS_PATH = "/v1/stats"  # running decodes, queued requests, prompt cache occupancy
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+# every field a body may carry by name (the decoding options' are added per request)
+KNOWN_FIELDS = _BODY_FIELDS + ("suffix", "response_format") + IGNORED_OPENAI_FIELDS
 NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
 
 
@@ -102,6 +109,7 @@ class Routes:
             return self._send_error(400, "the request body must be a JSON object")
         self.body = body
         try:
+            check_unknown_fields(body, KNOWN_FIELDS + compat.DECODE_FIELDS)
             self._read_fields(body)
             self.validate_model_parameters()
             stop_words = self._stop_words(body.get("stop"))
