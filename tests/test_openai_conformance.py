@@ -130,3 +130,47 @@ def test_n_other_than_one_is_refused_not_ignored(server, client):
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client.chat.completions.create(model="default_model", messages=USER, n=2)
     assert client.chat.completions.create(model="default_model", messages=USER, n=1).choices[0].message.content == "825"
+
+
+def test_completions_take_integer_logprobs_in_the_legacy_shape(client):
+    """client.completions.create(logprobs=2) was a 400 ("must be of type bool"), and true
+    gave the chat shape."""
+    r = client.completions.create(model="default_model", prompt="357+468=", logprobs=2)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    assert choice.text == "825" and "".join(lp.tokens) == choice.text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and top[token] == logprob  # (greedy: the token is its position's best)
+    zero = client.completions.create(model="default_model", prompt="357+468=", logprobs=0).choices[0].logprobs
+    assert zero.tokens == lp.tokens and all(t == {k: v} for t, k, v in zip(zero.top_logprobs, zero.tokens,
+                                                                           zero.token_logprobs))
+    chunks = list(client.completions.create(model="default_model", prompt="357+468=", logprobs=2, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert streamed == lp.tokens and offsets == lp.text_offset
+    assert client.completions.create(model="default_model", prompt="357+468=").choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="default_model", prompt="357+468=", logprobs=6)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(model="default_model", prompt="357+468=", echo=True)
+
+
+def test_completions_take_a_prompt_as_token_ids(client):
+    import mlx_lm_diffusion as mld
+
+    _, tok = mld.load(str(DEMO_MODEL_PATH))
+    ids = tok.encode("357+468=")
+    for prompt in (ids, [ids], ["357+468="]):
+        assert client.completions.create(model="default_model", prompt=prompt).choices[0].text == "825"
+
+
+@pytest.mark.parametrize("prompt", [["357+468=", "1+2="], [[1, 2], [3, 4]], 5, [], [1.5], None, {"a": 1}])
+def test_completions_refuse_other_prompts_cleanly(server, prompt):
+    conn = http.client.HTTPConnection("127.0.0.1", server[0].server_address[1], timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    error = json.loads(response.read())["error"]
+    assert response.status == 400 and error["param"] == "prompt", error
+    assert "'<='" not in error["message"] and "Traceback" not in error["message"]

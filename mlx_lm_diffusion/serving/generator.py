@@ -247,6 +247,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
     def _tokenize(self, tokenizer, request, args):
         try:
             ids = getattr(request, "image_prompt", None)
+            if ids is None:
+                ids = getattr(request, "prompt_ids", None)
             result = (ids, [ids], ["assistant"], "normal", None) if ids is not None else super()._tokenize(
                 tokenizer, request, args)
         except Exception as e:

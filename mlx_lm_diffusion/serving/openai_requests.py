@@ -28,6 +28,7 @@ MAX_JSON_DEPTH = 64
 # while every other request waited). OpenAI's API takes up to 4.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions' integer logprobs, as OpenAI bounds it
 _RULE_FIELDS = ("strategy", "threshold")
 
 
@@ -71,6 +72,7 @@ class DiffusionRequest(CompletionRequest):
     connection: Any = None  # the client's socket: a closed one cancels the decode
     images: list = field(default_factory=list)  # decoded on the handler thread (images.py)
     image_prompt: Optional[List[int]] = None  # their prompt, built by the processor
+    prompt_ids: Optional[List[int]] = None  # a completion's prompt given as token ids
 
     # mlx.launch: the other ranks receive the request without this process's channels
     def __getstate__(self):
@@ -84,7 +86,7 @@ class DiffusionRequest(CompletionRequest):
 IGNORED_OPENAI_FIELDS = (
     "user", "store", "metadata", "service_tier", "parallel_tool_calls", "tool_choice", "function_call",
     "functions", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity",
-    "prompt_cache_key", "safety_identifier", "best_of", "echo", "n",
+    "prompt_cache_key", "safety_identifier",
 )
 
 
@@ -128,7 +130,7 @@ _BODY_FIELDS = (
     "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
     "xtc_probability", "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed",
     "stop", "tools", "role_mapping", "chat_template_kwargs", "draft_model", "adapters",
-    "num_draft_tokens", "drafts",
+    "num_draft_tokens", "drafts", "n", "echo", "best_of",
 )
 
 
@@ -221,6 +223,18 @@ class RequestFields:
         self.logit_bias = get("logit_bias")
         self.logprobs = get("logprobs", False)
         self.top_logprobs = get("top_logprobs", -1)
+        self.legacy_logprobs = None  # /v1/completions' integer logprobs: top alternatives per token
+        if self.path == "/v1/completions" and isinstance(self.logprobs, int) and self.logprobs is not False:
+            legacy = 0 if self.logprobs is True else self.logprobs  # (true: the tokens' own log-probs)
+            if not 0 <= legacy <= MAX_LEGACY_LOGPROBS:
+                raise RequestError(f"logprobs must be an integer in [0, {MAX_LEGACY_LOGPROBS}] for completions, "
+                                   f"got {self.logprobs!r}", param="logprobs")
+            self.legacy_logprobs, self.logprobs = legacy, True
+            self.top_logprobs = legacy if legacy > 0 else -1
+        if get("echo", False) is not False:
+            raise RequestError("echo is not supported: the answer holds the completion only", param="echo")
+        if get("best_of", 1) != 1:
+            raise RequestError("best_of must be 1: this server answers one choice per request", param="best_of")
         self.seed = get("seed")
         self.chat_template_kwargs = get("chat_template_kwargs")
 

@@ -146,7 +146,23 @@ class Routes:
         return request
 
     def handle_text_completions(self) -> CompletionRequest:
-        return self._diffusion_request(super().handle_text_completions())
+        """A completion of `prompt`: a string or a list of token ids (or a list holding one
+        of those); several prompts in one request are refused (one choice per request)."""
+        prompt = self.body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, str) or isinstance(t, list) for t in prompt):
+            raise RequestError(f"prompt holds {len(prompt)} prompts; this server answers one prompt per request",
+                               param="prompt")
+        ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in prompt)
+        if not (isinstance(prompt, str) or ids):
+            raise RequestError("prompt must be a string or a list of token ids", param="prompt")
+        self.body = {**self.body, "prompt": prompt}
+        request = self._diffusion_request(super().handle_text_completions())
+        if ids:
+            request.prompt_ids = list(prompt)  # (taken as they are: generator._tokenize)
+        return request
 
     def _diffusion_request(self, request: CompletionRequest) -> DiffusionRequest:
         stock = {f.name: getattr(request, f.name) for f in dataclasses.fields(CompletionRequest)}
@@ -167,6 +183,7 @@ class Routes:
     def handle_completion(self, request, stop_words):
         self._stream_started = False
         self._generated = []  # the tokens generated, not yet in a response (with their log-probs)
+        self._text_offset = 0  # (legacy log-probs: where the next token starts in the text)
         real = self.response_generator
         self.response_generator = _Guarded(real, self)
         try:
@@ -219,12 +236,33 @@ class Routes:
         not the generated token, and streams carried none): one entry per token the
         response or chunk adds."""
         response = super().generate_response(*args, **kwargs)
-        if self.object_type.startswith("chat.completion") and response.get("choices"):
+        if response.get("choices"):
             choice = response["choices"][0]
             choice.pop("logprobs", None)
-            if self.logprobs or self.top_logprobs > 0:
+            if self.object_type.startswith("chat.completion") and (self.logprobs or self.top_logprobs > 0):
                 choice["logprobs"] = {"content": self._logprob_entries()}
+            elif self.object_type == "text_completion" and getattr(self, "legacy_logprobs", None) is not None:
+                choice["logprobs"] = self._legacy_logprobs()
         return json_safe(response)
+
+    def _legacy_logprobs(self) -> dict:
+        """/v1/completions' shape: tokens, token_logprobs, top_logprobs (one dict of the
+        alternatives per token; the token alone with logprobs 0) and text_offset (each
+        token's start in the completion's text, counted across a stream's chunks)."""
+        entries = self._logprob_entries()
+        offset = getattr(self, "_text_offset", 0)
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry["token"])
+        self._text_offset = offset
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} or {e["token"]: e["logprob"]}
+                             for e in entries],
+            "text_offset": offsets,
+        }
 
     def _logprob_entries(self) -> list:
         """The pending generated tokens as OpenAI's log-probability entries: `token` the
