@@ -464,10 +464,13 @@ def test_allowed_models_are_served(served, client, dream_path, dream, reference,
     keep = responses[:-1] if responses[-1].finish_reason == "stop" else responses
     assert r.choices[0].message.content == "".join(x.text for x in keep)
     assert answer(client) == reference  # back to --model
-    listed = [m.id for m in client.models.list().data]
-    assert listed == [str(Path(llada_path).resolve()), str(Path(dream_path).resolve())]
+    listed = [m.id for m in client.models.list().data]  # (directory names: a client sends them back)
+    assert listed == [Path(llada_path).resolve().name, Path(dream_path).resolve().name]
+    assert client.chat.completions.create(model=listed[1], messages=USER, temperature=0).choices[0].message.content \
+        == r.choices[0].message.content
     port = client.base_url.port
-    for wanted, status in ((str(Path(dream_path).resolve()), 200), ("default_model", 200), ("someone/else", 404)):
+    for wanted, status in ((str(Path(dream_path).resolve()), 200), (listed[1], 200), ("default_model", 200),
+                           ("someone/else", 404)):
         got, headers, body = exchange(port, f"GET /v1/models/{wanted} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         assert got == status
         if status == 200:

@@ -174,3 +174,25 @@ def test_completions_refuse_other_prompts_cleanly(server, prompt):
     error = json.loads(response.read())["error"]
     assert response.status == 400 and error["param"] == "prompt", error
     assert "'<='" not in error["message"] and "Traceback" not in error["message"]
+
+
+def test_models_are_listed_by_a_name_a_client_can_send_back(client, server):
+    """/v1/models listed the server's absolute path, and only that path or "default_model"
+    was accepted; the id is now the directory's name (or --served-model-name)."""
+    from pathlib import Path
+
+    listed = [m.id for m in client.models.list().data]
+    assert listed == [Path(DEMO_MODEL_PATH).resolve().name] and "/" not in listed[0]
+    for name in (listed[0], "default_model", str(DEMO_MODEL_PATH)):
+        assert client.chat.completions.create(model=name, messages=USER).choices[0].message.content == "825"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="someone/else", messages=USER)
+    assert str(Path(DEMO_MODEL_PATH).resolve()) not in str(e.value)
+
+
+def test_served_model_name():
+    argv = ["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING", "--served-model-name", "adder"]
+    with running_server(argv) as (httpd, _):
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["adder"]
+        assert c.chat.completions.create(model="adder", messages=USER).choices[0].message.content == "825"

@@ -352,9 +352,9 @@ def test_unknown_paths_and_health(port, client, llada_path):
     assert raw(port, "POST", "/v1/nope", body=b"{}")[0] == 404
     assert raw(port, "GET", "/health") == (200, {"status": "ok"})
     ids = [m.id for m in client.models.list().data]
-    assert str(Path(llada_path).resolve()) in ids
+    assert Path(llada_path).resolve().name in ids  # (the directory's name: issue 34)
     # the listed id names the served model: no reload, same answers
-    r = client.chat.completions.create(model=str(Path(llada_path).resolve()), messages=USER)
+    r = client.chat.completions.create(model=Path(llada_path).resolve().name, messages=USER)
     assert r.choices[0].message.content == client.chat.completions.create(
         model="default_model", messages=USER).choices[0].message.content
 

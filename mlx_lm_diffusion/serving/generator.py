@@ -55,8 +55,10 @@ def _model_names(name: str) -> List[str]:
 
 
 def _model_id(name: str) -> str:
+    """The id /v1/models lists for a model the operator named: a local directory's own name
+    (a client can send it back; the server's paths stay its own), else the name as given."""
     path = Path(name).expanduser()
-    return str(path.resolve()) if path.exists() else name
+    return path.resolve().name if path.exists() else name
 
 
 class DiffusionResponseGenerator(distributed_server.DistributedGeneration, ResponseGenerator):
@@ -76,11 +78,12 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         self.served: Dict[str, str] = {}  # what a client may send -> what mlx_lm.server loads
         self.listed: Dict[str, str] = {}  # what mlx_lm.server loads -> the id /v1/models lists
         if cli.model is not None:
-            self.listed["default_model"] = _model_id(cli.model)
+            self.listed["default_model"] = getattr(cli, "served_model_name", None) or _model_id(cli.model)
             for name in ["default_model", *_model_names(cli.model)]:
                 self.served[name] = "default_model"
         for extra in getattr(cli, "allowed_models", None) or []:
-            self.listed.setdefault(extra, _model_id(extra))
+            taken = set(self.listed.values())
+            self.listed.setdefault(extra, _model_id(extra) if _model_id(extra) not in taken else extra)
             for name in _model_names(extra):
                 self.served.setdefault(name, extra)
         for key, listed in self.listed.items():

@@ -239,6 +239,10 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--allowed-models", type=lambda x: [m for m in x.split(",") if m], default=[],
                        help="Models a request may name besides --model (comma-separated paths or repo ids); "
                             "any other model is a 404")
+    group.add_argument("--served-model-name", default=None,
+                       help="The id /v1/models lists for --model, which requests may name (default: the "
+                            "model directory's name, or the repo id as given); \"default_model\" and the "
+                            "path work too")
     group.add_argument("--allowed-hosts", type=lambda x: [h for h in x.split(",") if h], default=[],
                        help="Host names the server answers under besides IP addresses and localhost "
                             "(comma-separated; DNS rebinding protection)")
