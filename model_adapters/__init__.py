@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any
 
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from model_adapters.ar import ArAdapter
 from model_adapters.base import Adapter, FamilyDefaults
@@ -87,6 +88,26 @@ def is_diffusion_model(model: nn.Module) -> bool:
     return getattr(args, "model_type", None) in FAMILIES
 
 
+def check_weights(model: nn.Module) -> None:
+    """Refuse (ValueError) a diffusion checkpoint whose config.json contradicts its weights:
+    a vocabulary size other than the embedding's rows, or a mask token id outside them
+    (such a model loaded and decoded nonsense: mask 99 on a 16-token vocabulary)."""
+    if not is_diffusion_model(model):
+        return
+    rows = {v.shape[0] for k, v in tree_flatten(model.parameters()) if k.endswith("embed_tokens.weight")}
+    if len(rows) != 1:
+        return  # (no single token embedding to check against)
+    (rows,) = rows
+    vocab_size = getattr(model, "vocab_size", None)
+    if isinstance(vocab_size, int) and vocab_size != rows:
+        raise ValueError(f"config.json's vocabulary size ({vocab_size}) is not the weights' ({rows} embedding "
+                         "rows): the checkpoint is inconsistent")
+    mask_id = getattr(model.args, "mask_token_id", None)
+    if isinstance(mask_id, int) and not 0 <= mask_id < rows:
+        raise ValueError(f"config.json's mask_token_id ({mask_id}) lies outside the vocabulary of the weights "
+                         f"[0, {rows})")
+
+
 def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
     """The family adapter for a loaded model; any other mlx-lm causal LM gets the
     autoregressive adapter (a degenerate diffusion model, see model_adapters.ar)."""
@@ -96,4 +117,4 @@ def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
     return family_module(str(model_type)).Adapter(model, tokenizer)
 
 
-__all__ = ["Adapter", "FamilyDefaults", "FAMILIES", "adapter_for", "register", "register_family", "family_module", "family_options"]
+__all__ = ["check_weights", "Adapter", "FamilyDefaults", "FAMILIES", "adapter_for", "register", "register_family", "family_module", "family_options"]

@@ -13,7 +13,7 @@ from mlx_lm_diffusion.api.install import quiet_config_warnings
 from mlx_lm_diffusion.decoding import generation_defaults
 from mlx_lm_diffusion.media.images import load_processor
 from mlx_lm_diffusion.parallel.distributed import shard_loaded
-from model_adapters import FAMILIES, family_module
+from model_adapters import FAMILIES, check_weights, family_module
 
 
 def _check_local_path(path_or_hf_repo: str) -> None:
@@ -75,6 +75,7 @@ def load(
             lazy=sharded,
             trust_remote_code=bool(trust_remote_code),
         )
+        check_weights(model)
         if sharded:
             shard_loaded(model, group)
         processor = _processor(model, model_path, config)
