@@ -196,3 +196,25 @@ def test_served_model_name():
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="x", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["adder"]
         assert c.chat.completions.create(model="adder", messages=USER).choices[0].message.content == "825"
+
+
+@pytest.mark.parametrize("stop,text", [("2", "8"), (["25"], "8"), (["5", "x"], "82"), ("82", ""), ("9", "825")])
+def test_stop_strings_end_the_answer_whatever_the_tokenization(client, stop, text):
+    """The demo's tokenizer encodes "2" alone as [0, 0, 0, 2] (zero-padded), never what the
+    model writes: matched as token ids the stop was cut out of the text and decoding went
+    on ("825" with stop "2" gave "85")."""
+    full = client.chat.completions.create(model="default_model", messages=USER)
+    r = client.chat.completions.create(model="default_model", messages=USER, stop=stop, logprobs=True)
+    assert (r.choices[0].message.content or "") == text and r.choices[0].finish_reason == "stop"
+    assert "".join(e.token for e in r.choices[0].logprobs.content) == text
+    if text != "825":
+        assert r.usage.completion_tokens < full.usage.completion_tokens  # (decoding stopped there)
+    chunks = [c for c in client.chat.completions.create(model="default_model", messages=USER, stop=stop, stream=True)
+              if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
+
+
+def test_max_tokens_still_ends_with_length(client):
+    r = client.chat.completions.create(model="default_model", messages=USER, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"

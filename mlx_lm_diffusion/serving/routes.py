@@ -9,10 +9,7 @@ import logging
 from typing import Any
 from urllib.parse import unquote
 
-from mlx_lm.server import (
-    CompletionRequest,
-    ResponseGenerator,
-)
+from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.media import images
@@ -67,10 +64,49 @@ class _Guarded:
         return ctx, self._iterate(responses)
 
     def _iterate(self, responses):
+        """The decode's responses, with the answer's stop strings matched on its text: the
+        first that completes one ends the answer there (finish_reason "stop"), and text
+        that could still begin one is held back until it cannot. mlx_lm.server matches stops
+        as token ids (`tokenizer.encode(stop)`), which a tokenizer that encodes the string
+        otherwise in context never meets: it cut the stop out of the text and went on
+        decoding ("825" with stop "2" gave "85"). The last response is handed on as
+        "length", the one mlx_lm.server keeps the text of; the answer's own finish reason
+        is put back in generate_response."""
+        handler = self._handler
+        stops = handler._stop_texts
+        hold = max((len(s) for s in stops), default=1) - 1
+        decode = self._real.model_provider.tokenizer.decode
+        text, sent = "", 0
+        pending, produced = [], 0  # (responses whose token's text is not released yet; where that text ends)
+
+        def release(limit: int) -> None:  # their log-probabilities go out with the text they made
+            while pending and pending[0][1] <= limit:
+                handler._generated.append(pending.pop(0)[0])
+
         try:
-            for response in stream_batching.unpack(responses):  # (the scheduler's tokens come in mailboxes)
-                self._handler._generated.append(response)  # (their log-probabilities: Routes.generate_response)
-                yield response
+            for run in stream_batching.runs(responses):  # (the scheduler's tokens come in mailboxes)
+                out = []
+                for response in run:
+                    if not isinstance(response, Response):  # (not a token: passed on as it is)
+                        out.append(response)
+                        continue
+                    text += response.text
+                    if response.finish_reason != "stop":  # (an EOS adds no text)
+                        produced += len(decode([response.token]))
+                        pending.append((response, produced))
+                    hits = [i for i in (text.find(stop, max(0, sent - hold)) for stop in stops) if i >= 0]
+                    if hits or response.finish_reason is not None:
+                        end = min(hits) if hits else len(text)
+                        handler._finish = "stop" if hits else response.finish_reason
+                        release(end if hits else len(text) + produced)
+                        out.append(dataclasses.replace(response, text=text[sent:end], finish_reason="length"))
+                        yield from stream_batching.merge_texts(out)
+                        return  # (a decode still running is cancelled by the handler)
+                    upto = max(sent, len(text) - hold)
+                    release(upto)
+                    out.append(dataclasses.replace(response, text=text[sent:upto]))
+                    sent = upto
+                yield from stream_batching.merge_texts(out)  # (one chunk for the run)
         except _CLIENT_ERRORS:  # writing keepalives or drafts to a gone client
             raise
         except Exception as e:
@@ -183,11 +219,14 @@ class Routes:
     def handle_completion(self, request, stop_words):
         self._stream_started = False
         self._generated = []  # the tokens generated, not yet in a response (with their log-probs)
+        self._stop_texts = list(stop_words or ())  # (matched on the text: _Guarded._iterate)
+        self._finish = None
+        self._made_tool_call = False
         self._text_offset = 0  # (legacy log-probs: where the next token starts in the text)
         real = self.response_generator
         self.response_generator = _Guarded(real, self)
         try:
-            super().handle_completion(request, stop_words)
+            super().handle_completion(request, [])
         except _Answered:
             pass
         except _DecodeFailed as e:
@@ -236,6 +275,12 @@ class Routes:
         not the generated token, and streams carried none): one entry per token the
         response or chunk adds."""
         response = super().generate_response(*args, **kwargs)
+        self._made_tool_call = getattr(self, "_made_tool_call", False) or bool(kwargs.get("tool_calls"))
+        finish = getattr(self, "_finish", None)
+        if response.get("choices") and response["choices"][0].get("finish_reason") == "length" and finish:
+            if finish == "stop" and self._made_tool_call:  # (as mlx_lm.server reports a tool call)
+                finish = "tool_calls"
+            response["choices"][0]["finish_reason"] = finish  # (handed on as "length": _Guarded._iterate)
         if response.get("choices"):
             choice = response["choices"][0]
             choice.pop("logprobs", None)

@@ -89,6 +89,13 @@ def merge_texts(responses: List[Any]) -> List[Any]:
     return out
 
 
+def runs(items: Iterable[Any]) -> Iterator[List[Any]]:
+    """A response iterator's items as runs: each mailbox's Responses (one per token, texts
+    as made), anything else alone."""
+    for item in items:
+        yield item.take() if isinstance(item, Mailbox) else [item]
+
+
 def unpack(items: Iterable[Any]) -> Iterator[Any]:
     """A response iterator (mlx_lm.server's) with its mailboxes opened."""
     for item in items:
