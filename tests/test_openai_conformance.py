@@ -218,3 +218,53 @@ def test_stop_strings_end_the_answer_whatever_the_tokenization(client, stop, tex
 def test_max_tokens_still_ends_with_length(client):
     r = client.chat.completions.create(model="default_model", messages=USER, max_tokens=2)
     assert r.choices[0].finish_reason == "length"
+
+
+def raw_post(server, path: str, body: dict):
+    conn = http.client.HTTPConnection("127.0.0.1", server[0].server_address[1], timeout=120)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read().decode()
+    if response.getheader("Content-Type", "").startswith("text/event-stream"):
+        events = [line[len("data: "):] for line in data.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return response.status, [json.loads(e) for e in events[:-1]]
+    return response.status, json.loads(data)
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 3}, {"stop": "2"},
+                                   {"max_tokens": 2}])
+def test_chat_answers_and_chunks_validate_against_openais_schema(server, extra):
+    from openai_schema import check
+
+    status, body = raw_post(server, "/v1/chat/completions", {"messages": USER, **extra})
+    assert status == 200
+    check("CreateChatCompletionResponse", body)
+    status, chunks = raw_post(server, "/v1/chat/completions", {"messages": USER, "stream": True,
+                                                               "stream_options": {"include_usage": True}, **extra})
+    assert status == 200 and chunks
+    for chunk in chunks:
+        check("CreateChatCompletionStreamResponse", chunk)
+
+
+@pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"stop": "5"}])
+def test_completions_validate_against_openais_schema(server, extra):
+    from openai_schema import check
+
+    status, body = raw_post(server, "/v1/completions", {"prompt": "357+468=", **extra})
+    assert status == 200
+    check("CreateCompletionResponse", body)
+
+
+def test_models_and_errors_validate_against_openais_schema(server):
+    from openai_schema import check
+
+    conn = http.client.HTTPConnection("127.0.0.1", server[0].server_address[1], timeout=120)
+    conn.request("GET", "/v1/models")
+    check("ListModelsResponse", json.loads(conn.getresponse().read()))
+    for path, body in (("/v1/chat/completions", {"messages": USER, "model": "nope"}),
+                       ("/v1/chat/completions", {"messages": USER, "temperature": -1}),
+                       ("/v1/completions", {"prompt": 5})):
+        status, error = raw_post(server, path, body)
+        assert status in (400, 404)
+        check("ErrorResponse", error)

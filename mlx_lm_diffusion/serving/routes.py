@@ -283,9 +283,11 @@ class Routes:
             response["choices"][0]["finish_reason"] = finish  # (handed on as "length": _Guarded._iterate)
         if response.get("choices"):
             choice = response["choices"][0]
-            choice.pop("logprobs", None)
+            choice["logprobs"] = None  # (OpenAI's answers carry the field, null when not asked)
+            if isinstance(choice.get("message"), dict):
+                choice["message"].setdefault("refusal", None)  # (required by OpenAI's schema; never one here)
             if self.object_type.startswith("chat.completion") and (self.logprobs or self.top_logprobs > 0):
-                choice["logprobs"] = {"content": self._logprob_entries()}
+                choice["logprobs"] = {"content": self._logprob_entries(), "refusal": None}
             elif self.object_type == "text_completion" and getattr(self, "legacy_logprobs", None) is not None:
                 choice["logprobs"] = self._legacy_logprobs()
         return json_safe(response)
@@ -308,6 +310,13 @@ class Routes:
                              for e in entries],
             "text_offset": offsets,
         }
+
+    def completion_usage_response(self, *args, **kwargs) -> dict:
+        """A stream's usage chunk is a chunk (mlx_lm.server names it "chat.completion")."""
+        response = super().completion_usage_response(*args, **kwargs)
+        if response.get("object") == "chat.completion":
+            response["object"] = "chat.completion.chunk"
+        return json_safe(response)
 
     def _logprob_entries(self) -> list:
         """The pending generated tokens as OpenAI's log-probability entries: `token` the
