@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from typing import Any
 from urllib.parse import unquote
 
@@ -98,7 +99,7 @@ class _Guarded:
                     if hits or response.finish_reason is not None:
                         end = min(hits) if hits else len(text)
                         handler._finish = "stop" if hits else response.finish_reason
-                        release(end if hits else len(text) + produced)
+                        release(end if hits else math.inf)  # (at the end: all of them)
                         out.append(dataclasses.replace(response, text=text[sent:end], finish_reason="length"))
                         yield from stream_batching.merge_texts(out)
                         return  # (a decode still running is cancelled by the handler)
