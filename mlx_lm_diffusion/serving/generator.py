@@ -3,6 +3,8 @@ options, drafts, the served-model allow-list, continuous batching and the protoc
 
 from __future__ import annotations
 
+import logging
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -141,6 +143,21 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                                on_step=lambda step: self._check_cancel(cancel),
                                processor=images.served_processor(self.model_provider) if pictures else None,
                                image_policy=images.server_policy(self.cli_args), validated=True)
+
+    def health_problem(self) -> Optional[str]:
+        """Why generation cannot run now (GET /health answers 503 with it), or None. MLX
+        writes the kernels it compiles under the temporary directory: where it cannot,
+        every generation fails."""
+        if self.load_error is not None:
+            return "the model could not be loaded"
+        directory = getattr(self.cli_args, "kernel_cache_dir", None) or tempfile.gettempdir()
+        try:
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".health-"):
+                pass
+        except OSError as e:
+            logging.error("kernel cache directory %s cannot be written: %s", directory, e)
+            return "the kernel cache directory cannot be written (see the server's log)"
+        return None
 
     @property
     def max_forwards(self) -> Optional[int]:

@@ -125,6 +125,10 @@ class Routes:
             return self._send_json(200, self.response_generator.stats())
         if not (self.path.startswith("/v1/models") or self.path == "/health"):
             return self._send_error(404, f"no such endpoint: GET {self.path[:200]}")
+        if self.path == "/health":
+            problem = self.response_generator.health_problem()
+            if problem is not None:
+                return self._send_json(503, {"status": "unavailable", "reason": problem})
         super().do_GET()
 
     # -- POST

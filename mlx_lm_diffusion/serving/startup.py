@@ -65,8 +65,10 @@ import argparse
 import logging
 import os
 import resource
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -263,6 +265,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--long-request-forwards", type=int, default=DEFAULT_LONG_FORWARDS,
                        help="A request that could take more forwards than this is long: long requests hold at "
                             f"most half of a batch's rows, the rest stay for short ones (default {DEFAULT_LONG_FORWARDS})")
+    group.add_argument("--kernel-cache-dir", default=None,
+                       help="Where MLX compiles its kernels (default: a new private directory, removed at exit; "
+                            "never the shared temporary directory)")
     group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
                             "(default 30)")
@@ -333,6 +338,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
     args = parse_args(argv)
     args.model = model_or_demo(args.model)  # (as the generate and chat CLIs)
+    private, saved_tmpdir = args.kernel_cache_dir is None, os.environ.get("TMPDIR")
+    args.kernel_cache_dir = use_kernel_cache(args.kernel_cache_dir)
     restore_nofile()
     stop = threading.Event()
     signals: List[int] = []
@@ -346,6 +353,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _serve(args, stop, signals, command_line=argv is None)
     finally:
         _restore_signals(previous)  # (a caller in process, e.g. a test, keeps its Ctrl-C)
+        if private:
+            shutil.rmtree(args.kernel_cache_dir, ignore_errors=True)
+        if saved_tmpdir is None:  # (a caller in process keeps its temporary directory)
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_tmpdir
+        tempfile.tempdir = None
+
+
+def use_kernel_cache(named: Optional[str]) -> str:
+    """The server's temporary directory, where MLX compiles its CPU kernels (and loads any
+    library it finds under $TMPDIR/mlx/<version>/: under a shared /tmp, one another user
+    planted). A new 0700 directory of its own, or the one the operator names
+    (--kernel-cache-dir, created 0700 if missing); TMPDIR points there from now on."""
+    if named is None:
+        path = Path(tempfile.mkdtemp(prefix="mlx_lm_diffusion-"))
+    else:
+        path = Path(named).expanduser()
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            _fail(f"--kernel-cache-dir {named}: {e.strerror or e}")
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = None  # (read TMPDIR again)
+    logging.info("kernel cache and temporary files: %s", path)
+    return str(path)
 
 
 def _serve(args, stop: threading.Event, signals: List[int], command_line: bool) -> int:
