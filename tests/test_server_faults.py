@@ -186,3 +186,52 @@ def test_kernels_compile_in_a_private_directory_and_health_says_when_they_cannot
         body = json.loads(response.read())
         assert response.status == 503 and body["status"] == "unavailable" and str(shared) not in body["reason"]
     assert not any(p.name.startswith("mlx_lm_diffusion-") for p in shared.iterdir())
+
+
+def _readable(sock) -> bool:
+    import select
+
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def _refused(socks) -> int:
+    """How many of `socks` have been answered (the 503 of a refused connection)."""
+    return sum(1 for s in socks if _readable(s))
+
+
+def test_one_client_cannot_take_every_connection(tmp_path):
+    """One client holding --max-connections idle sockets made everyone's requests 503; with
+    --max-client-connections it holds at most that many, and another address is served."""
+    import socket
+
+    argv = ["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING",
+            "--max-connections", "12", "--max-client-connections", "4"]
+    with running_server(argv) as (httpd, _):
+        port = httpd.server_address[1]
+        idle = []
+        try:
+            for _ in range(8):  # from 127.0.0.1
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=60))
+            for _ in range(400):  # (until the server has taken all eight: four kept, four refused)
+                if httpd.open_connections() == 4 and _refused(idle) == 4:
+                    break
+                threading.Event().wait(0.05)
+            assert httpd.open_connections() == 4 and _refused(idle) == 4
+            other = socket.socket()
+            other.bind(("127.0.0.2", 0))  # another client address on the loopback
+            other.settimeout(60)
+            other.connect(("127.0.0.1", port))
+            body = json.dumps(PROTOCOL).encode()
+            other.sendall(b"POST /v1/diffusion/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                reply += other.recv(65536)
+            assert reply.startswith(b"HTTP/1.0 200") or reply.startswith(b"HTTP/1.1 200"), reply[:200]
+            other.close()
+            refused = socket.create_connection(("127.0.0.1", port), timeout=60)
+            assert b"--max-client-connections 4" in refused.recv(65536)
+            refused.close()
+        finally:
+            for s in idle:
+                s.close()

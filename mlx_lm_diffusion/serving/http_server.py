@@ -27,7 +27,8 @@ LISTEN_BACKLOG = 128
 
 class DiffusionHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer with a listen backlog of 128, a cap on open connections
-    (503 beyond it), a watchdog that closes connections whose request line, headers
+    (503 beyond it; with `max_client_connections`, per client address too), a
+    watchdog that closes connections whose request line, headers
     or body take longer than `read_timeout`, and graceful shutdown (`drain`)."""
 
     request_queue_size = LISTEN_BACKLOG
@@ -35,12 +36,14 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
     block_on_close = False
 
     def __init__(self, address, handler, read_timeout: Optional[float] = DEFAULT_READ_TIMEOUT,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS):
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_client_connections: Optional[int] = None):
         self.read_timeout = read_timeout
         self.max_connections = max_connections
+        self.max_client_connections = max_client_connections  # None: no per-client cap
         self.draining = False
         self._lock = threading.Lock()
         self._open = 0
+        self._by_client: Dict[Any, int] = {}  # open connections per client address
         self._handlers: set = set()
         self._deadlines: Dict[Any, float] = {}
         self._closing: List[Tuple[Any, float]] = []
@@ -52,27 +55,40 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
     # -- connections
 
     def process_request(self, request, client_address):
+        client = client_address[0] if isinstance(client_address, tuple) else client_address
         with self._lock:
-            refuse = self.draining or self._open >= self.max_connections
+            held = self._by_client.get(client, 0)
+            share = self.max_client_connections
+            refuse = self.draining or self._open >= self.max_connections or share is not None and held >= share
             if not refuse:
                 self._open += 1
+                self._by_client[client] = held + 1
         if refuse:
             why = "the server is shutting down" if self.draining else (
-                f"too many open connections (--max-connections {self.max_connections}); retry later")
+                f"too many open connections (--max-connections {self.max_connections}); retry later"
+                if self._open >= self.max_connections else
+                f"this client holds too many open connections (--max-client-connections {share}); retry later")
             return self._refuse(request, why)
         try:
             super().process_request(request, client_address)
         except BaseException:
-            with self._lock:
-                self._open -= 1
+            self._closed(client)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            with self._lock:
-                self._open -= 1
+            self._closed(client_address[0] if isinstance(client_address, tuple) else client_address)
+
+    def _closed(self, client: Any) -> None:
+        with self._lock:
+            self._open -= 1
+            left = self._by_client.get(client, 1) - 1
+            if left > 0:
+                self._by_client[client] = left
+            else:
+                self._by_client.pop(client, None)
 
     def handle_error(self, request, client_address):
         """A client that left is one line in the log, not a traceback."""
@@ -213,6 +229,7 @@ def _shut(sock) -> None:
 def make_http_server(
     host: str, port: int, response_generator: ResponseGenerator, handler_class=DiffusionAPIHandler,
     read_timeout: Optional[float] = None, max_connections: Optional[int] = None,
+    max_client_connections: Optional[int] = None,
 ) -> DiffusionHTTPServer:
     """A DiffusionHTTPServer bound to (host, port) (port 0: any free port) whose
     handlers are `handler_class(response_generator, ...)`, as mlx_lm.server builds it.
@@ -222,10 +239,13 @@ def make_http_server(
         read_timeout = getattr(cli, "read_timeout", DEFAULT_READ_TIMEOUT)
     if max_connections is None:
         max_connections = getattr(cli, "max_connections", DEFAULT_MAX_CONNECTIONS)
+    if max_client_connections is None:
+        max_client_connections = getattr(cli, "max_client_connections", None)
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
     server_class = type("DiffusionHTTPServer", (DiffusionHTTPServer,), {"address_family": family})
     handler = functools.partial(
         handler_class, response_generator, system_fingerprint=get_system_fingerprint()
     )
-    return server_class(address, handler, read_timeout=read_timeout or None, max_connections=max_connections)
+    return server_class(address, handler, read_timeout=read_timeout or None, max_connections=max_connections,
+                        max_client_connections=max_client_connections)

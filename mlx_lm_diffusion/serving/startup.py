@@ -254,6 +254,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Seconds a client has to send its request line, headers and body (default 30)")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    group.add_argument("--max-client-connections", type=int, default=None,
+                       help="Open connections one client address may hold; more get a 503 (default: no "
+                            "per-client cap; behind a proxy every client has the proxy's address)")
     group.add_argument("--allow-client-chat-templates", action="store_true",
                        help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
     group.add_argument("--no-batch", action="store_true",
@@ -323,6 +326,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _fail("--read-timeout must be positive")
     if args.max_connections < 1:
         _fail("--max-connections must be at least 1")
+    if args.max_client_connections is not None and args.max_client_connections < 1:
+        _fail("--max-client-connections must be at least 1")
     if args.max_forwards < 1:
         _fail("--max-forwards must be at least 1")
     if args.long_request_forwards < 1:
