@@ -2,6 +2,7 @@
 
 import contextlib
 import http.client
+import json
 import socket
 import subprocess
 import threading
@@ -28,6 +29,17 @@ def running_server(argv):
         generator.stop_and_join()
         thread.join(timeout=TIMEOUT)
         mld.uninstall()
+
+
+def post_json(port: int, path: str, body, timeout: float = TIMEOUT):
+    """(status, JSON answer) of one POST of `body` to 127.0.0.1:`port` `path`."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
 
 
 def free_port() -> int:

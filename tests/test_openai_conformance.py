@@ -8,7 +8,7 @@ import json
 
 import openai
 import pytest
-from serving import running_server
+from serving import post_json, running_server
 
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 
@@ -68,12 +68,8 @@ def test_stream_chunks_carry_their_tokens_logprobs(client):
                                    "threshold", "block_length"])
 def test_null_is_a_field_left_out(server, field):
     port = server[0].server_address[1]
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": USER, field: None}),
-                 {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    body = json.loads(response.read())
-    assert response.status == 200, body
+    status, body = post_json(port, "/v1/chat/completions", {"messages": USER, field: None})
+    assert status == 200, body
     assert body["choices"][0]["message"]["content"] == "825"
 
 
@@ -100,11 +96,7 @@ def test_chat_takes_the_models_default_length_too():
 
 
 def post(server, body: dict):
-    conn = http.client.HTTPConnection("127.0.0.1", server[0].server_address[1], timeout=120)
-    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": USER, **body}),
-                 {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    return response.status, json.loads(response.read())
+    return post_json(server[0].server_address[1], "/v1/chat/completions", {"messages": USER, **body})
 
 
 @pytest.mark.parametrize("field,near", [("threshhold", "threshold"), ("block_lenght", "block_length"),
@@ -168,11 +160,9 @@ def test_completions_take_a_prompt_as_token_ids(client):
 
 @pytest.mark.parametrize("prompt", [["357+468=", "1+2="], [[1, 2], [3, 4]], 5, [], [1.5], None, {"a": 1}])
 def test_completions_refuse_other_prompts_cleanly(server, prompt):
-    conn = http.client.HTTPConnection("127.0.0.1", server[0].server_address[1], timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt}), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    error = json.loads(response.read())["error"]
-    assert response.status == 400 and error["param"] == "prompt", error
+    status, body = post_json(server[0].server_address[1], "/v1/completions", {"prompt": prompt})
+    error = body["error"]
+    assert status == 400 and error["param"] == "prompt", error
     assert "'<='" not in error["message"] and "Traceback" not in error["message"]
 
 

@@ -10,7 +10,7 @@ import sys
 import threading
 
 import pytest
-from serving import running_server
+from serving import post_json, running_server
 
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 
@@ -19,13 +19,7 @@ PROTOCOL = {"prompt_tokens": [3, 4, 5], "target_length": 8, "num_steps": 4, "mas
 
 
 def protocol(port: int, body, timeout: float = 120):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/diffusion/generate", json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
+    return post_json(port, "/v1/diffusion/generate", body, timeout)
 
 
 def native_threads() -> int:
@@ -72,13 +66,7 @@ def test_a_bad_protocol_body_is_refused_without_the_decoders_lock(server):
 
 
 def chat(port: int, body: dict, timeout: float = 120):
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        conn.close()
+    return post_json(port, "/v1/chat/completions", body, timeout)
 
 
 def test_stop_strings_are_bounded(server):
