@@ -258,3 +258,19 @@ def test_models_and_errors_validate_against_openais_schema(server):
         status, error = raw_post(server, path, body)
         assert status in (400, 404)
         check("ErrorResponse", error)
+
+
+def test_an_unsatisfiable_format_and_allowed_set_is_a_400_before_decoding(llada_path):
+    """A json_object format with an allowed-token set that holds no '{' was a 500 mid-decode."""
+    import mlx_lm_diffusion as mld
+
+    _, tok = mld.load(str(llada_path))
+    digits = sorted({t for d in "0123456789" for t in tok.encode(d, add_special_tokens=False)})
+    brace = tok.encode("{", add_special_tokens=False)
+    with running_server(["--model", str(llada_path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
+        port = httpd.server_address[1]
+        body = {"messages": USER, "max_tokens": 8, "response_format": {"type": "json_object"}}
+        status, answer = post_json(port, "/v1/chat/completions", {**body, "allowed_tokens": digits})
+        assert status == 400 and "allowed_tokens" in answer["error"]["message"], answer
+        status, answer = post_json(port, "/v1/chat/completions", {**body, "allowed_tokens": digits + brace})
+        assert status != 400 or "allowed_tokens leave no token" not in answer["error"]["message"], answer

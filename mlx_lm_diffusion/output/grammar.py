@@ -110,6 +110,14 @@ class GrammarProcessor:
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
 
+    def can_begin_with(self, ids: Sequence[int]) -> bool:
+        """Whether any of `ids` may come first (a token without text always may); asked
+        before the first call (the matcher is not advanced)."""
+        allowed = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)[: self.vocab_size] > 0
+        return self.matcher.is_accepting() or any(
+            0 <= int(t) < self.vocab_size and (allowed[int(t)] or int(t) in self.textless) for t in ids)
+
+
 def grammar_processor(tokenizer: Any, vocab_size: int, grammar: str) -> GrammarProcessor:
     """A processor for an llguidance grammar (LLMatcher.grammar_from_*); ValueError when
     the grammar does not compile."""

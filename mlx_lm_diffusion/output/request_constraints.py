@@ -53,6 +53,10 @@ def check(adapter: Any, tokenizer: Any, prompt_len: int, max_tokens: int, option
     processor = response_format_processor(tokenizer, adapter.vocab_size, options.get("response_format"))
     if processor is not None:  # (a decoder that cannot feed processors in order refuses it)
         extra["logits_processors"] = (processor,)
+        allowed = fields.get("allowed_tokens")
+        if allowed is not None and not processor.can_begin_with([*allowed, *adapter.eos_ids]):
+            raise ValueError("response_format and allowed_tokens leave no token the answer can begin with; "
+                             "allow the tokens the format starts with (e.g. '{' for JSON)")
     suffix = encode_suffix(tokenizer, options.get("suffix")) or []
     resolved = resolve(DecodeOptions(max_tokens=max_tokens, **fields, **extra), adapter, prompt_len, len(suffix))
     if suffix:
