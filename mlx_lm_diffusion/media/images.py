@@ -178,7 +178,6 @@ def open_images(sources: Any, policy: ImagePolicy = LOCAL) -> list:
     """Every image of a request, read in full before anything runs: the count checked
     first, then every header (format, size, one frame) and the request's total pixels,
     and only then is anything decoded."""
-
     if sources is None:
         return []
     items = list(sources) if isinstance(sources, (list, tuple)) else [sources]

@@ -8,7 +8,6 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional
 
 import mlx_lm.server as mlx_server
@@ -202,7 +201,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         image of the request is decoded: an unknown name is the 404 it will be anyway; a
         model other than the one loaded is not known yet (it loads at its turn)."""
         if not (isinstance(name, str) and name in self.served):
-            self._check_model(SimpleNamespace(model=name))  # (raises the 404)
+            raise self._not_served(name)
         key = self.served[name]
         path = self.cli_args.model if key == "default_model" else key
         loaded = getattr(self.model_provider, "model_key", None)
@@ -214,14 +213,14 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         """Only the models the operator named are served: any other name is a 404,
         decided on the string alone (no filesystem, no Hub, the served model stays)."""
         name = description.model
-        if isinstance(name, str) and name in self.served:
-            description.model = self.served[name]
-            return
+        if not (isinstance(name, str) and name in self.served):
+            raise self._not_served(name)
+        description.model = self.served[name]
+
+    def _not_served(self, name: Any) -> RequestError:
         served = ", ".join(self.model_ids) or "nothing"
-        raise RequestError(
-            f"model {name!r} is not served here; this server serves: {served}",
-            status=404, param="model", code="model_not_found",
-        )
+        return RequestError(f"model {name!r} is not served here; this server serves: {served}",
+                            status=404, param="model", code="model_not_found")
 
     # -- generation thread
 

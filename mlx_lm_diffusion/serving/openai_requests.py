@@ -233,6 +233,10 @@ class RequestFields:
             self.top_logprobs = legacy if legacy > 0 else -1
         if get("echo", False) is not False:
             raise RequestError("echo is not supported: the answer holds the completion only", param="echo")
+        n = get("n", 1)
+        if isinstance(n, bool) or n != 1:
+            raise RequestError(f"n must be 1, got {n!r}: this server answers one choice per request (send the "
+                               "request n times, with different seeds, for several)", param="n")
         if get("best_of", 1) != 1:
             raise RequestError("best_of must be 1: this server answers one choice per request", param="best_of")
         self.seed = get("seed")
@@ -269,10 +273,6 @@ class RequestFields:
             if value < low or (high is not None and value > high):
                 span = f">= {low}" if high is None else f"in [{low}, {high}]"
                 raise RequestError(f"{name} must be an integer {span}, got {value!r}", param=name)
-        n = self.body.get("n")
-        if n is not None and (isinstance(n, bool) or n != 1):
-            raise RequestError(f"n must be 1, got {n!r}: this server answers one choice per request (send the "
-                               "request n times, with different seeds, for several)", param="n")
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
             raise RequestError("top_logprobs must be an integer", param="top_logprobs")
         if self.seed is not None and (

@@ -78,11 +78,11 @@ class _Guarded:
         hold = max((len(s) for s in stops), default=1) - 1
         decode = self._real.model_provider.tokenizer.decode
         text, sent = "", 0
-        pending, produced = [], 0  # (responses whose token's text is not released yet; where that text ends)
+        pending, produced = [], 0  # (responses whose token's text is not released yet: its text, where it ends)
 
-        def release(limit: int) -> None:  # their log-probabilities go out with the text they made
-            while pending and pending[0][1] <= limit:
-                handler._generated.append(pending.pop(0)[0])
+        def release(limit: float) -> None:  # their log-probabilities go out with the text they made
+            while pending and pending[0][2] <= limit:
+                handler._generated.append(pending.pop(0)[:2])
 
         try:
             for run in stream_batching.runs(responses):  # (the scheduler's tokens come in mailboxes)
@@ -92,9 +92,10 @@ class _Guarded:
                         out.append(response)
                         continue
                     text += response.text
-                    if response.finish_reason != "stop":  # (an EOS adds no text)
-                        produced += len(decode([response.token]))
-                        pending.append((response, produced))
+                    if response.finish_reason != "stop":  # (an EOS adds no text, and has no entry)
+                        token_text = decode([response.token])
+                        produced += len(token_text)
+                        pending.append((response, token_text, produced))
                     hits = [i for i in (text.find(stop, max(0, sent - hold)) for stop in stops) if i >= 0]
                     if hits or response.finish_reason is not None:
                         end = min(hits) if hits else len(text)
@@ -192,7 +193,7 @@ class Routes:
         prompt = self.body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, str) or isinstance(t, list) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
             raise RequestError(f"prompt holds {len(prompt)} prompts; this server answers one prompt per request",
                                param="prompt")
         ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
@@ -280,14 +281,12 @@ class Routes:
         not the generated token, and streams carried none): one entry per token the
         response or chunk adds."""
         response = super().generate_response(*args, **kwargs)
-        self._made_tool_call = getattr(self, "_made_tool_call", False) or bool(kwargs.get("tool_calls"))
-        finish = getattr(self, "_finish", None)
-        if response.get("choices") and response["choices"][0].get("finish_reason") == "length" and finish:
-            if finish == "stop" and self._made_tool_call:  # (as mlx_lm.server reports a tool call)
-                finish = "tool_calls"
-            response["choices"][0]["finish_reason"] = finish  # (handed on as "length": _Guarded._iterate)
+        self._made_tool_call = self._made_tool_call or bool(kwargs.get("tool_calls"))
         if response.get("choices"):
             choice = response["choices"][0]
+            if choice.get("finish_reason") == "length" and self._finish:  # (handed on as "length": _Guarded._iterate)
+                tool_call = self._finish == "stop" and self._made_tool_call  # (as mlx_lm.server reports one)
+                choice["finish_reason"] = "tool_calls" if tool_call else self._finish
             choice["logprobs"] = None  # (OpenAI's answers carry the field, null when not asked)
             if isinstance(choice.get("message"), dict):
                 choice["message"].setdefault("refusal", None)  # (required by OpenAI's schema; never one here)
@@ -302,7 +301,7 @@ class Routes:
         alternatives per token; the token alone with logprobs 0) and text_offset (each
         token's start in the completion's text, counted across a stream's chunks)."""
         entries = self._logprob_entries()
-        offset = getattr(self, "_text_offset", 0)
+        offset = self._text_offset
         offsets = []
         for entry in entries:
             offsets.append(offset)
@@ -327,23 +326,20 @@ class Routes:
         """The pending generated tokens as OpenAI's log-probability entries: `token` the
         token's own text, its `logprob` (a diffusion token's log-probability at the step
         that committed it), `bytes` (UTF-8), and `top_logprobs` sorted by log-probability,
-        descending; `id` is mlx_lm.server's. An EOS that ends the answer has no entry (its
-        text is not in the answer)."""
-        tokenizer = self.response_generator.model_provider.tokenizer
-        generated, self._generated = getattr(self, "_generated", []), []
-        eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+        descending; `id` is mlx_lm.server's. The pending tokens are the ones whose text was
+        released (`_Guarded._iterate`: an EOS that ends the answer has no entry)."""
+        decode = self.response_generator.model_provider.tokenizer.decode
+        generated, self._generated = self._generated, []
 
-        def entry(token: int, logprob: float) -> dict:
-            text = tokenizer.decode([token])
+        def entry(token: int, logprob: float, text: str) -> dict:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "id": token}
 
         entries = []
-        for gen in generated:
-            if gen.finish_reason == "stop" and gen.token in eos:
-                continue
+        for gen, text in generated:
             top = sorted(gen.top_tokens or (), key=lambda t: -t["logprob"]) if self.top_logprobs > 0 else []
-            alternatives = [entry(t["id"], gen.logprob if t["id"] == gen.token else t["logprob"]) for t in top]
-            entries.append({**entry(gen.token, gen.logprob), "top_logprobs": alternatives})
+            alternatives = [entry(gen.token, gen.logprob, text) if t["id"] == gen.token else
+                            entry(t["id"], t["logprob"], decode([t["id"]])) for t in top]
+            entries.append({**entry(gen.token, gen.logprob, text), "top_logprobs": alternatives})
         return entries
 
     def _set_stream_headers(self, status_code: int = 200):
