@@ -29,6 +29,7 @@ MAX_JSON_DEPTH = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' integer logprobs, as OpenAI bounds it
+DEFAULT_MAX_CHOICES = 16  # choices in one answer (n times the prompts): rows of one batch (--max-choices)
 _RULE_FIELDS = ("strategy", "threshold")
 
 
@@ -234,11 +235,14 @@ class RequestFields:
         if get("echo", False) is not False:
             raise RequestError("echo is not supported: the answer holds the completion only", param="echo")
         n = get("n", 1)
-        if isinstance(n, bool) or n != 1:
-            raise RequestError(f"n must be 1, got {n!r}: this server answers one choice per request (send the "
-                               "request n times, with different seeds, for several)", param="n")
-        if get("best_of", 1) != 1:
-            raise RequestError("best_of must be 1: this server answers one choice per request", param="best_of")
+        most = getattr(cli, "max_choices", None) or DEFAULT_MAX_CHOICES
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
+            raise RequestError(f"n must be an integer in [1, {most}], got {n!r} (the server's --max-choices)",
+                               param="n")
+        self.choice_count = n
+        if get("best_of", n) != n:  # (no candidates beyond the n choices are decoded)
+            raise RequestError(f"best_of must equal n ({n}): this server decodes no extra candidates",
+                               param="best_of")
         self.seed = get("seed")
         self.chat_template_kwargs = get("chat_template_kwargs")
 
@@ -300,3 +304,5 @@ class RequestFields:
         self.decode_options, self.drafts = parse_request_options(self.body)
         if self.drafts and not self.stream:
             raise ValueError("drafts are sent as SSE comments of a stream; set stream to true")
+        if self.drafts and self.choice_count > 1:
+            raise RequestError("drafts are one decode's canvas: ask for them with n = 1", param="drafts")

@@ -7,17 +7,18 @@ import dataclasses
 import json
 import logging
 import math
-from typing import Any
+from typing import Any, List
 from urllib.parse import unquote
 
 from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.media import images
-from mlx_lm_diffusion.serving import stream_batching
+from mlx_lm_diffusion.serving import choices, stream_batching
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     _BODY_FIELDS,
+    DEFAULT_MAX_CHOICES,
     IGNORED_OPENAI_FIELDS,
     DiffusionRequest,
     check_unknown_fields,
@@ -32,6 +33,11 @@ POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 # every field a body may carry by name (the decoding options' are added per request)
 KNOWN_FIELDS = _BODY_FIELDS + ("suffix", "response_format") + IGNORED_OPENAI_FIELDS
 NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
+
+
+def _token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
 
 
 class _Answered(BaseException):
@@ -76,7 +82,6 @@ class _Guarded:
         handler = self._handler
         stops = handler._stop_texts
         hold = max((len(s) for s in stops), default=1) - 1
-        decode = self._real.model_provider.tokenizer.decode
         text, sent = "", 0
         pending, produced = [], 0  # (responses whose token's text is not released yet: its text, where it ends)
 
@@ -92,10 +97,12 @@ class _Guarded:
                         out.append(response)
                         continue
                     text += response.text
-                    if response.finish_reason != "stop":  # (an EOS adds no text, and has no entry)
-                        token_text = decode([response.token])
-                        produced += len(token_text)
-                        pending.append((response, token_text, produced))
+                    if response.finish_reason != "stop" or response.text:  # (an EOS adds no text: no entry)
+                        # the token's text is what the detokenizer released with it, so the entries'
+                        # texts add up to the answer (a character split over byte tokens comes with
+                        # its last byte; decoding one token alone gave a replacement character)
+                        produced += len(response.text)
+                        pending.append((response, response.text, produced))
                     hits = [i for i in (text.find(stop, max(0, sent - hold)) for stop in stops) if i >= 0]
                     if hits or response.finish_reason is not None:
                         end = min(hits) if hits else len(text)
@@ -165,13 +172,15 @@ class Routes:
             "/chat/completions": self.handle_chat_completions,
         }
         try:
-            request = factories[self.path]()
+            requests = factories[self.path]()
         except RequestError as e:
             return self._send_error(e.status, str(e), param=e.param, code=e.code)
         except Exception as e:
             message = str(e) or type(e).__name__
             return self._send_error(400, message, param=_param_of(message, _BODY_FIELDS + compat.DECODE_FIELDS))
-        self.handle_completion(request, stop_words)
+        if len(requests) == 1 and self.choice_count == 1:
+            return self.handle_completion(requests[0], stop_words)
+        choices.answer_choices(self, requests, stop_words)
 
     def handle_chat_completions(self) -> CompletionRequest:
         messages = self.body.get("messages")
@@ -185,26 +194,29 @@ class Routes:
             raise RequestError(str(e), status=e.status, param="messages") from None
         request = self._diffusion_request(super().handle_chat_completions())
         request.images = pictures
-        return request
+        return [request]
 
-    def handle_text_completions(self) -> CompletionRequest:
-        """A completion of `prompt`: a string or a list of token ids (or a list holding one
-        of those); several prompts in one request are refused (one choice per request)."""
+    def handle_text_completions(self) -> List[CompletionRequest]:
+        """One request per prompt: `prompt` is a string, a list of token ids, or a list of
+        those (one choice per prompt, in order: routes' choices)."""
         prompt = self.body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
-            raise RequestError(f"prompt holds {len(prompt)} prompts; this server answers one prompt per request",
+        prompts = prompt if isinstance(prompt, list) and prompt and not _token_ids(prompt) else [prompt]
+        if not all(isinstance(p, str) or _token_ids(p) for p in prompts):
+            raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of those",
                                param="prompt")
-        ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                          for t in prompt)
-        if not (isinstance(prompt, str) or ids):
-            raise RequestError("prompt must be a string or a list of token ids", param="prompt")
-        self.body = {**self.body, "prompt": prompt}
-        request = self._diffusion_request(super().handle_text_completions())
-        if ids:
-            request.prompt_ids = list(prompt)  # (taken as they are: generator._tokenize)
-        return request
+        most = getattr(self.response_generator.cli_args, "max_choices", None) or DEFAULT_MAX_CHOICES
+        if len(prompts) * self.choice_count > most:
+            raise RequestError(f"{len(prompts)} prompts x n = {self.choice_count} is "
+                               f"{len(prompts) * self.choice_count} choices; this server answers at most {most} "
+                               "(--max-choices)", param="prompt")
+        requests = []
+        for one in prompts:
+            self.body = {**self.body, "prompt": one}
+            request = self._diffusion_request(super().handle_text_completions())
+            if not isinstance(one, str):
+                request.prompt_ids = list(one)  # (taken as they are: generator._tokenize)
+            requests.append(request)
+        return requests
 
     def _diffusion_request(self, request: CompletionRequest) -> DiffusionRequest:
         stock = {f.name: getattr(request, f.name) for f in dataclasses.fields(CompletionRequest)}

@@ -241,6 +241,7 @@ class Scheduler:
         self.queued: deque = deque()  # jobs not in a batch yet, FIFO
         self.batches: dict = {}  # group -> RunningBatch
         self.turns: deque = deque()  # groups with rows, in the order they step
+        self.peak_rows = 0  # the most rows decoded at once since the start
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="diffusion-scheduler", daemon=True)
@@ -265,7 +266,7 @@ class Scheduler:
         with self._cond:
             running = sum(len(b) for b in self.batches.values())
             return {"running_rows": running, "queued_requests": len(self.queued), "groups": len(self.batches),
-                    "max_rows": self.max_rows}
+                    "max_rows": self.max_rows, "peak_rows": self.peak_rows}
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cond:
@@ -335,6 +336,7 @@ class Scheduler:
             if job.group not in self.turns:
                 self.turns.append(job.group)
         self.queued = waiting
+        self.peak_rows = max(self.peak_rows, sum(len(b) for b in self.batches.values()))
 
     def _long(self, job: Any) -> bool:
         return self.long_forwards is not None and job.forwards > self.long_forwards

@@ -99,6 +99,7 @@ from mlx_lm_diffusion.serving.http_server import (
     DiffusionHTTPServer,
     make_http_server,
 )
+from mlx_lm_diffusion.serving.openai_requests import DEFAULT_MAX_CHOICES
 
 PROG = "mlx_lm_diffusion.server"
 DEFAULT_SHUTDOWN_GRACE = 30.0
@@ -265,6 +266,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--max-forwards", type=int, default=DEFAULT_MAX_FORWARDS,
                        help="Model forwards a request may take at most, from its settings (steps x blocks, "
                             f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})")
+    group.add_argument("--max-choices", type=int, default=DEFAULT_MAX_CHOICES,
+                       help="Choices one answer may hold (n times the prompts of a completion); more get a 400 "
+                            f"(default {DEFAULT_MAX_CHOICES})")
     group.add_argument("--long-request-forwards", type=int, default=DEFAULT_LONG_FORWARDS,
                        help="A request that could take more forwards than this is long: long requests hold at "
                             f"most half of a batch's rows, the rest stay for short ones (default {DEFAULT_LONG_FORWARDS})")
@@ -330,6 +334,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _fail("--max-client-connections must be at least 1")
     if args.max_forwards < 1:
         _fail("--max-forwards must be at least 1")
+    if args.max_choices < 1:
+        _fail("--max-choices must be at least 1")
     if args.long_request_forwards < 1:
         _fail("--long-request-forwards must be at least 1")
     if not args.shutdown_grace >= 0:
