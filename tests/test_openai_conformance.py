@@ -275,3 +275,32 @@ def test_an_unsatisfiable_format_and_allowed_set_is_a_400_before_decoding(llada_
         assert status == 400 and "allowed_tokens" in answer["error"]["message"], answer
         status, answer = post_json(port, "/v1/chat/completions", {**body, "allowed_tokens": digits + brace})
         assert status != 400 or "allowed_tokens leave no token" not in answer["error"]["message"], answer
+
+
+@pytest.mark.parametrize("prompt,schema,text", [
+    ("357+468=", {"enum": [825, 100]}, "825"),
+    ("357+468=", {"const": 825}, "825"),
+    ("357+468=", {"enum": [100, 7]}, None),  # (the model's choice, one of them)
+    ("9999+9999=", {"enum": [19998]}, "19998"),
+    ("1+2=", {"const": 3}, "3"),
+])
+def test_enum_and_const_schemas_on_a_tokenizer_that_rewrites_text(server, prompt, schema, text):
+    """The demo's normalizer zero-pads numbers ("825" encodes as 0 8 2 5): llguidance,
+    handed that encoding of the text an enum forces, forced a "0" the answer never has,
+    and the decode failed mid-way (500, "token 0 breaks the grammar")."""
+    status, body = post_json(server[0].server_address[1], "/v1/completions", {
+        "prompt": prompt, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    assert status == 200, body
+    answer = body["choices"][0]["text"]
+    assert answer == text if text is not None else int(answer) in schema["enum"]
+
+
+def test_forced_text_is_spelled_with_the_tokens_that_write_it():
+    import mlx_lm_diffusion as mld
+    from mlx_lm_diffusion.output.grammar import _TokenTable
+
+    _, tok = mld.load(str(DEMO_MODEL_PATH))
+    table = _TokenTable(tok._tokenizer, 16)
+    assert tok._tokenizer.encode("825", add_special_tokens=False)[0] == tok._tokenizer.convert_tokens_to_ids("0")
+    ids = table("825")
+    assert b"".join(table.tokens[i] for i in ids) == b"825" and len(ids) == 3

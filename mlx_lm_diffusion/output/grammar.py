@@ -71,9 +71,36 @@ class _TokenTable:
         self.special_token_ids = sorted(set(self.special_token_ids) | set(self.textless))
         self.tokens = [b"\xff" + f"<[{i}]>".encode() if not t else t for i, t in enumerate(text)]
         self._hf = hf
+        self._ids_of: dict = {}  # each text token's bytes -> its (lowest) id
+        for i, t in enumerate(self.tokens):
+            if not t.startswith(b"\xff"):
+                self._ids_of.setdefault(t, i)
+        self._longest = max(map(len, self._ids_of), default=1)
 
     def __call__(self, text: str) -> list:
-        return list(self._hf.encode(text, add_special_tokens=False))
+        """Ids whose bytes spell `text` (llguidance tokenizes the text a grammar forces).
+        The tokenizer's own encoding when its tokens spell the text; otherwise (a
+        normalizer rewrote it: the demo's zero-padding encodes "825" as 0 8 2 5) the
+        longest tokens of the table that do: out-of-context ids made llguidance force
+        tokens the text does not have ("token 0 breaks the grammar")."""
+        ids = list(self._hf.encode(text, add_special_tokens=False))
+        wanted = text.encode("utf-8")
+        if b"".join(self.tokens[i] if 0 <= i < len(self.tokens) else b"\xff" for i in ids) == wanted:
+            return ids
+        return self._spelled(wanted)
+
+    def _spelled(self, data: bytes) -> list:
+        ids, at = [], 0
+        while at < len(data):
+            for size in range(min(self._longest, len(data) - at), 0, -1):
+                token = self._ids_of.get(data[at : at + size])
+                if token is not None:
+                    ids.append(token)
+                    at += size
+                    break
+            else:  # (no token has this byte: llguidance will refuse the text itself)
+                at += 1
+        return ids
 
 
 class GrammarProcessor:
