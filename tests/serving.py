@@ -31,6 +31,14 @@ def running_server(argv):
         mld.uninstall()
 
 
+def demo_server(mode: str):
+    """The demo served batched (`mode` "batched") or one request at a time ("serial")."""
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+    flags = [] if mode == "batched" else ["--no-batch"]
+    return running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING", *flags])
+
+
 def post_json(port: int, path: str, body, timeout: float = TIMEOUT):
     """(status, JSON answer) of one POST of `body` to 127.0.0.1:`port` `path`."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 from openai_schema import check
-from serving import post_json, running_server
+from serving import demo_server, post_json, running_server
 
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 
@@ -19,8 +19,7 @@ USER = [{"role": "user", "content": "357+468="}]
 
 @pytest.fixture(scope="module", params=["batched", "serial"])
 def server(request):
-    flags = [] if request.param == "batched" else ["--no-batch"]
-    with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING", *flags]) as s:
+    with demo_server(request.param) as s:
         yield s
 
 
