@@ -90,7 +90,7 @@ def is_diffusion_model(model: nn.Module) -> bool:
 
 def check_weights(model: nn.Module) -> None:
     """Refuse (ValueError) a diffusion checkpoint whose config.json contradicts its weights:
-    a vocabulary size other than the embedding's rows, or a mask token id outside them
+    a vocabulary size other than the embedding's rows, or a mask or EOS token id outside them
     (such a model loaded and decoded nonsense: mask 99 on a 16-token vocabulary)."""
     if not is_diffusion_model(model):
         return
@@ -102,6 +102,11 @@ def check_weights(model: nn.Module) -> None:
     if isinstance(vocab_size, int) and vocab_size != rows:
         raise ValueError(f"config.json's vocabulary size ({vocab_size}) is not the weights' ({rows} embedding "
                          "rows): the checkpoint is inconsistent")
+    eos = getattr(model.args, "eos_token_id", None)
+    outside = [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int) and not 0 <= i < rows]
+    if outside:
+        raise ValueError(f"config.json's eos_token_id ({outside[0]}) lies outside the vocabulary of the weights "
+                         f"[0, {rows}): the model could never end an answer")
     mask_id = getattr(model.args, "mask_token_id", None)
     if isinstance(mask_id, int) and not 0 <= mask_id < rows:
         raise ValueError(f"config.json's mask_token_id ({mask_id}) lies outside the vocabulary of the weights "

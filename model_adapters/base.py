@@ -12,6 +12,8 @@ streaming.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar, Optional, Protocol, Union, runtime_checkable
@@ -58,7 +60,12 @@ class DiffusionArgs(BaseModelArgs):
     @classmethod
     def from_dict(cls, params: dict) -> "DiffusionArgs":
         args = super().from_dict(params)
-        args.text = cls.text_module.ModelArgs.from_dict(args.text_config(params))
+        try:
+            text = args.text_config(params)
+        except ZeroDivisionError:
+            raise ValueError("config.json's num_attention_heads (or n_heads) must be positive") from None
+        args.text = cls.text_module.ModelArgs.from_dict(text)
+        _check_numbers(args.text)
         return args
 
     def text_config(self, params: dict) -> dict:
@@ -70,6 +77,23 @@ class DiffusionArgs(BaseModelArgs):
         config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
         config["model_type"] = self.text_module.__name__.rpartition(".")[2]
         return config
+
+
+def _check_numbers(args: Any) -> None:
+    """Refuse (ValueError) a config whose numeric fields hold something else: a string
+    rope_theta loaded and failed at the first forward, deep inside a kernel call."""
+    try:
+        hints = typing.get_type_hints(type(args))
+    except Exception:  # (a backbone's annotations this Python cannot resolve: nothing checked)
+        return
+    for f in dataclasses.fields(args):
+        kind, value = hints.get(f.name), getattr(args, f.name, None)
+        if kind not in (int, float) or value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or kind is int and not isinstance(value, int):
+            raise ValueError(f"config.json's {f.name} must be {'an integer' if kind is int else 'a number'}, "
+                             f"got {value!r}")
 
 
 @runtime_checkable

@@ -4,6 +4,7 @@ item 11): it used to load and decode nonsense (a mask id outside the vocabulary)
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -45,3 +46,49 @@ def test_after_install_stock_mlx_lm_load_refuses_it_too(broken):
 def test_the_demo_itself_loads():
     model, _ = mld.load(str(DEMO_MODEL_PATH))
     assert model.args.mask_token_id < model.vocab_size
+
+
+def _config(change: dict):
+    def edit(path):
+        for name in ("config.json", "generation_config.json"):  # (mlx-lm reads the EOS ids of both)
+            config = json.loads((path / name).read_text())
+            (path / name).write_text(json.dumps({**config, **{k: v for k, v in change.items()
+                                                              if name == "config.json" or k in config}}))
+    return edit
+
+
+def _weights(data: bytes):
+    def edit(path):
+        (path / "model.safetensors").write_bytes(data(path) if callable(data) else data)
+    return edit
+
+
+BROKEN = {
+    "truncated weights": (_weights(lambda p: (p / "model.safetensors").read_bytes()[:5000]), "cannot be loaded"),
+    "empty weights": (_weights(b""), "cannot be loaded"),
+    "weights that are not safetensors": (_weights(b"x" * 4096), "cannot be loaded"),
+    "a config that is a list": (lambda p: (p / "config.json").write_text("[]"), "must hold a JSON object"),
+    "an EOS id outside the vocabulary": (_config({"eos_token_id": 999}), "eos_token_id (999) lies outside"),
+    "no attention heads": (_config({"n_heads": 0}), "must be positive"),
+    "a rope_theta that is a string": (_config({"rope_theta": "abc"}), "rope_theta must be a number"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_every_broken_checkpoint_is_one_line_and_exit_2(tmp_path, case):
+    """These printed a traceback and exited 1 (or loaded and decoded: the EOS id), from
+    every door that loads: the API, generate, chat and convert."""
+    edit, message = BROKEN[case]
+    path = tmp_path / "broken"
+    shutil.copytree(DEMO_MODEL_PATH, path)
+    edit(path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mld.load(str(path))
+    for door, args in (("mlx_lm_diffusion.generate", ["--model", str(path), "--prompt", "1+2="]),
+                       ("mlx_lm_diffusion.chat", ["--model", str(path)]),
+                       ("mlx_lm_diffusion.convert", ["--hf-path", str(path), "--mlx-path", str(tmp_path / "out")])):
+        r = run_main(door, *args)
+        lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+        assert r.returncode == 2 and len(lines) == 1 and message in lines[0], (door, r.stderr[-500:])
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()

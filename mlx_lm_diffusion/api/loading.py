@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from mlx_lm.utils import _download, load_config
 from mlx_lm.utils import load as mlx_lm_load
@@ -62,7 +64,35 @@ def load(
     this rank's shard is read (tensor parallelism: mlx_lm_diffusion.parallel.distributed)."""
     _check_local_path(path_or_hf_repo)
     model_path = _download(path_or_hf_repo, revision=revision)
-    config = load_config(model_path)
+    with checkpoint_errors(model_path):
+        return _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code,
+                     group)
+
+
+@contextmanager
+def checkpoint_errors(model_path: Any) -> Iterator[None]:
+    """A checkpoint that breaks the loading (a corrupt or truncated weights file, a config
+    whose values break the model's construction) as one ValueError naming it, not a
+    traceback from deep inside mlx or mlx-lm."""
+    try:
+        yield
+    except (RuntimeError, ArithmeticError, TypeError, AttributeError, KeyError, IndexError) as e:
+        raise ValueError(f"the checkpoint at {model_path} cannot be loaded: {type(e).__name__}: {e}") from e
+
+
+def read_config(model_path: Any) -> dict:
+    """config.json of a checkpoint, which must be a JSON object."""
+    try:
+        raw = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        raw = {}  # (a missing or unreadable file: mlx-lm's own error below)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{model_path}/config.json must hold a JSON object")
+    return load_config(Path(model_path))
+
+
+def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code, group):
+    config = read_config(model_path)
     if not autoregressive or str(config.get("model_type")) in FAMILIES:
         family_module(str(config.get("model_type")))  # clear error for other model types
     with quiet_config_warnings():

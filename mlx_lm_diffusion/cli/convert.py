@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from mlx_lm_diffusion.api.install import quiet_config_warnings
-from mlx_lm_diffusion.api.loading import _check_local_path
+from mlx_lm_diffusion.api.loading import _check_local_path, checkpoint_errors, read_config
 from mlx_lm_diffusion.flags import one_line_errors
-from model_adapters import family_module, register
+from model_adapters import check_weights, family_module, register
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 DEFAULT_HEAD_BITS = 8
@@ -74,11 +74,11 @@ def convert(
     `q_head_bits`: with `quantize`, the embeddings and the output head are kept at
     this many bits (None: like every other layer). A `quant_predicate` recipe name
     (mlx-lm's mixed_*) decides every layer itself."""
-    from mlx_lm.utils import _download, load_config
+    from mlx_lm.utils import _download, load_model
 
     register()
     _check_local_path(hf_path)  # (a missing local path: said so, not the Hub's repo-id rules)
-    family_module(str(load_config(_download(hf_path, revision=revision)).get("model_type")))
+    family_module(str(read_config(_download(hf_path, revision=revision)).get("model_type")))
     for name, bits in (("q_bits", q_bits), ("q_head_bits", q_head_bits)):
         if bits is not None and bits not in QUANT_BITS:
             raise ValueError(f"{name} must be one of {', '.join(map(str, QUANT_BITS))}, got {bits}")
@@ -88,7 +88,8 @@ def convert(
         raise ValueError(f"{mlx_path} already exists; choose a new --mlx-path")
 
     source = Path(_download(hf_path, revision=revision))
-    with quiet_config_warnings():  # (mlx-lm's convert loads the tokenizer too)
+    with quiet_config_warnings(), checkpoint_errors(source):  # (mlx-lm's convert loads the tokenizer too)
+        check_weights(load_model(source, lazy=True)[0])  # (a config the weights contradict: refused, not converted)
         _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
                  upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
     keep_vision(source, Path(mlx_path))
