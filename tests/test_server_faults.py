@@ -6,8 +6,10 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import sys
 import threading
+import time
 
 import pytest
 from serving import post_json, running_server
@@ -223,3 +225,29 @@ def test_one_client_cannot_take_every_connection(tmp_path):
         finally:
             for s in idle:
                 s.close()
+
+
+def test_a_lone_decode_takes_turns_with_the_batch(slow_llada_path):
+    """A request decoded outside the batch (here an infill's suffix) held the model for its
+    whole decode: everyone batched waited (33.9 s). It now hands the model on between its
+    forwards, so a short batched request finishes while the long one is still decoding."""
+    argv = ["--model", str(slow_llada_path), "--port", "0", "--log-level", "WARNING"]
+    long_body = {"prompt": "Hello", "suffix": " world", "max_tokens": 256, "block_length": 32, "steps": 32}
+    with running_server(argv) as (httpd, generator):
+        port = httpd.server_address[1]
+        long_conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+        long_conn.request("POST", "/v1/completions", json.dumps(long_body), {"Content-Type": "application/json"})
+        deadline = time.monotonic() + 60
+        while not generator.decode_lock.locked() and time.monotonic() < deadline:  # (the lone decode began)
+            time.sleep(0.05)
+        started = time.monotonic()
+        status, body = post_json(port, "/v1/completions", {"prompt": "Hi", "max_tokens": 8})
+        waited = time.monotonic() - started
+        long_conn.sock.settimeout(0.0)
+        try:
+            long_done = long_conn.sock.recv(1, socket.MSG_PEEK) != b""
+        except BlockingIOError:
+            long_done = False
+        long_conn.close()  # (its decode is cancelled at the next forward)
+    assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length"), body
+    assert not long_done, f"the short request waited for the whole lone decode ({waited:.1f} s)"

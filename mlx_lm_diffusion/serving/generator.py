@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
+import mlx.core as mx
 import mlx_lm.server as mlx_server
 from mlx_lm.server import (
     LRUPromptCache,
@@ -34,6 +35,7 @@ from mlx_lm_diffusion.serving.openai_requests import (
 )
 from mlx_lm_diffusion.serving.responses import render_draft
 from mlx_lm_diffusion.serving.scheduler import Scheduler, prepare_job
+from mlx_lm_diffusion.serving.turns import TurnLock
 from model_adapters import adapter_for, is_diffusion_model
 
 DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's response queue
@@ -70,9 +72,13 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         self.defaults = dict(defaults or {})  # set before the generation thread starts
         # One decode at a time: the generation thread's requests and the step-schedule
         # protocol's (served on handler threads) take turns on the model.
-        self.decode_lock = threading.Lock()
+        self.decode_lock = TurnLock()  # (the batch and lone decodes take turns: serving.turns)
         # The one thread the step-schedule protocol's MLX work runs on (run_protocol)
         self.protocol_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion-protocol")
+        # The one thread that decodes, one at a time, the requests the batch cannot take
+        # (images, a suffix, a response_format): beside the batch, not on the generation
+        # thread, which would otherwise hold every later request until the decode ends
+        self.lone_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion-lone")
         self.load_error: Optional[BaseException] = None
         self.loaded = threading.Event()
         cli = model_provider.cli_args
@@ -249,6 +255,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         if self.scheduler is not None:
             self.scheduler.stop()
         self.protocol_worker.shutdown(wait=True, cancel_futures=True)
+        self.lone_worker.shutdown(wait=True)  # (a queued decode still answers: cancelled at its first check)
         super().stop_and_join()
 
     def _batched(self, request) -> bool:
@@ -311,6 +318,25 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             if job is not None:
                 self.scheduler.submit(job)
             return
+        if self._lone_beside_batch(request):  # (the generation thread goes on to the next request)
+            self.lone_worker.submit(self._serve_lone, request)
+            return
+        self._serve_alone(request, stream)
+
+    def _lone_beside_batch(self, request) -> bool:
+        """Whether a request the batch cannot take is decoded on the lone-decode thread,
+        taking turns with the batch (serving.turns): the served model when it is the only
+        one (a request for another model would load it on the generation thread meanwhile)."""
+        return (self.scheduler is not None and self.model_provider.model is self.scheduler.model
+                and not getattr(self.cli_args, "allowed_models", None))
+
+    def _serve_lone(self, request) -> None:
+        try:
+            self._serve_alone(request, mx.default_stream(mx.default_device()))
+        except Exception as e:  # noqa: BLE001 (its client gets the error; the thread serves the next)
+            request[0].put(e)
+
+    def _serve_alone(self, request, stream):
         rqueue, req, _ = request
         options = self._options(req)
         check = self.agreed(self._canceller(req))  # (mlx.launch: rank 0 decides for every rank)
@@ -325,6 +351,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 check()  # a cancelled request or a gone client stops at the next forward
                 if drafts is not None:
                     drafts(step)
+                self.decode_lock.pass_turn()  # (the batch's rows step between this decode's forwards)
 
             options["draft_callback"] = on_step
             # (temperature 0: the decoder's greedy proposal, as a batched row's, not mlx-lm's argmax sampler)
