@@ -251,3 +251,29 @@ def test_a_lone_decode_takes_turns_with_the_batch(slow_llada_path):
         long_conn.close()  # (its decode is cancelled at the next forward)
     assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length"), body
     assert not long_done, f"the short request waited for the whole lone decode ({waited:.1f} s)"
+
+
+def test_client_chat_templates_render_under_limits():
+    """With --allow-client-chat-templates a template is code the server runs: one could
+    take all memory ({{ 'x' * 10**10 }}) or loop for hours. Each renders in a child process
+    with a memory cap and time limits; past them the request is a 400 and the server goes on."""
+    argv = ["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING", "--allow-client-chat-templates"]
+    user = [{"role": "user", "content": "357+468="}]
+
+    def with_template(port, template):
+        return chat(port, {"messages": user, "chat_template_kwargs": {"chat_template": template}})
+
+    with running_server(argv) as (httpd, _):
+        port = httpd.server_address[1]
+        status, body = with_template(port, "{{ messages[-1]['content'] }}")
+        assert status == 200 and body["choices"][0]["message"]["content"] == "825", body
+        started = time.monotonic()
+        for template, reason in (("{{ 'x' * 10**10 }}", "needed more than"),
+                                 ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                                  "CPU time"),
+                                 ("{{ raise_exception('not this one') }}", "not this one")):
+            status, body = with_template(port, template)
+            assert status == 400 and reason in body["error"]["message"], body
+            assert body["error"]["param"] == "chat_template_kwargs"
+        assert time.monotonic() - started < 60
+        assert chat(port, {"messages": user})[1]["choices"][0]["message"]["content"] == "825"

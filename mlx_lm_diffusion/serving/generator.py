@@ -26,7 +26,7 @@ from mlx_lm_diffusion.decoding.kv_reuse import CachedTokensTap, cache_occupancy
 from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.output import request_constraints
 from mlx_lm_diffusion.parallel import distributed
-from mlx_lm_diffusion.serving import distributed_server, openai_requests, peers
+from mlx_lm_diffusion.serving import distributed_server, openai_requests, peers, template_sandbox
 from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone, RequestError, StartupError
 from mlx_lm_diffusion.serving.openai_requests import (
     DiffusionRequest,
@@ -275,8 +275,12 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             ids = getattr(request, "image_prompt", None)
             if ids is None:
                 ids = getattr(request, "prompt_ids", None)
+            if ids is None:
+                ids = self._client_template_prompt(tokenizer, request, args)
             result = (ids, [ids], ["assistant"], "normal", None) if ids is not None else super()._tokenize(
                 tokenizer, request, args)
+        except template_sandbox.TemplateError as e:
+            raise RequestError(str(e), param="chat_template_kwargs") from e
         except Exception as e:
             raise RequestError(f"cannot build a prompt from this request: {e}") from e
         model = self.model_provider.model
@@ -295,6 +299,22 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             except ValueError as e:
                 raise RequestError(str(e)) from e
         return result
+
+    def _client_template_prompt(self, tokenizer, request, args) -> Optional[List[int]]:
+        """A chat's prompt under the client's own chat template (allowed by the operator),
+        rendered in a child process with a memory and a time cap (serving.template_sandbox);
+        None when the request brings no template."""
+        kwargs = dict(getattr(self.model_provider.cli_args, "chat_template_args", None) or {})
+        kwargs.update(args.chat_template_kwargs or {})
+        template = (args.chat_template_kwargs or {}).get("chat_template")
+        if request.request_type != "chat" or template is None:
+            return None
+        messages = [dict(m) for m in request.messages]
+        mlx_server.process_message_content(messages, keep_images=False)
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        specials = {k: v for k, v in getattr(hf, "special_tokens_map", {}).items() if isinstance(v, str)}
+        text = template_sandbox.render(kwargs.pop("chat_template"), messages, request.tools, kwargs, specials)
+        return tokenizer.encode(text, add_special_tokens=False)
 
     @staticmethod
     def _canceller(req) -> Callable[[], None]:

@@ -192,6 +192,9 @@ class Routes:
                                                     takes_images=lambda: generator.takes_images(self.requested_model))
         except images.ImageError as e:
             raise RequestError(str(e), status=e.status, param="messages") from None
+        if pictures and (self.chat_template_kwargs or {}).get("chat_template") is not None:
+            raise RequestError("a client chat template cannot be combined with images (the processor renders "
+                               "those prompts in the server)", param="chat_template_kwargs")
         request = self._diffusion_request(super().handle_chat_completions())
         request.images = pictures
         return [request]
