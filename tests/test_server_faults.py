@@ -277,3 +277,35 @@ def test_client_chat_templates_render_under_limits():
             assert body["error"]["param"] == "chat_template_kwargs"
         assert time.monotonic() - started < 60
         assert chat(port, {"messages": user})[1]["choices"][0]["message"]["content"] == "825"
+
+
+def health(port: int):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/health")
+    response = conn.getresponse()
+    return response.status, json.loads(response.read() or b"{}")
+
+
+@pytest.mark.parametrize("mode", ["batched", "serial"])
+def test_health_says_not_ready_after_running_out_of_memory(mode, monkeypatch):
+    """/health said ok while every generation failed for want of memory; now it is a 503
+    from a generation that ran out of memory until one completes again."""
+    import mlx_lm.server
+
+    from mlx_lm_diffusion.serving import scheduler
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("[metal::malloc] Unable to allocate 34359738368 bytes")
+
+    flags = [] if mode == "batched" else ["--no-batch"]
+    with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "CRITICAL", *flags]) as s:
+        port = s[0].server_address[1]
+        assert health(port)[0] == 200
+        with monkeypatch.context() as m:
+            m.setattr(scheduler.Scheduler, "_step", out_of_memory)
+            m.setattr(mlx_lm.server, "stream_generate", out_of_memory)  # (the serial path's decode)
+            assert chat(port, {"messages": [{"role": "user", "content": "1+2="}]})[0] == 500
+        status, body = health(port)
+        assert status == 503 and "out of memory" in body["reason"], body
+        assert chat(port, {"messages": [{"role": "user", "content": "1+2="}]})[0] == 200
+        assert health(port)[0] == 200

@@ -64,6 +64,10 @@ def _model_id(name: str) -> str:
     return path.resolve().name if path.exists() else name
 
 
+# what MLX's and the system's allocation failures say (besides Python's MemoryError)
+OUT_OF_MEMORY_WORDS = ("out of memory", "unable to allocate", "failed to allocate", "[malloc]")
+
+
 class DiffusionResponseGenerator(distributed_server.DistributedGeneration, ResponseGenerator):
     """mlx_lm.server's generation loop, with decoding options, drafts, up-front checks,
     the served-model allow-list and per-step cancellation."""
@@ -72,6 +76,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         self.defaults = dict(defaults or {})  # set before the generation thread starts
         # One decode at a time: the generation thread's requests and the step-schedule
         # protocol's (served on handler threads) take turns on the model.
+        self.out_of_memory = False  # (the last generation ran out of memory: note_outcome)
         self.decode_lock = TurnLock()  # (the batch and lone decodes take turns: serving.turns)
         # The one thread the step-schedule protocol's MLX work runs on (run_protocol)
         self.protocol_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion-protocol")
@@ -155,6 +160,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         every generation fails."""
         if self.load_error is not None:
             return "the model could not be loaded"
+        if self.out_of_memory:
+            return "the last generation ran out of memory (ready again once one completes)"
         directory = getattr(self.cli_args, "kernel_cache_dir", None) or tempfile.gettempdir()
         try:
             with tempfile.NamedTemporaryFile(dir=directory, prefix=".health-"):
@@ -163,6 +170,15 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             logging.error("kernel cache directory %s cannot be written: %s", directory, e)
             return "the kernel cache directory cannot be written (see the server's log)"
         return None
+
+    def note_outcome(self, error: Optional[BaseException]) -> None:
+        """A generation ended, with `error` or None: one that ran out of memory makes the
+        server not ready (/health 503) until a later one completes."""
+        if error is None:
+            self.out_of_memory = False
+        elif isinstance(error, MemoryError) or any(
+                words in str(error).lower() for words in OUT_OF_MEMORY_WORDS):
+            self.out_of_memory = True
 
     @property
     def max_forwards(self) -> Optional[int]:

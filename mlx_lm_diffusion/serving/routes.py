@@ -248,6 +248,7 @@ class Routes:
         self.response_generator = _Guarded(real, self)
         try:
             super().handle_completion(request, [])
+            real.note_outcome(None)
         except _Answered:
             pass
         except _DecodeFailed as e:
@@ -277,6 +278,8 @@ class Routes:
         else:
             status, param, code = 500, None, None
             logging.error(f"request failed: {type(error).__name__}: {error}")
+            generator = self.response_generator
+            getattr(generator, "_real", generator).note_outcome(error)  # (out of memory: /health says so)
         message = str(error) or type(error).__name__
         try:
             if self._stream_started:
