@@ -31,7 +31,7 @@ def vision_config(config: Optional[dict]) -> Any:
     except ImportError:
         import warnings
 
-        warnings.warn("mlx-vlm is not installed (pip install 'mlx-lm-diffusion[vision]'): "
+        warnings.warn('mlx-vlm is not installed (pip install -e ".[vision]" in a clone): '
                       "DiffusionGemma loads without its vision tower, text only", stacklevel=2)
         return None
 

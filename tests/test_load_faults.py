@@ -92,3 +92,27 @@ def test_every_broken_checkpoint_is_one_line_and_exit_2(tmp_path, case):
         assert r.returncode == 2 and len(lines) == 1 and message in lines[0], (door, r.stderr[-500:])
         assert "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_images_without_the_vision_extra_name_the_extra(monkeypatch, tmp_path):
+    """--image without mlx-vlm failed deep inside the load; it now says which extra to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "mlx_vlm", None)  # (an import of it raises ImportError)
+    picture = tmp_path / "p.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n")
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(DEMO_MODEL_PATH), "--prompt", "1+2=",
+                 "--image", str(picture))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert 'pip install -e ".[vision]"' in r.stderr and "mlx_vlm" in r.stderr
+
+
+def test_the_extras_install_from_a_clone():
+    from pathlib import Path
+
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert {"constraints", "vision", "test", "all"} <= set(extras)
+    assert extras["all"] == ["mlx-lm-diffusion[constraints,vision,bench]"]

@@ -32,7 +32,7 @@ from mlx_lm_diffusion.api.loading import load
 from mlx_lm_diffusion.cli.canvas_view import CanvasView
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import flag_of, one_line, one_line_errors, refuse_flags, refused_flag  # noqa: F401
-from mlx_lm_diffusion.media.images import text_tokenizer
+from mlx_lm_diffusion.media.images import require_vision, text_tokenizer
 from mlx_lm_diffusion.parallel import distributed
 from model_adapters import adapter_for
 
@@ -178,6 +178,8 @@ def _main(argv: Optional[Sequence[str]], group=None) -> int:
     try:
         options = decode_defaults(args)
         _template_kwargs(args)  # a bad --chat-template-config fails before loading
+        if args.image or args.video:
+            require_vision()  # (without the extra: which one to install, before any loading)
 
         args.model = model_or_demo(args.model)
         model, loaded = load_for_cli(args, group)

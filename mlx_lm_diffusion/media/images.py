@@ -211,6 +211,18 @@ def open_videos(sources: Any) -> list:
 # ----------------------------------------------------------------------------- processor
 
 
+VISION_HINT = 'the vision extra: pip install -e ".[vision]" in a clone of mlx-lm-diffusion (mlx-vlm, Pillow, OpenCV)'
+
+
+def require_vision() -> None:
+    """ValueError naming the extra to install when images cannot be read here."""
+    try:
+        import mlx_vlm  # noqa: F401
+        import PIL  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"images and video need {VISION_HINT}; missing: {e.name}") from None
+
+
 def load_processor(model_path: Path, config: dict) -> Any:
     """mlx-vlm's DiffusionGemma processor of a checkpoint with a vision tower and
     processor files, or None."""

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-INSTALL_HINT = "pip install 'mlx-lm-diffusion[constraints]' (llguidance)"
+INSTALL_HINT = 'the constraints extra: pip install -e ".[constraints]" in a clone of mlx-lm-diffusion (llguidance)'
 # Compact JSON: one way to write each value, so a constrained decode spends no tokens
 # on optional whitespace (a schema's own "x-guidance" settings still apply).
 JSON_DEFAULTS = {"whitespace_flexible": False}

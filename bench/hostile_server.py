@@ -1,0 +1,136 @@
+"""A normal client's wait while hostile requests of each kind run (issue 33), outside the tests.
+
+Starts `python -m mlx_lm_diffusion.server` (from the current directory's checkout: run it
+from another worktree to measure another commit) on a tiny random LLaDA wide enough that a
+forward costs something, then, per kind of hostile load, runs that load for --seconds while
+one normal client sends short chat requests one after another, and prints per kind: the
+normal requests' p50 / p99 / max wait, how many completed, and the server's threads and
+resident memory (from /proc) at the end of the phase.
+
+    python bench/hostile_server.py --seconds 30
+    (cd /tmp/before && python /work/main/bench/hostile_server.py --seconds 30)   # another commit
+"""
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from checkpoints import write_llada  # noqa: E402
+
+PROMPT = {"prompt": [72, 101, 108, 108, 111], "target_length": 5 + 4, "num_steps": 4,
+          "temperature_schedule": [0.0] * 4}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, path: str, body: bytes, timeout: float = 300):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        conn.close()
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": "Hi"}], **fields}).encode()
+
+
+# each kind: (threads, the body a hostile thread sends again and again, the route)
+KINDS = {
+    "none": (0, None, None),
+    "protocol flood": (4, json.dumps(PROMPT).encode(), "/v1/diffusion/generate"),
+    "400,000 stop strings": (2, chat(stop=[f"s{i}" for i in range(400_000)], max_tokens=8), "/v1/chat/completions"),
+    "long requests at the bound": (32, chat(max_tokens=512, block_length=32, steps=32), "/v1/chat/completions"),
+    "lone decodes (suffix)": (2, json.dumps({"prompt": "Hello", "suffix": " world", "max_tokens": 256,
+                                             "block_length": 32, "steps": 32}).encode(), "/v1/completions"),
+    "7 MB bad protocol bodies": (2, (json.dumps({**PROMPT, "pad": "x" * 7_000_000})[:-1] + ', "num_steps": -1}')
+                                 .encode(), "/v1/diffusion/generate"),
+}
+
+
+def proc_status(pid: int) -> dict:
+    fields = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return {"threads": int(fields["Threads"]), "rss_mb": int(fields["VmRSS"].split()[0]) / 1024}
+
+
+def phase(port: int, pid: int, kind: str, seconds: float) -> dict:
+    count, body, route = KINDS[kind]
+    stop = threading.Event()
+
+    def hostile():
+        while not stop.is_set():
+            post(port, route, body, timeout=seconds + 5)
+
+    threads = [threading.Thread(target=hostile, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    time.sleep(min(2.0, seconds / 10) if count else 0)  # (the load is on before the first normal request)
+    waits = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        status = post(port, "/v1/chat/completions", chat(max_tokens=8), timeout=seconds * 4)
+        waits.append(time.monotonic() - started if status == 200 else float("inf"))
+    figures = proc_status(pid)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=seconds + 10)
+    waits.sort()
+    done = [w for w in waits if w != float("inf")]
+    return {"kind": kind, "normal requests": len(done), "failed": len(waits) - len(done),
+            "p50 s": waits[len(waits) // 2] if waits else None,
+            "p99 s": waits[min(len(waits) - 1, int(len(waits) * 0.99))] if waits else None,
+            "max s": waits[-1] if waits else None, **figures}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=30.0, help="each phase's length")
+    parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=list(KINDS))
+    args = parser.parse_args()
+    model = write_llada(Path(tempfile.mkdtemp()) / "llada", d_model=256, n_layers=4, max_len=2048)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(model), "--port",
+                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while post(port, "/v1/chat/completions", chat(max_tokens=1), timeout=30) != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the server did not come up")
+            time.sleep(0.5)
+        rows = [phase(port, proc.pid, kind, args.seconds) for kind in args.kinds]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print(f"commit {os.popen('git rev-parse --short HEAD').read().strip()}, {args.seconds:.0f} s per phase")
+    print("| hostile load | normal requests | failed | p50 s | p99 s | max s | threads | RSS MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['kind']} | {r['normal requests']} | {r['failed']} | {r['p50 s']:.2f} | {r['p99 s']:.2f} "
+              f"| {r['max s']:.2f} | {r['threads']} | {r['rss_mb']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
