@@ -309,3 +309,40 @@ def test_health_says_not_ready_after_running_out_of_memory(mode, monkeypatch):
         assert status == 503 and "out of memory" in body["reason"], body
         assert chat(port, {"messages": [{"role": "user", "content": "1+2="}]})[0] == 200
         assert health(port)[0] == 200
+
+
+def _half_closed_exchange(port: int, body: dict) -> bytes:
+    """Send `body` to /v1/completions, shut down the sending side (a half-close), and read
+    everything the server answers until it closes."""
+    data = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize("mode", ["batched", "serial"])
+def test_a_client_that_half_closes_gets_its_whole_answer(llada_path, mode):
+    """A client that sends its request and shuts down its sending side still reads: it got
+    no bytes (or a stream without [DONE]) while the log said 200, because the end of its
+    stream was taken for its leaving."""
+    flags = [] if mode == "batched" else ["--no-batch"]
+    body = {"prompt": "Hello", "max_tokens": 64, "block_length": 64, "steps": 64, "temperature": 0}
+    with running_server(["--model", str(llada_path), "--port", "0", "--log-level", "WARNING", *flags]) as s:
+        port = s[0].server_address[1]
+        expected = post_json(port, "/v1/completions", body)[1]["choices"][0]["text"]
+        answer = _half_closed_exchange(port, body)
+        while answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):  # (interim answers a client skips)
+            answer = answer[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.split(b" ")[1] == b"200", answer[:300]
+        assert json.loads(payload)["choices"][0]["text"] == expected
+        streamed = _half_closed_exchange(port, {**body, "stream": True})
+        assert streamed.split(b" ")[1] == b"200" and streamed.rstrip().endswith(b"data: [DONE]")
+        text = "".join(json.loads(line[len(b"data: "):])["choices"][0]["text"] for line in streamed.split(b"\n")
+                       if line.startswith(b"data: {") and json.loads(line[len(b"data: "):])["choices"])
+        assert text == expected

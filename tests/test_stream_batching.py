@@ -104,3 +104,27 @@ def test_peers_closed_polls_every_socket_at_once():
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def test_a_half_close_is_told_from_a_close_by_what_a_write_brings_back():
+    """The end of a client's stream (FIN) is HALF: it may still read. One that closed
+    entirely answers the next write with a reset: then it is gone (True)."""
+    import time
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    halves, fulls = socket.create_connection(("127.0.0.1", port)), socket.create_connection(("127.0.0.1", port))
+    half, full = listener.accept()[0], listener.accept()[0]
+    try:
+        halves.shutdown(socket.SHUT_WR)
+        fulls.close()
+        time.sleep(0.1)
+        assert peers.closed([half, full]) == [peers.HALF, peers.HALF]
+        for server_side in (half, full):
+            server_side.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        time.sleep(0.1)
+        assert peers.closed([half, full]) == [peers.HALF, True]
+        assert halves.recv(100) == b"HTTP/1.1 100 Continue\r\n\r\n"  # (the half-closed client reads on)
+    finally:
+        for s in (listener, halves, half, full):
+            s.close()

@@ -74,7 +74,7 @@ def request_state(request: Any) -> dict:
     """A request as the other ranks receive it: without this process's channels (the
     client's socket, the draft sink, the cancel event)."""
     state = dict(request.__dict__)
-    state.update(draft_sink=None, connection=None, ctx=None, cancel=None, cancel_error=None)
+    state.update(draft_sink=None, connection=None, ctx=None, cancel=None, cancel_error=None, peer_probe=None)
     return state
 
 

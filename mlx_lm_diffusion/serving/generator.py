@@ -338,12 +338,22 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         cancel = getattr(req, "cancel", None)
         sock = getattr(req, "connection", None)
 
-        def check(peer_closed: Optional[bool] = None) -> None:
-            """`peer_closed`: whether the client left, when the caller polled it already."""
+        probe = getattr(req, "peer_probe", None)
+        probed = []
+
+        def check(peer_closed: Any = None) -> None:
+            """`peer_closed`: the client's state (peers.closed), when the caller polled it already."""
             if cancel is not None and cancel.is_set():
                 raise req.cancel_error or Cancelled()
-            if sock is not None and (peers.closed([sock])[0] if peer_closed is None else peer_closed):
+            state = (peers.closed([sock])[0] if peer_closed is None else peer_closed) if sock is not None else False
+            if state is True:
                 raise ClientGone("the client closed its connection")
+            if state == peers.HALF and probe is not None and not probed:
+                probed.append(True)  # (once: a client that closed entirely answers it with a reset)
+                try:
+                    probe()
+                except OSError:
+                    raise ClientGone("the client closed its connection") from None
 
         check.socket = sock  # (a running batch polls every row's socket at once: mlx_lm_diffusion.serving.peers)
         return check

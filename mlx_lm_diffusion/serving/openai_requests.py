@@ -71,6 +71,7 @@ class DiffusionRequest(CompletionRequest):
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_error: Optional[BaseException] = None  # what a cancelled decode raises
     connection: Any = None  # the client's socket: a closed one cancels the decode
+    peer_probe: Optional[Callable[[], None]] = None  # writes the client an interim answer (peers.HALF)
     images: list = field(default_factory=list)  # decoded on the handler thread (images.py)
     image_prompt: Optional[List[int]] = None  # their prompt, built by the processor
     prompt_ids: Optional[List[int]] = None  # a completion's prompt given as token ids

@@ -229,11 +229,18 @@ class Routes:
             drafts=self.drafts,
             draft_sink=self._send_draft if self.drafts else None,
             connection=self.connection,
+            peer_probe=self._interim_answer if not self.stream and self.request_version == "HTTP/1.1" else None,
         )
         if self.cancel.is_set():
             self._request.cancel_error = self.cancel_error
             self._request.cancel.set()
         return self._request
+
+    def _interim_answer(self) -> None:
+        """An interim `100 Continue` (HTTP/1.1 clients read and skip 1xx answers): written
+        when the client's stream ended while its answer is decoded, to tell a client that
+        half-closed (it reads on) from one that left (its system answers with a reset)."""
+        self.connection.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     # -- completions
 
