@@ -30,12 +30,12 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from checkpoints import MASK_ID, VOCAB, write_dream, write_llada  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve  # noqa: E402
+from mlx_lm_diffusion.testing.checkpoints import MASK_ID, VOCAB, write_dream, write_llada  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
 
 PROMPT = list(range(40, 72))  # 32 tokens

@@ -21,11 +21,10 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from checkpoints_block import LLADA2_MASK, write_llada2, write_sdar  # noqa: E402
-
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve  # noqa: E402
+from mlx_lm_diffusion.testing.block_checkpoints import LLADA2_MASK, write_llada2, write_sdar  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
 
 GEN = 256

@@ -23,12 +23,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import jsonschema  # noqa: E402
-from checkpoints import write_llada  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.demo import load_demo  # noqa: E402
 from mlx_lm_diffusion.output.grammar import json_schema_processor  # noqa: E402
+from mlx_lm_diffusion.testing.checkpoints import write_llada  # noqa: E402
 
 DEMO_SCHEMA = {"type": "integer", "minimum": 0, "maximum": 1998}
 MICRO_SCHEMA = {

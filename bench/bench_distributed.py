@@ -27,12 +27,12 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from checkpoints import write_llada  # noqa: E402
-from checkpoints_block import write_llada2  # noqa: E402
 from decoding import engine_decode  # noqa: E402
 
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.parallel.distributed import parameter_bytes  # noqa: E402
+from mlx_lm_diffusion.testing.block_checkpoints import write_llada2  # noqa: E402
+from mlx_lm_diffusion.testing.checkpoints import write_llada  # noqa: E402
 
 CANVAS = 256  # tokens per forward (prompt + canvas of a decode)
 REPEATS = 5

@@ -45,12 +45,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from checkpoints import write_dream, write_llada  # noqa: E402
-
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.api.generation import _engine  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders.vocab_stats import greedy_parts  # noqa: E402
+from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
 
 GEN, PROMPT = 128, list(range(40, 72))

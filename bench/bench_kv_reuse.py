@@ -4,7 +4,7 @@
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python bench/bench_kv_reuse.py [--history 1000] [--max-tokens 16] [--repeats 3]
 
-For each micro model (random weights, tests/checkpoints_*.py layouts) an in-process
+For each micro model (random weights, mlx_lm_diffusion.testing layouts) an in-process
 `mlx_lm_diffusion.server` gets a chat of about --history prompt tokens, then its second
 turn (the history, the model's reply, a new user message), streamed with `"drafts": true`
 so that the first forward is visible as the first draft comment (and the same through the
@@ -187,9 +187,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="Also write the figures to this file")
     args = p.parse_args(argv)
 
-    from checkpoints_block import write_llada2, write_sdar
-    from checkpoints_nemotron_gemma import write_nemotron
     from transformers.utils import logging as hf_logging
+
+    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+    from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 
     hf_logging.set_verbosity_error()
     writers = {

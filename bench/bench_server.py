@@ -5,7 +5,7 @@
                                  [--models sdar llada llada-fast nemotron-spec]
 
 Side by side in one run, for each micro model (tiny random checkpoints written by
-tests/checkpoints*.py: SDAR with block 4, LLaDA with block 32, and with --models
+mlx_lm_diffusion/testing: SDAR with block 4, LLaDA with block 32, and with --models
 llada-fast the same LLaDA with Fast-dLLM's preset: dual cache, threshold 0.9, nemotron-spec a
 partly predictable Nemotron-Labs Diffusion with self-speculation, windows up to 32) two servers run
 in-process on 127.0.0.1, one batched and one with --no-batch; at each client count both
@@ -46,9 +46,10 @@ MODELS = {"sdar": "SDAR (block 4)", "llada": "LLaDA (block 32)", "llada-fast": "
 def checkpoints(folder: Path, models: Sequence[str] = ("sdar", "llada")) -> dict:
     """{name: (checkpoint, request fields)} of the chosen `models` (MODELS' keys)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from checkpoints import write_llada
-    from checkpoints_block import write_sdar
     from checkpoints_self_spec import write_speculable_nemotron
+
+    from mlx_lm_diffusion.testing.block_checkpoints import write_sdar
+    from mlx_lm_diffusion.testing.checkpoints import write_llada
 
     llada = str(write_llada(folder / "llada")) if {"llada", "llada-fast"} & set(models) else None
     chosen = {"sdar": lambda: (str(write_sdar(folder / "sdar")), {}),
@@ -185,7 +186,8 @@ def second_turns(args) -> list:
     """Second-turn latency, cold and with KV reuse, batched and serial (bench_kv_reuse)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_kv_reuse
-    from checkpoints_block import write_sdar
+
+    from mlx_lm_diffusion.testing.block_checkpoints import write_sdar
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:

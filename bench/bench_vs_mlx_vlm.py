@@ -46,12 +46,11 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from checkpoints_gemma_images import make_image, write_gemma_with_vision  # noqa: E402
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron  # noqa: E402
-
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve  # noqa: E402
+from mlx_lm_diffusion.testing.gemma_vision_checkpoints import make_image, write_gemma_with_vision  # noqa: E402
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma, write_nemotron  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
 from model_adapters.gemma_vision import VisionInputs  # noqa: E402
 

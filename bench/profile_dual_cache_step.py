@@ -36,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from bench_bidirectional_cache import BLOCK, PROMPT, SIZE, Counted, _peer_ready, decode  # noqa: E402
-from checkpoints import MASK_ID, write_dream  # noqa: E402
 from mlx_arsenal.diffusion import threshold_transfer, topk_transfer  # noqa: E402
 
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders import base as decoder_base  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket, read_positions, spread, spread_filled  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders.vocab_stats import greedy_parts  # noqa: E402
+from mlx_lm_diffusion.testing.checkpoints import MASK_ID, write_dream  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
 
 

@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import bench_engine  # noqa: E402
-from checkpoints import write_dream, write_llada  # noqa: E402
 
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders.vocab_stats import LOG2E, _cpu_exp_terms  # noqa: E402
+from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada  # noqa: E402
 
 try:
     from mlx_lm_diffusion.decoding.decoders.vocab_stats import logprob_rows  # noqa: E402

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
-from checkpoints import EOS_ID, VOCAB, write_tokenizer
 from mlx.utils import tree_flatten, tree_map
+
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB, write_tokenizer
 
 CONFIGS = {
     "llama": dict(

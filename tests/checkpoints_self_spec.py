@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from checkpoints_nemotron_gemma import write_nemotron
 from safetensors.numpy import load_file, save_file
+
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 
 ATTRACTORS = (40, 41, 42)
 

@@ -1,5 +1,6 @@
 import pytest
-from checkpoints import write_dream, write_llada
+
+from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada
 
 
 @pytest.fixture(scope="session")
@@ -44,28 +45,28 @@ def _load(tmp_path_factory, name, write):
 
 @pytest.fixture(scope="module")
 def sdar(tmp_path_factory):
-    from checkpoints_block import write_sdar
+    from mlx_lm_diffusion.testing.block_checkpoints import write_sdar
 
     return _load(tmp_path_factory, "sdar", write_sdar)
 
 
 @pytest.fixture(scope="module")
 def llada2(tmp_path_factory):
-    from checkpoints_block import write_llada2
+    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2
 
     return _load(tmp_path_factory, "llada2", write_llada2)
 
 
 @pytest.fixture(scope="module")
 def nemotron(tmp_path_factory):
-    from checkpoints_nemotron_gemma import write_nemotron
+    from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 
     return _load(tmp_path_factory, "nemotron", write_nemotron)
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    from checkpoints_nemotron_gemma import write_diffusion_gemma
+    from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma
 
     return _load(tmp_path_factory, "gemma", write_diffusion_gemma)
 

@@ -5,9 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoints import write_dream, write_llada
 
 import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_engine  # noqa: E402

@@ -20,12 +20,12 @@ import mlx.core as mx
 import numpy as np
 import oracles
 import pytest
-from checkpoints import MASK_ID
 from decoding import engine_decode
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.commit_rules import RULES
 from mlx_lm_diffusion.decoding.options import DecodeOptions, named_options, resolve, schema
+from mlx_lm_diffusion.testing.checkpoints import MASK_ID
 from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33, 40]]
@@ -357,9 +357,8 @@ def test_fast_preset(llada, dream):
 def test_cache_option_everywhere_and_refused_elsewhere(tmp_path):
     import argparse
 
-    from checkpoints_block import write_sdar
-
     from mlx_lm_diffusion.decoding.options import add_arguments, check_fields
+    from mlx_lm_diffusion.testing.block_checkpoints import write_sdar
 
     assert "cache" in named_options() and schema()["cache"].json_schema()["enum"] == ["prefix", "dual"]
     assert check_fields({"cache": "dual"}) == {"cache": "dual"}  # the server's JSON field

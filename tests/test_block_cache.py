@@ -6,13 +6,13 @@ current block against the cache, and the cache grows with the prefix, not the st
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints_block import write_llada2, write_sdar
 from mlx_arsenal.attention import block_causal_mask
 from mlx_lm.models.cache import KVCache
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
 from model_adapters import adapter_for
 from model_adapters.attention.block_cache import window_mask
 

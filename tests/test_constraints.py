@@ -8,13 +8,13 @@ from pathlib import Path
 import jsonschema
 import mlx.core as mx
 import pytest
-from checkpoints import EOS_ID, MASK_ID, VOCAB
-from checkpoints_block import SDAR_MASK
 from mlx_lm.sample_utils import make_logits_processors, make_repetition_penalty, make_sampler
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api import generation
 from mlx_lm_diffusion.decoding.decoders.constraints import masks_only
+from mlx_lm_diffusion.testing.block_checkpoints import SDAR_MASK
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, MASK_ID, VOCAB
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 LETTERS = list(range(65, 91))  # "A".."Z" in the byte-level test vocabulary

@@ -11,12 +11,12 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import EOS_ID, VOCAB
-from checkpoints_nemotron_gemma import write_diffusion_gemma
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma
 from model_adapters import adapter_for
 from model_adapters.diffusion_gemma import Adapter
 

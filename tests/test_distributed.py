@@ -19,15 +19,15 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from checkpoints import write_dream, write_llada
 from checkpoints_ar import write_causal
-from checkpoints_block import write_llada2, write_sdar
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
 from decoding import engine_decode
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.cli.convert import convert
 from mlx_lm_diffusion.parallel.distributed import parameter_bytes
+from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma, write_nemotron
 from model_adapters.runtime.sharding import check_divisible, quantization_groups
 
 TESTS = Path(__file__).parent

@@ -6,12 +6,12 @@ against its definition (numpy), against the exact step where k covers the vocabu
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import VOCAB
-from checkpoints_gemma_images import make_image, write_gemma_with_vision
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.decoders.uniform_canvas import UniformCanvasDecoder, full_logprobs
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.testing.checkpoints import VOCAB
+from mlx_lm_diffusion.testing.gemma_vision_checkpoints import make_image, write_gemma_with_vision
 from model_adapters import adapter_for
 
 CANVAS = 16

@@ -13,8 +13,6 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import VOCAB
-from checkpoints_gemma_images import IMAGE_ID, MAX_SOFT_TOKENS, PATCH, POOL, make_image, write_gemma_with_vision
 from cli_run import run_main
 from test_diffusion_gemma import _NoText
 
@@ -22,6 +20,15 @@ import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.media import images
+from mlx_lm_diffusion.testing.checkpoints import VOCAB
+from mlx_lm_diffusion.testing.gemma_vision_checkpoints import (
+    IMAGE_ID,
+    MAX_SOFT_TOKENS,
+    PATCH,
+    POOL,
+    make_image,
+    write_gemma_with_vision,
+)
 from model_adapters import adapter_for
 from model_adapters.gemma_vision import VisionInputs
 
@@ -570,7 +577,7 @@ def test_video_frames_go_through_the_vision_tower(loaded, vision_path, video_fil
     assert vision.position_ids is not None and vision.mm_token_type_ids is not None
     enc = model.model.encoder
     features = enc.embed_vision(enc.vision_tower(vision.pixel_values, vision.position_ids))
-    from checkpoints_gemma_images import VIDEO_ID
+    from mlx_lm_diffusion.testing.gemma_vision_checkpoints import VIDEO_ID
 
     assert features.shape[-2] == tokens.count(VIDEO_ID) > 0
     kw = dict(max_tokens=CANVAS, seed=0)

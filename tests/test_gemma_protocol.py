@@ -12,13 +12,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints_gemma_images import IMAGE_ID, make_image, write_gemma_with_vision
 from mlx_arsenal.diffusion import uniform_canvas
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api.protocol import run_request, validate_response
 from mlx_lm_diffusion.decoding.schedules import quotas
 from mlx_lm_diffusion.media import images
+from mlx_lm_diffusion.testing.gemma_vision_checkpoints import IMAGE_ID, make_image, write_gemma_with_vision
 
 TEXT = "Look: <|image|> what?"
 NEW = 8

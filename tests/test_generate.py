@@ -3,12 +3,12 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import EOS_ID, MASK_ID, VOCAB
 from mlx_lm.generate import GenerationResponse
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.commit_rules import RULES
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, MASK_ID, VOCAB
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 

@@ -5,11 +5,11 @@ import json
 import shutil
 
 import pytest
-from checkpoints import write_dream, write_llada
 
 import mlx_lm_diffusion
 from mlx_lm_diffusion.decoding import generation_defaults
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada
 from model_adapters import adapter_for
 
 PROMPT = [3, 5, 7, 9]

@@ -21,7 +21,6 @@ from pathlib import Path
 import mlx_lm.server
 import openai
 import pytest
-from checkpoints import EOS_ID, EOT_ID, write_llada
 from serving import running_server
 
 import mlx_lm_diffusion as mld
@@ -30,6 +29,7 @@ from mlx_lm_diffusion.serving import startup as dserver
 from mlx_lm_diffusion.serving.errors import Cancelled
 from mlx_lm_diffusion.serving.openai_requests import SEED_MAX, request_seed
 from mlx_lm_diffusion.serving.routes import PROTOCOL_PATH
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, EOT_ID, write_llada
 
 TIMEOUT = 60
 READ_TIMEOUT = 1.0

@@ -6,12 +6,12 @@ import mlx.core as mx
 import numpy as np
 import oracles
 import pytest
-from checkpoints import EOS_ID, MASK_ID
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.output.infill import suffix_seed
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, MASK_ID
 from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]
@@ -147,8 +147,9 @@ def _load(writer, tmp_path, *args):
 
 def test_families_that_cannot_see_a_suffix_refuse_it(tmp_path):
     from checkpoints_ar import write_causal
-    from checkpoints_block import write_llada2, write_sdar
-    from checkpoints_nemotron_gemma import write_nemotron
+
+    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+    from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 
     cases = {"block-causal": [write_sdar, write_llada2], "causal prefix": [write_nemotron]}
     for reason, writers in cases.items():
@@ -163,7 +164,7 @@ def test_families_that_cannot_see_a_suffix_refuse_it(tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    from checkpoints_nemotron_gemma import write_diffusion_gemma
+    from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma
 
     return mld.load(str(write_diffusion_gemma(tmp_path_factory.mktemp("gemma"))))
 

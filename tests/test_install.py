@@ -12,9 +12,6 @@ import mlx.core as mx
 import mlx_lm
 import openai
 import pytest
-from checkpoints import VOCAB, write_dream, write_llada, write_tokenizer
-from checkpoints_block import write_llada2, write_sdar
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
@@ -22,6 +19,9 @@ from mlx_lm.models.cache import KVCache
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.compat import TokenCache
+from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+from mlx_lm_diffusion.testing.checkpoints import VOCAB, write_dream, write_llada, write_tokenizer
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma, write_nemotron
 
 install_module = importlib.import_module("mlx_lm_diffusion.api.install")
 cache_module = importlib.import_module("mlx_lm.models.cache")

@@ -21,8 +21,6 @@ import numpy as np
 import openai
 import pytest
 from checkpoints_ar import write_causal
-from checkpoints_block import write_llada2, write_sdar
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
 from mlx_lm.models.cache import LRUPromptCache
 from serving import TIMEOUT, running_server
 
@@ -30,6 +28,8 @@ import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma, write_nemotron
 from model_adapters import adapter_for
 from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, block_causal
 from model_adapters.runtime.prompt_cache import TokenCache

@@ -9,13 +9,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints_block import LLADA2_EOS, LLADA2_MASK, write_llada2
 from mlx_arsenal.attention import block_causal_mask
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api import generation as api  # (mld.generate is rebound if the CLI module loads)
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.testing.block_checkpoints import LLADA2_EOS, LLADA2_MASK, write_llada2
 from model_adapters import adapter_for
 
 TOL = 1e-4

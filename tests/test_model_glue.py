@@ -8,13 +8,13 @@ import sys
 
 import mlx_lm
 import pytest
-from checkpoints import write_dream, write_llada
-from checkpoints_block import write_llada2, write_sdar
-from checkpoints_nemotron_gemma import write_diffusion_gemma, write_nemotron
 from mlx.utils import tree_flatten
 
 import mlx_lm_diffusion as mld
 import model_adapters
+from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma, write_nemotron
 from model_adapters.base import DiffusionLM
 from model_adapters.runtime.prompt_cache import TokenCache
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import langchain_openai
 import openai
 import pytest
-from checkpoints_block import write_sdar
 from serving import running_server
 
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+from mlx_lm_diffusion.testing.block_checkpoints import write_sdar
 
 GREEDY = {"temperature": 0.0, "max_tokens": 12}
 

@@ -6,8 +6,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from checkpoints_ar import write_causal
-from checkpoints_block import write_llada2, write_sdar
-from checkpoints_nemotron_gemma import write_nemotron
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_lm_diffusion as mld
@@ -15,6 +13,8 @@ from mlx_lm_diffusion.decoding.decoders import decoder_class
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, check_forward_budget, forward_bound, resolve
 from mlx_lm_diffusion.decoding.schedules import ScheduleQuota
+from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 from model_adapters import adapter_for
 
 

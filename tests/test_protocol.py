@@ -8,12 +8,12 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from checkpoints import MASK_ID
 from checkpoints_ar import write_causal
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api.protocol import REQUEST_SCHEMA, prepare_request, run_request, validate_response
 from mlx_lm_diffusion.decoding.schedules import masked_after, quotas
+from mlx_lm_diffusion.testing.checkpoints import MASK_ID
 from model_adapters import adapter_for
 
 BASE = {
@@ -167,7 +167,7 @@ def test_generate_accepts_schedule(llada):
 
 @pytest.fixture(scope="module", params=["sdar", "llada2"])
 def block_causal(request, tmp_path_factory):
-    from checkpoints_block import write_llada2, write_sdar
+    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
 
     writer = {"sdar": write_sdar, "llada2": write_llada2}[request.param]
     return mld.load(str(writer(tmp_path_factory.mktemp(request.param))))

@@ -3,11 +3,11 @@ listed as unmasked, and the schedule counts the free positions only."""
 
 import oracles
 import pytest
-from checkpoints import MASK_ID
 from test_protocol import BASE
 
 from mlx_lm_diffusion.api.protocol import run_request, validate_response
 from mlx_lm_diffusion.decoding.schedules import quotas
+from mlx_lm_diffusion.testing.checkpoints import MASK_ID
 
 
 def seeded(pinned: dict):

@@ -11,8 +11,9 @@ import time
 import numpy as np
 import openai
 import pytest
-from checkpoints import EOS_ID, EOT_ID
 from serving import running_server
+
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, EOT_ID
 
 TIMEOUT = 120  # seconds any client call may take
 CONCURRENCY = 8  # --decode-concurrency of the test server: 16 clients queue for 8 rows

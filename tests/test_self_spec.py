@@ -17,15 +17,15 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints import EOS_ID
-from checkpoints_nemotron_gemma import NEMOTRON_MASK_ID as MASK_ID
-from checkpoints_nemotron_gemma import write_nemotron
 from checkpoints_self_spec import write_speculable_nemotron
 from decoding import engine_decode, record_batch_sizes
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, forward_bound, resolve
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import NEMOTRON_MASK_ID as MASK_ID
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]

@@ -17,13 +17,13 @@ import mlx_lm.server
 import numpy as np
 import openai
 import pytest
-from checkpoints import EOS_ID, EOT_ID
 from serving import console_server, running_server
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.serving import startup as dserver
 from mlx_lm_diffusion.serving.openai_requests import merge_options
 from mlx_lm_diffusion.serving.scheduler import Scheduler
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, EOT_ID
 
 TIMEOUT = 120  # seconds any single client call may take before the test fails
 MAX_TOKENS = 12

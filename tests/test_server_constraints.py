@@ -6,10 +6,10 @@ import json
 import jsonschema
 import openai
 import pytest
-from checkpoints import MASK_ID
 from serving import running_server
 
 import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.testing.checkpoints import MASK_ID
 
 TIMEOUT = 120
 SCHEMA = {

@@ -10,9 +10,10 @@ import json
 import openai
 import pytest
 import scripted_family
-from checkpoints import write_dream
 from openai_schema import check
 from serving import post_json, running_server
+
+from mlx_lm_diffusion.testing.checkpoints import write_dream
 
 # Qwen-style markers: mlx-lm picks its json_tools parser from "<tool_call>" and
 # "tool_call.name" in the template (mlx_lm.tokenizer_utils._infer_tool_parser).

@@ -7,12 +7,12 @@ import json
 import openai
 import pytest
 import toy_family  # noqa: F401  (registers the family: the one registry line)
-from checkpoints import write_dream
 from cli_run import run_main
 from serving import running_server
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.options import named_options
+from mlx_lm_diffusion.testing.checkpoints import write_dream
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 

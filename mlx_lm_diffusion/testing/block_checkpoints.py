@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-from checkpoints import _byte_of, _linear, _norm
 from safetensors.numpy import save_file
+
+from mlx_lm_diffusion.testing.checkpoints import _byte_of, _linear, _norm
 
 VOCAB = 320
 

@@ -16,8 +16,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-from checkpoints import EOS_ID, VOCAB, _linear, _norm, write_tokenizer
 from safetensors.numpy import save_file
+
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB, _linear, _norm, write_tokenizer
 
 NEMOTRON_MASK_ID = 260  # <|mdm_mask|> in the test tokenizer (100 in the released checkpoints)
 

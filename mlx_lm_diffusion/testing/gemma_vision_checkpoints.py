@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from checkpoints import EOS_ID, SPECIALS, VOCAB, _byte_of
-from checkpoints_nemotron_gemma import diffusion_gemma_config
+from mlx_lm_diffusion.testing.checkpoints import EOS_ID, SPECIALS, VOCAB, _byte_of
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import diffusion_gemma_config
 
 BOI, IMAGE, EOI, VIDEO = "<|image>", "<|image|>", "<image|>", "<|video|>"
 BOI_ID, IMAGE_ID, EOI_ID, VIDEO_ID = 261, 262, 263, 264  # after the test tokenizer's specials
@@ -68,9 +68,10 @@ def write_gemma_with_vision(path: Path, seed: int = 4, vocab_size: int = VOCAB, 
     `vocab_size`: the model's vocabulary (its embeddings and tied head), e.g. DiffusionGemma's
     released 262,144; the processor's tokenizer keeps its own few tokens, all below it."""
     import torch
-    from checkpoints_nemotron_gemma import random_diffusion_gemma
     from mlx_vlm.models.diffusion_gemma import DiffusionGemma4Processor
     from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor, Gemma4VideoProcessor
+
+    from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import random_diffusion_gemma
 
     if vocab_size <= VIDEO_ID:
         raise ValueError(f"vocab_size must exceed the tokenizer's ids (up to {VIDEO_ID}), got {vocab_size}")
