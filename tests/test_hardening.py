@@ -881,8 +881,12 @@ def test_base_dependencies_cover_what_the_server_imports():
         return found
 
     modules, top = set(), set()  # what the package's own code imports; at module level
+    writers = set()  # mlx_lm_diffusion.testing (the test checkpoints' writers): the `test` extra's
     for path in [*(root / "mlx_lm_diffusion").rglob("*.py"), *(root / "model_adapters").rglob("*.py")]:
         tree = ast.parse(path.read_text())
+        if "testing" in path.relative_to(root).parts:
+            writers |= imported(ast.walk(tree))
+            continue
         modules |= imported(ast.walk(tree))
         top |= imported(tree.body)
     assert "jsonschema" in modules
@@ -901,3 +905,6 @@ def test_base_dependencies_cover_what_the_server_imports():
     missing = {m: owners[m] for m in sorted(modules - own) if m in owners and not owned_by(m, required | optional)
                and (m in top or not owned_by(m, vision))}
     assert not missing, f"imported but not base dependencies (nor the vision extra, lazily): {missing}"
+    extras = {name(r) for extra in ("test", "vision") for r in project["optional-dependencies"][extra]}
+    uncovered = {m for m in writers - own if m in owners and not owned_by(m, required | extras)}
+    assert not uncovered, f"the checkpoint writers import what no extra installs: {uncovered}"

@@ -100,7 +100,7 @@ def test_missing_grammar_library_is_a_400(client, monkeypatch):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="default_model", messages=USER, max_tokens=8,
                                        response_format={"type": "json_object"})
-    assert "mlx-lm-diffusion[constraints]" in e.value.body["message"]
+    assert 'pip install -e ".[constraints]"' in e.value.body["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
