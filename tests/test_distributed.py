@@ -170,7 +170,9 @@ def test_the_readme_launch_of_the_console_script_answers_once():
 def test_a_rank_killed_mid_decode_ends_the_other_with_an_error(two_ranks):
     run = two_ranks["run"]
     assert two_ranks["killed_at"] is not None, run.stderr[-3000:]
-    assert "error: rank 0/2: the distributed group failed" in run.stderr, run.stderr[-3000:]
+    # (the heartbeat's word, or the collective's failure when that comes first)
+    assert ("error: rank 0/2: rank 1 is gone" in run.stderr or "error: rank 0/2: the distributed group failed"
+            in run.stderr), run.stderr[-3000:]
     assert "rank 0 exited with code 1" in run.stderr  # (mlx.launch's report; SIGTERM was ignored)
     assert two_ranks["ended"] - two_ranks["killed_at"] < 60
 

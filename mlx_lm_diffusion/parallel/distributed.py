@@ -32,6 +32,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
+from mlx_lm_diffusion.parallel import heartbeat
+
 # Set by mlx.launch (ring: MLX_HOSTFILE; JACCL: MLX_JACCL_COORDINATOR / MLX_IBV_DEVICES;
 # MPI: OMPI_*); without any of them there is no group to join.
 _LAUNCH_ENV = ("MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES", "OMPI_COMM_WORLD_SIZE")
@@ -44,7 +46,14 @@ def launched_group() -> Optional[mx.distributed.Group]:
     if not any(os.environ.get(name) for name in _LAUNCH_ENV):
         return None
     group = mx.distributed.init()
-    return group if group.size() > 1 else None
+    if group.size() <= 1:
+        return None
+    # (a rank that dies ends the others at once, not after the watchdog's wait: heartbeat)
+    try:
+        heartbeat.start(group, lambda obj: share_object(group, obj), lambda reason: fail(group, reason))
+    except OSError as e:
+        fail(group, f"the ranks could not connect to each other beside the collectives: {e}")
+    return group
 
 
 def is_leader(group: Optional[mx.distributed.Group]) -> bool:
@@ -142,11 +151,24 @@ class PeerWatchdog:
                                  f"(a peer hangs or died; {PEER_TIMEOUT_ENV} sets the limit)")
 
 
+_LAST_WORDS: list = []  # callbacks fail() runs before the process ends (the server's clients)
+
+
+def on_failure(callback: Callable[[str], None]) -> None:
+    """Run `callback(reason)` when this rank fails (distributed.fail), before it exits."""
+    _LAST_WORDS.append(callback)
+
+
 def fail(group: Optional[mx.distributed.Group], reason: str, code: int = 1) -> None:
     """One line on stderr naming this rank, then exit now: a collective of a broken
-    group can block interpreter teardown."""
+    group can block interpreter teardown. Its peers see it end (heartbeat)."""
     rank = "" if group is None else f"rank {group.rank()}/{group.size()}: "
     print(f"error: {rank}{' '.join(str(reason).split())}", file=sys.stderr, flush=True)
+    for callback in _LAST_WORDS:
+        try:
+            callback(reason)
+        except Exception:  # noqa: BLE001 (the process ends anyway)
+            pass
     sys.stdout.flush()
     os._exit(code)
 

@@ -98,6 +98,27 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
             return
         logging.exception(f"error while serving {client_address[0]}")
 
+    def answer_all(self, reason: str) -> None:
+        """The server cannot go on (a rank died): every request in flight gets an error,
+        an SSE error event and [DONE] in a stream already begun, a 503 otherwise; at most
+        a second per client."""
+        with self._lock:
+            handlers = list(self._handlers)
+        message = f"the server cannot answer: {reason}"
+        for handler in handlers:
+            if not getattr(handler, "busy", False):
+                continue
+            try:
+                handler.connection.settimeout(1.0)
+                if getattr(handler, "_stream_started", False):
+                    event = json.dumps(error_body(message, 503))
+                    handler.wfile.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+                else:
+                    handler._send_error(503, message)
+                handler.connection.shutdown(socket.SHUT_RDWR)
+            except Exception:  # noqa: BLE001 (a client gone already, a write cut short)
+                pass
+
     def open_connections(self) -> int:
         return self._open
 

@@ -88,7 +88,7 @@ from mlx_lm_diffusion.api.install import install
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import one_line_errors
 from mlx_lm_diffusion.media import images
-from mlx_lm_diffusion.parallel import distributed
+from mlx_lm_diffusion.parallel import distributed, heartbeat
 from mlx_lm_diffusion.serving import distributed_server
 from mlx_lm_diffusion.serving.errors import StartupError
 from mlx_lm_diffusion.serving.generator import DEFAULT_LONG_FORWARDS, DEFAULT_MAX_FORWARDS, DiffusionResponseGenerator
@@ -143,6 +143,8 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
             return None, generator  # mlx.launch: rank 0 serves, this rank follows it
         try:
             httpd = make_http_server(args.host, args.port, generator)
+            if generator.group is not None:  # (a rank that dies: every client gets an error, not a cut)
+                distributed.on_failure(httpd.answer_all)
         except OSError as e:
             raise StartupError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
     except BaseException:
@@ -442,6 +444,7 @@ def _exit_now(code: int) -> None:
         mx.synchronize()
     except Exception:
         pass
+    heartbeat.say_bye()  # (the other ranks stop watching this one: it ends normally)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
