@@ -56,6 +56,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, port: int, within: float, why=lambda: "") -> None:
+    """Until the server process `proc` answers GET /health with 200 on `port` (it must not exit)."""
+    deadline = time.monotonic() + within
+    while True:
+        assert proc.poll() is None, why()
+        assert time.monotonic() < deadline, "server did not come up"
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def console_server(command, env, log, ready_within=240):
     """The server as its own process (`command` + --port), on 127.0.0.1; yields the port once
@@ -64,17 +79,7 @@ def console_server(command, env, log, ready_within=240):
     with open(log, "wb") as out:
         proc = subprocess.Popen([*command, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + ready_within
-        while True:
-            assert proc.poll() is None, Path(log).read_text()[-2000:]
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
+        wait_healthy(proc, port, ready_within, lambda: Path(log).read_text()[-2000:])
         yield port
     finally:
         proc.terminate()
