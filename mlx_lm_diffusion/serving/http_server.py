@@ -17,7 +17,7 @@ from mlx_lm.server import (
     get_system_fingerprint,
 )
 
-from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, Cancelled, error_body
+from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, Cancelled, RequestError, error_body
 from mlx_lm_diffusion.serving.handler import DiffusionAPIHandler
 
 DEFAULT_READ_TIMEOUT = 30.0
@@ -104,17 +104,13 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
         a second per client."""
         with self._lock:
             handlers = list(self._handlers)
-        message = f"the server cannot answer: {reason}"
+        error = RequestError(f"the server cannot answer: {reason}", status=503)
         for handler in handlers:
             if not getattr(handler, "busy", False):
                 continue
             try:
                 handler.connection.settimeout(1.0)
-                if getattr(handler, "_stream_started", False):
-                    event = json.dumps(error_body(message, 503))
-                    handler.wfile.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
-                else:
-                    handler._send_error(503, message)
+                handler._answer_failure(error)  # (an SSE error event and [DONE] once a stream began)
                 handler.connection.shutdown(socket.SHUT_RDWR)
             except Exception:  # noqa: BLE001 (a client gone already, a write cut short)
                 pass

@@ -236,7 +236,7 @@ class RequestFields:
         if get("echo", False) is not False:
             raise RequestError("echo is not supported: the answer holds the completion only", param="echo")
         n = get("n", 1)
-        most = getattr(cli, "max_choices", None) or DEFAULT_MAX_CHOICES
+        self.max_choices = most = getattr(cli, "max_choices", None) or DEFAULT_MAX_CHOICES
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
             raise RequestError(f"n must be an integer in [1, {most}], got {n!r} (the server's --max-choices)",
                                param="n")

@@ -18,7 +18,6 @@ from mlx_lm_diffusion.serving import choices, stream_batching
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     _BODY_FIELDS,
-    DEFAULT_MAX_CHOICES,
     IGNORED_OPENAI_FIELDS,
     DiffusionRequest,
     check_unknown_fields,
@@ -207,7 +206,7 @@ class Routes:
         if not all(isinstance(p, str) or _token_ids(p) for p in prompts):
             raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of those",
                                param="prompt")
-        most = getattr(self.response_generator.cli_args, "max_choices", None) or DEFAULT_MAX_CHOICES
+        most = self.max_choices  # (RequestFields._read_fields, with n)
         if len(prompts) * self.choice_count > most:
             raise RequestError(f"{len(prompts)} prompts x n = {self.choice_count} is "
                                f"{len(prompts) * self.choice_count} choices; this server answers at most {most} "
@@ -285,8 +284,7 @@ class Routes:
         else:
             status, param, code = 500, None, None
             logging.error(f"request failed: {type(error).__name__}: {error}")
-            generator = self.response_generator
-            getattr(generator, "_real", generator).note_outcome(error)  # (out of memory: /health says so)
+            self.response_generator.note_outcome(error)  # (out of memory: /health says so)
         message = str(error) or type(error).__name__
         try:
             if self._stream_started:
