@@ -3,9 +3,10 @@
 The house, top to bottom (each layer imports only the ones below it; import-linter
 checks it, see .importlinter):
 
-    generate, chat, server, convert   `python -m` entry points
+    generate, chat, server, convert, evaluate   `python -m` entry points
     serving/     the OpenAI-compatible HTTP server and what only it uses
     cli/         the terminal doors: generate, chat, convert, the live canvas
+    evaluation/  lm-evaluation-harness: the likelihood bound, accuracy against speed
     demo/        the embedded demo model: its data, training and evaluation
     api/         the Python door: load, generate, stream_generate, generate_batch,
                  install(), mlx-lm's calling convention, the step-schedule protocol
