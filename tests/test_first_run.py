@@ -1,7 +1,7 @@
 """The first ten minutes, as a newcomer meets them (issue 12, part 9): the shipped demo
-driven the way a new user drives it, so none of it can come back unnoticed.
+driven the way a new user drives it, so none of it can come back unnoticed. (The README's
+own commands run as written, their output compared, in tests/test_docs.py.)
 
-- the README's demo commands, run as written (the console scripts);
 - `--model <the demo>` named explicitly, at several max_tokens (none, mlx-lm's 100, 8,
   64, 256, 512 and one past the context), with and without threshold 0.9;
 - the Python API and stock mlx-lm after install() at their default max_tokens;
@@ -17,8 +17,6 @@ import importlib
 import io
 import os
 import re
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,6 @@ import pytest
 from pty_run import run_in_pty
 from serving import console_server
 
-ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 PROMPT, ANSWER = "357+468=", "825"
 TIMEOUT = 150
@@ -57,45 +54,6 @@ def answer_lines(stdout):
 
 def plain(text):
     return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
-
-
-def readme_demo_commands():
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## The main job"):]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
-    return [c for c in commands if c.startswith("mlx_lm_diffusion.")]
-
-
-# ----------------------------------------------------------------------------- the README
-
-
-def expected_answer(argv):
-    """The sum a README command asks for ("357+468=" -> "825"), or None."""
-    prompt = next((b for a, b in zip(argv, argv[1:]) if a in ("--prompt", "-p")), None)
-    m = re.fullmatch(r"\s*(\d+)\s*\+\s*(\d+)\s*=\s*", prompt or "")
-    return str(int(m.group(1)) + int(m.group(2))) if m else None
-
-
-def test_the_readme_has_demo_commands():
-    commands = readme_demo_commands()
-    assert len(commands) >= 3 and any(PROMPT in c for c in commands), commands
-    assert expected_answer(shlex.split(f'x --prompt "{PROMPT}"')) == ANSWER
-
-
-@pytest.mark.parametrize("command", readme_demo_commands())
-def test_readme_command_as_written(command):
-    argv = shlex.split(command)
-    r = subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True,
-                       timeout=TIMEOUT, env=ENV)
-    assert r.returncode == 0, r.stderr
-    assert "Traceback" not in r.stderr
-    answer = expected_answer(argv)
-    if answer is not None:
-        assert answer_lines(r.stdout) == [answer], r.stdout
-    if "--show-canvas" in argv:
-        frames = [line for line in r.stderr.splitlines() if line.startswith("[forward ")]
-        assert frames and "[forward" not in r.stdout  # the canvas and the answer never share a line
 
 
 # ----------------------------------------------------------------------------- --model, any max_tokens
