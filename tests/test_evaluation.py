@@ -327,6 +327,11 @@ def test_the_cli_matches_the_demo_evaluation_and_sweeps(demo, task_dir, tmp_path
         assert record["setting"] == f"threshold={threshold}"
         assert record["results"]["demo_addition"]["exact_match,none"] == pytest.approx(reference.accuracy)
         assert record["speed"]["demo_addition"]["tokens_per_forward"] == pytest.approx(reference.tokens_per_forward)
+    # the plot of the metric against tokens per forward and tok/s: a real, non-blank picture
+    import matplotlib.image
+
+    picture = matplotlib.image.imread(out_dir / "evaluation.png")
+    assert picture.shape[0] > 100 and picture.shape[1] > 200 and picture[..., :3].std() > 0.05
 
 
 def test_multiple_choice_by_the_bound_finds_the_sum(task_dir, tmp_path, capsys):

@@ -161,13 +161,16 @@ def _check_can_begin(matcher: Any, tokenizer: Any, vocab_size: int) -> None:
     """ValueError, before anything runs, when no token of the vocabulary can begin text
     the grammar accepts (and it does not accept empty output): every token it allows
     first is special or has no text (the demo model's digits cannot begin a JSON object).
-    The decode would otherwise commit one and fail mid-way."""
+    The decode would otherwise commit one and fail mid-way. Each candidate is checked by
+    `validate_tokens` too: where the vocabulary cannot spell text the grammar forces (the
+    demo's '{"sum":'), llguidance's first mask can allow tokens that it then refuses."""
     if matcher.is_accepting():
         return
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     special = set(getattr(hf, "all_special_ids", ()) or ())
     allowed = np.flatnonzero(np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)[:vocab_size] > 0)
-    if not any(int(t) not in special and hf.decode([int(t)]) for t in allowed):
+    if not any(int(t) not in special and hf.decode([int(t)]) and matcher.validate_tokens([int(t)]) == 1
+               for t in allowed):
         raise ValueError("the model's vocabulary cannot begin output that matches this grammar (no token it "
                          "allows first has text of its own)")
 
