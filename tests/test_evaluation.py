@@ -407,3 +407,29 @@ def test_sweep_settings_are_the_cartesian_product():
         {"threshold": 0.9, "cache": None, "block_length": 4}, {"threshold": 0.9, "cache": "dual", "block_length": 4},
     ]
     assert settings([]) == [{}]
+
+
+def test_generate_until_stops_limits_and_applies_the_chat_template(demo, llada):
+    """lm-eval's generate_until arguments as the harness sends them: `until` cuts the answer
+    at a stop string (a row leaves the batch there), `max_gen_toks` bounds it; a chat
+    template renders the request as the tokenizer does (mlx_lm.evaluate's convention)."""
+    from mlx_lm_diffusion.evaluation.harness import DiffusionLM
+
+    lm = DiffusionLM(loaded=demo, use_chat_template=False)
+    answers = lm.generate_until([
+        instance("generate_until", ("357+468=", {"until": ["2"], "max_gen_toks": 8})),
+        instance("generate_until", ("357+468=", {"until": "x", "max_gen_toks": 8})),
+        instance("generate_until", ("357+468=", {"until": ["5"], "max_gen_toks": 8})),
+        instance("generate_until", ("9999+9999=", {"until": [], "max_gen_toks": 3})),
+    ])
+    assert answers[:3] == ["8", "825", "82"]
+    assert 1 <= len(answers[3]) <= 3  # 3 positions of the five-digit answer's 5 (one character per token)
+    speed = lm.speed.task("t")
+    assert speed.generated == 4 and speed.forwards > 0
+
+    model, tokenizer = llada
+    chat = DiffusionLM(loaded=llada, use_chat_template=True)
+    history = [{"role": "user", "content": "Hello"}]
+    rendered = chat.apply_chat_template(history)
+    assert rendered == tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    assert rendered != "Hello" and chat._encode(rendered) == tokenizer.encode(rendered, add_special_tokens=False)
