@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 
 def flag_of(parser: argparse.ArgumentParser, dest: str) -> str:
@@ -48,3 +48,17 @@ def refused_flag(parser: argparse.ArgumentParser, args: argparse.Namespace, refu
 
 def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def exit_status(work: Callable[[], Any]) -> int:
+    """Run a command-line tool's work: 0 when it returns; 2 and one line on stderr for bad
+    input (a ValueError or OSError says what to change); 130 after Ctrl-C."""
+    try:
+        work()
+    except (ValueError, OSError) as e:
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    return 0

@@ -31,7 +31,7 @@ from mlx_lm_diffusion.api.generation import DiffusionResponse, generate, generat
 from mlx_lm_diffusion.api.loading import load
 from mlx_lm_diffusion.cli.canvas_view import CanvasView
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
-from mlx_lm_diffusion.flags import flag_of, one_line, one_line_errors, refuse_flags, refused_flag  # noqa: F401
+from mlx_lm_diffusion.flags import exit_status, flag_of, one_line, one_line_errors, refuse_flags, refused_flag  # noqa: F401
 from mlx_lm_diffusion.media.images import require_vision, text_tokenizer
 from mlx_lm_diffusion.parallel import distributed
 from model_adapters import adapter_for
@@ -175,56 +175,53 @@ def _main(argv: Optional[Sequence[str]], group=None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
-    try:
-        options = decode_defaults(args)
-        _template_kwargs(args)  # a bad --chat-template-config fails before loading
-        if args.image or args.video:
-            require_vision()  # (without the extra: which one to install, before any loading)
+    return exit_status(lambda: _decode(args, run, group))
 
-        args.model = model_or_demo(args.model)
-        model, loaded = load_for_cli(args, group)
-        tokenizer = text_tokenizer(loaded)  # (a processor's tokenizer, for the text)
-        for eos_token in args.extra_eos_token:
-            tokenizer.add_eos_token(eos_token)
-        ids = distributed.share_object(group, _build_prompt(tokenizer, args))  # (stdin: rank 0's)
-        if args.suffix is not None:
-            options["suffix"] = args.suffix.replace("\\n", "\n").replace("\\t", "\t")
-        if args.image or args.video:
-            tokenizer = loaded  # the processor places the images' tokens
-            if isinstance(ids, str):  # no chat template: the images go with the text
-                options.update(image=list(args.image) or None, video=list(args.video) or None)
-        sampler = make_cli_sampler(args, text_tokenizer(tokenizer))
-        if not args.show_canvas:
-            text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
-                            sampler=sampler, seed=args.seed, draft_callback=run.progress(), **options)
-            run.finished(text)
-            if not args.verbose:
-                print(text)
-            return 0
-        # The canvas on stderr, the answer on stdout once final: they never share a line.
-        view = CanvasView(text_tokenizer(tokenizer), adapter_for(model, text_tokenizer(tokenizer)).mask_id)
-        shown = view if distributed.is_leader(group) else None  # (rank 0 draws the canvas)
-        text, last = "", None
-        try:
-            for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
-                                        seed=args.seed, draft_callback=run.progress(shown), **options):
-                text += last.text
-        finally:
-            view.close()
+
+def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=None) -> None:
+    """Load, build the prompt, generate and print (the answer on stdout, the canvas on stderr)."""
+    options = decode_defaults(args)
+    _template_kwargs(args)  # a bad --chat-template-config fails before loading
+    if args.image or args.video:
+        require_vision()  # (without the extra: which one to install, before any loading)
+
+    args.model = model_or_demo(args.model)
+    model, loaded = load_for_cli(args, group)
+    tokenizer = text_tokenizer(loaded)  # (a processor's tokenizer, for the text)
+    for eos_token in args.extra_eos_token:
+        tokenizer.add_eos_token(eos_token)
+    ids = distributed.share_object(group, _build_prompt(tokenizer, args))  # (stdin: rank 0's)
+    if args.suffix is not None:
+        options["suffix"] = args.suffix.replace("\\n", "\n").replace("\\t", "\t")
+    if args.image or args.video:
+        tokenizer = loaded  # the processor places the images' tokens
+        if isinstance(ids, str):  # no chat template: the images go with the text
+            options.update(image=list(args.image) or None, video=list(args.video) or None)
+    sampler = make_cli_sampler(args, text_tokenizer(tokenizer))
+    if not args.show_canvas:
+        text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
+                        sampler=sampler, seed=args.seed, draft_callback=run.progress(), **options)
         run.finished(text)
-        if args.verbose:
-            print("=" * 10)
+        if not args.verbose:
             print(text)
-            print_stats(last)
-        else:
-            print(text)
-    except (ValueError, OSError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
+        return
+    # The canvas on stderr, the answer on stdout once final: they never share a line.
+    view = CanvasView(text_tokenizer(tokenizer), adapter_for(model, text_tokenizer(tokenizer)).mask_id)
+    shown = view if distributed.is_leader(group) else None  # (rank 0 draws the canvas)
+    text, last = "", None
+    try:
+        for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
+                                    seed=args.seed, draft_callback=run.progress(shown), **options):
+            text += last.text
+    finally:
+        view.close()
+    run.finished(text)
+    if args.verbose:
+        print("=" * 10)
+        print(text)
+        print_stats(last)
+    else:
+        print(text)
 
 
 def print_stats(response) -> None:

@@ -34,7 +34,7 @@ from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.evaluation import report, sweep
 from mlx_lm_diffusion.evaluation.generation import generate_until
-from mlx_lm_diffusion.flags import one_line, one_line_errors
+from mlx_lm_diffusion.flags import exit_status, one_line_errors
 from model_adapters import adapter_for
 
 PROG = "mlx_lm_diffusion.evaluate"
@@ -104,15 +104,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
-    try:
-        evaluate(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    return 0
+    return exit_status(lambda: evaluate(args))
 
 
 def _checked_flags(args: argparse.Namespace) -> tuple:
