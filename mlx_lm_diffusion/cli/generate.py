@@ -22,6 +22,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
+import numpy as np
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -33,6 +34,7 @@ from mlx_lm_diffusion.cli.canvas_view import CanvasView
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import exit_status, flag_of, one_line, one_line_errors, refuse_flags, refused_flag  # noqa: F401
 from mlx_lm_diffusion.media.images import require_vision, text_tokenizer
+from mlx_lm_diffusion.output import unmask_order
 from mlx_lm_diffusion.parallel import distributed
 from model_adapters import adapter_for
 
@@ -86,6 +88,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="Video files for the video placeholders of the prompt, in order (DiffusionGemma)")
     p.add_argument("--show-canvas", action="store_true",
                    help="Show the canvas being unmasked (on stderr); the answer is printed once final")
+    p.add_argument("--trace-png", default=None, metavar="FILE",
+                   help="Save the unmask-order picture (position x forward, coloured by the confidence "
+                        "at commit) to FILE (.png, .svg or .pdf; needs matplotlib: the plot extra)")
     p.add_argument("--suffix", default=None,
                    help="Infill: the text after the generated span (prompt, at most --max-tokens "
                         "generated tokens, then this); the families that cannot attend to it refuse it")
@@ -184,6 +189,8 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
     _template_kwargs(args)  # a bad --chat-template-config fails before loading
     if args.image or args.video:
         require_vision()  # (without the extra: which one to install, before any loading)
+    if args.trace_png is not None:
+        _check_trace_path(args.trace_png)
 
     args.model = model_or_demo(args.model)
     model, loaded = load_for_cli(args, group)
@@ -198,20 +205,24 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
         if isinstance(ids, str):  # no chat template: the images go with the text
             options.update(image=list(args.image) or None, video=list(args.video) or None)
     sampler = make_cli_sampler(args, text_tokenizer(tokenizer))
+    mask_id = adapter_for(model, text_tokenizer(tokenizer)).mask_id
     if not args.show_canvas:
+        recorder = _recorder(args, mask_id, run.progress())
         text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
-                        sampler=sampler, seed=args.seed, draft_callback=run.progress(), **options)
+                        sampler=sampler, seed=args.seed, draft_callback=recorder or run.progress(), **options)
         run.finished(text)
         if not args.verbose:
             print(text)
+        _save_trace(args, recorder, text_tokenizer(tokenizer), group)
         return
     # The canvas on stderr, the answer on stdout once final: they never share a line.
-    view = CanvasView(text_tokenizer(tokenizer), adapter_for(model, text_tokenizer(tokenizer)).mask_id)
+    view = CanvasView(text_tokenizer(tokenizer), mask_id)
     shown = view if distributed.is_leader(group) else None  # (rank 0 draws the canvas)
+    recorder = _recorder(args, mask_id, run.progress(shown))
     text, last = "", None
     try:
         for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
-                                    seed=args.seed, draft_callback=run.progress(shown), **options):
+                                    seed=args.seed, draft_callback=recorder or run.progress(shown), **options):
             text += last.text
     finally:
         view.close()
@@ -222,6 +233,34 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
         print_stats(last)
     else:
         print(text)
+    _save_trace(args, recorder, text_tokenizer(tokenizer), group)
+
+
+def _check_trace_path(path: str) -> None:
+    """--trace-png's file: a picture format matplotlib writes, and matplotlib there (before loading)."""
+    if not path.lower().endswith((".png", ".svg", ".pdf")):
+        raise ValueError(f"--trace-png {path!r}: name a .png, .svg or .pdf file")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--trace-png needs matplotlib: pip install 'mlx-lm-diffusion[plot]' "
+                         "(from a clone: pip install -e \".[plot]\")") from None
+
+
+def _recorder(args: argparse.Namespace, mask_id, then) -> Optional[unmask_order.OrderRecorder]:
+    return unmask_order.OrderRecorder(mask_id, then) if args.trace_png else None
+
+
+def _save_trace(args: argparse.Namespace, recorder, tokenizer, group) -> None:
+    """The unmask-order picture of row 0, over the positions the decode committed (a
+    decode that ends early leaves its later blocks out)."""
+    if recorder is None or not distributed.is_leader(group):
+        return
+    order = recorder.order()
+    committed = np.flatnonzero(order.forward > 0)
+    order = recorder.order(int(committed[-1]) + 1 if committed.size else 0)
+    labels = [tokenizer.decode([t]) for t in recorder.tokens[: len(order.forward)]]
+    unmask_order.draw(order, args.trace_png, labels=labels)
 
 
 def print_stats(response) -> None:

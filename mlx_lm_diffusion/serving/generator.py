@@ -33,7 +33,7 @@ from mlx_lm_diffusion.serving.openai_requests import (
     check_sampling_against_vocabulary,
     merge_options,
 )
-from mlx_lm_diffusion.serving.responses import render_draft
+from mlx_lm_diffusion.serving.responses import draft_frame
 from mlx_lm_diffusion.serving.scheduler import Scheduler, prepare_job
 from mlx_lm_diffusion.serving.turns import TurnLock
 from model_adapters import adapter_for, is_diffusion_model
@@ -443,13 +443,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
     def _draft_sender(self, rqueue) -> Callable[[Step], None]:
         tokenizer = self.model_provider.tokenizer
         mask_id = adapter_for(self.model_provider.model, tokenizer).mask_id
+        texts: dict = {}  # (each token id decoded once per request)
 
         def send(step: Step) -> None:
-            payload = {
-                "forwards": int(step.forwards),
-                "committed": int(step.final[0]),
-                "text": render_draft(tokenizer, step, mask_id),
-            }
-            rqueue.put((DRAFT_EVENT, payload))
+            rqueue.put((DRAFT_EVENT, draft_frame(tokenizer, step, mask_id, texts)))
 
         return send

@@ -162,8 +162,12 @@ class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
         return "." not in host and host != ""
 
     def _origin_allowed(self, origin: str) -> bool:
+        """An origin the operator allowed, or this server's own (its pages, the studio:
+        the Host header already passed `_host_allowed`)."""
         allowed = self.response_generator.cli_args.allowed_origins or []
-        return "*" in allowed or origin in allowed
+        host = self.headers.get("Host")
+        own = host is not None and origin.lower() == f"http://{host}".lower()
+        return own or "*" in allowed or origin in allowed
 
     def _set_cors_headers(self):
         allowed = self.response_generator.cli_args.allowed_origins or []

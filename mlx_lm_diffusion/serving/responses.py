@@ -1,10 +1,12 @@
 """What the server writes back beyond mlx_lm.server's shapes: JSON-safe numbers and the
-draft canvas of a stream's SSE comments."""
+draft frames of a stream's SSE comments."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
+
+import numpy as np
 
 from mlx_lm_diffusion.cli.canvas_view import MASK_GLYPH
 from mlx_lm_diffusion.decoding.engine import Step
@@ -39,3 +41,36 @@ def render_draft(tokenizer: Any, step: Step, mask_id: Optional[int]) -> str:
     if run:
         pieces.append(tokenizer.decode(run))
     return "".join(pieces)
+
+
+def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[int, str]) -> dict:
+    """One forward's frame of row 0, as the studio page and any client draw it:
+    `forwards`, `committed` (generated tokens final), `text` (render_draft), and per
+    generated position its token's text (`tokens`, null: still masked) and `states`, one
+    letter each: m masked, d draft (a uniform canvas's argmax, not committed), c committed;
+    `block`: the current block's [start, end) among the generated positions, and
+    `confidence`: each of its positions' confidence at commit (0: not yet). `texts` caches
+    each token id's text across a decode's frames."""
+    row = step.canvas[0, step.prompt_len :].tolist()
+    final = int(step.final[0])
+    tokens, states = [], []
+    for i, token in enumerate(row):
+        if token == mask_id:
+            tokens.append(None)
+            states.append("m")
+            continue
+        if token not in texts:
+            texts[token] = tokenizer.decode([int(token)])
+        tokens.append(texts[token])
+        states.append("c" if mask_id is not None or i < final else "d")
+    start, end = (b - step.prompt_len for b in step.block)
+    confidence = [] if step.block_confidence is None else np.asarray(step.block_confidence[0], dtype=np.float64)
+    return {
+        "forwards": int(step.forwards),
+        "committed": final,
+        "text": render_draft(tokenizer, step, mask_id),
+        "tokens": tokens,
+        "states": "".join(states),
+        "block": [max(start, 0), max(end, 0)],
+        "confidence": [round(float(c), 4) for c in np.clip(confidence, 0.0, 1.0)],
+    }

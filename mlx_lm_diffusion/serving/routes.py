@@ -14,7 +14,7 @@ from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.media import images
-from mlx_lm_diffusion.serving import choices, stream_batching
+from mlx_lm_diffusion.serving import choices, stream_batching, studio
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     _BODY_FIELDS,
@@ -130,6 +130,14 @@ class Routes:
             return
         if self.path == STATS_PATH:
             return self._send_json(200, self.response_generator.stats())
+        path = self.path.split("?", 1)[0]
+        if path == "/":
+            return self._send_static(200, studio.ROOT_PAGE, "text/html; charset=utf-8")
+        if path in studio.FILES:
+            return self._send_static(200, *studio.static_file(path))
+        if path == studio.OPTIONS_PATH:
+            provider = self.response_generator.model_provider
+            return self._send_json(200, studio.options_listing(provider.model, provider.tokenizer))
         if not (self.path.startswith("/v1/models") or self.path == "/health"):
             return self._send_error(404, f"no such endpoint: GET {self.path[:200]}")
         if self.path == "/health":
@@ -364,6 +372,17 @@ class Routes:
                             entry(t["id"], t["logprob"], decode([t["id"]])) for t in top]
             entries.append({**entry(gen.token, gen.logprob, text), "top_logprobs": alternatives})
         return entries
+
+    def _send_static(self, status: int, body: bytes, content_type: str) -> None:
+        """A studio file, under the page's Content-Security-Policy."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        for name, value in studio.STATIC_HEADERS.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
 
     def _set_stream_headers(self, status_code: int = 200):
         super()._set_stream_headers(status_code)

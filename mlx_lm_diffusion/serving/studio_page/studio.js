@@ -1,0 +1,337 @@
+// The studio: a client of this server's public routes (GET /v1/models, GET /v1/options,
+// POST /v1/chat/completions with "stream": true and "drafts": true). Every forward's draft
+// frame (an SSE comment ": draft {...}") is kept and drawn; the controls are built from
+// /v1/options, so an option the server learns appears here with no change to this page.
+"use strict";
+
+const MASK = "·";
+const state = { model: null, listing: null, history: [], panes: {} };
+window.studio = state; // (tests and curious users read the frames here)
+
+const $ = (selector, root = document) => root.querySelector(selector);
+const el = (tag, props = {}, ...children) => {
+  const node = Object.assign(document.createElement(tag), props);
+  node.append(...children);
+  return node;
+};
+
+// -- the controls, from the option listing
+
+function control(option) {
+  let input;
+  if (option.enum || option.type === "boolean") {
+    const values = option.enum || ["true", "false"];
+    input = el("select", {}, el("option", { value: "", textContent: "(default)" }),
+      ...values.map((v) => el("option", { value: String(v), textContent: String(v) })));
+  } else if (option.type === "integer" || option.type === "number") {
+    input = el("input", { type: "number", step: option.type === "integer" ? "1" : "any",
+      placeholder: option.default !== undefined ? String(option.default) : "(default)" });
+  } else {
+    input = el("input", { type: "text", placeholder: option.type === "array" ? "comma-separated" : "" });
+  }
+  input.name = option.name;
+  input.dataset.type = option.type;
+  const family = option.family ? ` (${option.family})` : "";
+  return el("label", { title: option.help + family }, option.name + family, input);
+}
+
+function settingsOf(pane) {
+  const body = {};
+  for (const input of pane.root.querySelectorAll(".settings [name]")) {
+    const raw = input.value.trim();
+    if (raw === "") continue;
+    const type = input.dataset.type;
+    if (type === "integer" || type === "number") body[input.name] = Number(raw);
+    else if (type === "boolean") body[input.name] = raw === "true";
+    else if (type === "array") body[input.name] = raw.split(",").map((v) => Number(v.trim()));
+    else body[input.name] = raw;
+  }
+  return body;
+}
+
+function makePane(key, title) {
+  const root = $("#pane-template").content.firstElementChild.cloneNode(true);
+  root.id = `pane-${key}`;
+  $("h2", root).textContent = title;
+  for (const option of state.listing.data) $(".settings", root).append(control(option));
+  $("#panes").append(root);
+  const pane = { key, root, frames: [], answer: "", forwards: 0, seconds: 0 };
+  $(".replay", root).addEventListener("input", (e) => showFrame(pane, Number(e.target.value)));
+  $(".png", root).addEventListener("click", () => download(pane, "png"));
+  $(".svg", root).addEventListener("click", () => download(pane, "svg"));
+  state.panes[key] = pane;
+  return pane;
+}
+
+// -- a run: one streamed request, its frames kept and drawn as they arrive
+
+function showError(pane, message) {
+  const box = pane ? $(".error", pane.root) : $("#status");
+  box.textContent = message;
+  box.hidden = !message;
+}
+
+async function run(pane, messages) {
+  Object.assign(pane, { frames: [], answer: "", forwards: 0, seconds: 0, finish: null });
+  showError(pane, "");
+  $(".answer", pane.root).textContent = "";
+  const body = Object.assign({ model: state.model, messages, stream: true, drafts: true }, settingsOf(pane));
+  const started = performance.now();
+  let response;
+  try {
+    response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+  } catch (e) {
+    showError(pane, `the server cannot be reached: ${e}`);
+    return null;
+  }
+  if (!response.ok) {
+    let message = `HTTP ${response.status}`;
+    try { message = (await response.json()).error.message; } catch (e) { /* not JSON: the status */ }
+    showError(pane, message);
+    return null;
+  }
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of event.split("\n")) handleLine(pane, line, started);
+    }
+  }
+  pane.seconds = (performance.now() - started) / 1000;
+  figures(pane);
+  return pane.answer;
+}
+
+function handleLine(pane, line, started) {
+  if (line.startsWith(": draft ")) {
+    const frame = JSON.parse(line.slice(8));
+    frame.at = (performance.now() - started) / 1000;
+    pane.frames.push(frame);
+    pane.forwards = frame.forwards;
+    pane.seconds = frame.at;
+    showFrame(pane, pane.frames.length - 1, true);
+  } else if (line.startsWith("data: ") && line !== "data: [DONE]") {
+    const chunk = JSON.parse(line.slice(6));
+    if (chunk.error) { showError(pane, chunk.error.message || String(chunk.error)); return; }
+    const choice = (chunk.choices || [])[0];
+    if (choice && choice.delta && choice.delta.content) pane.answer += choice.delta.content;
+    if (choice && choice.finish_reason) pane.finish = choice.finish_reason;
+    $(".answer", pane.root).textContent = pane.answer;
+  }
+}
+
+// -- what each position went through, up to frame k
+
+function history(frames, k) {
+  // commit[i]: the forward that committed position i, with its confidence; edited[i]: a
+  // committed (or drafted) token that a later forward replaced.
+  const commit = [], confidence = [], edited = [], editedAt = [];
+  for (let f = 0; f <= k; f++) {
+    const frame = frames[f], previous = f > 0 ? frames[f - 1] : null;
+    frame.tokens.forEach((token, i) => {
+      const s = frame.states[i];
+      if (s === "c" && commit[i] === undefined) {
+        commit[i] = frame.forwards;
+        const j = i - frame.block[0];
+        confidence[i] = j >= 0 && j < frame.confidence.length ? frame.confidence[j] : 1;
+      }
+      const before = previous ? previous.tokens[i] : undefined;
+      if (previous && before !== null && before !== undefined && token !== before && previous.states[i] !== "m") {
+        edited[i] = true;
+        (editedAt[i] = editedAt[i] || []).push(frame.forwards);
+      }
+    });
+  }
+  return { commit, confidence, edited, editedAt };
+}
+
+const hue = (forward) => (forward * 137.508) % 360; // neighbouring forwards far apart in hue
+
+function showFrame(pane, k, live = false) {
+  const frames = pane.frames;
+  if (!frames.length) return;
+  const frame = frames[k];
+  const { commit, confidence, edited } = history(frames, k);
+  const canvas = $(".canvas", pane.root);
+  canvas.replaceChildren();
+  const shown = visibleLength(frames[frames.length - 1]);
+  frame.tokens.slice(0, shown).forEach((token, i) => {
+    const s = frame.states[i];
+    const cell = el("span", { className: `cell ${s}`, textContent: token === null ? MASK : (token || "∅") });
+    if (i >= frame.block[0] && i < frame.block[1]) cell.classList.add("block");
+    if (edited[i]) cell.classList.add("edited");
+    if (s === "c") {
+      const c = confidence[i] ?? 1;
+      cell.style.background = `hsl(${hue(commit[i])} 70% ${Math.round(88 - 30 * c)}%)`;
+      cell.title = `position ${i}: committed at forward ${commit[i]}, confidence ${c.toFixed(3)}`;
+    } else {
+      cell.title = `position ${i}: ${s === "m" ? "masked" : "draft"}`;
+    }
+    canvas.append(cell);
+  });
+  const slider = $(".replay", pane.root);
+  slider.max = String(frames.length - 1);
+  slider.disabled = false;
+  if (live) slider.value = String(k);
+  $(".replay-at", pane.root).textContent = `${frame.forwards} / ${frames[frames.length - 1].forwards}`;
+  figures(pane, frame);
+  drawOrder(pane);
+}
+
+function visibleLength(frame) {
+  // the positions up to the last one holding a token (a long canvas of untouched masks
+  // past the answer is cut), at least the current block
+  let last = frame.block[1];
+  frame.states.split("").forEach((s, i) => { if (s !== "m") last = Math.max(last, i + 1); });
+  return Math.min(last, frame.tokens.length);
+}
+
+function figures(pane, frame) {
+  const last = frame || pane.frames[pane.frames.length - 1];
+  const forwards = last ? last.forwards : 0;
+  const committed = last ? last.committed : 0;
+  const seconds = last ? (frame ? last.at : pane.seconds) : 0;
+  $(".forwards", pane.root).textContent = String(forwards);
+  $(".frames", pane.root).textContent = String(pane.frames.length);
+  $(".tpf", pane.root).textContent = forwards ? (committed / forwards).toFixed(2) : "–";
+  $(".tps", pane.root).textContent = seconds > 0 ? (committed / seconds).toFixed(1) : "–";
+}
+
+// -- the unmask-order picture: positions across, forwards down
+
+const CELL = 12;
+
+function orderCells(pane) {
+  const frames = pane.frames, last = frames[frames.length - 1];
+  const { commit, confidence, editedAt } = history(frames, frames.length - 1);
+  const n = visibleLength(last), rows = last.forwards;
+  return { n, rows, commit, confidence, editedAt };
+}
+
+function viridis(t) {
+  // a few stops of matplotlib's viridis, linearly interpolated (the CLI's picture uses it)
+  const stops = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+  const x = Math.min(Math.max(t, 0), 1) * (stops.length - 1), i = Math.min(Math.floor(x), stops.length - 2);
+  const a = stops[i], b = stops[i + 1], u = x - i;
+  return `rgb(${a.map((v, j) => Math.round(v + (b[j] - v) * u)).join(",")})`;
+}
+
+function orderRects(pane) {
+  const { n, rows, commit, confidence, editedAt } = orderCells(pane);
+  const rects = [];
+  for (let i = 0; i < n; i++) {
+    for (let f = 1; f <= rows; f++) {
+      let fill = null;
+      if (commit[i] !== undefined && f > commit[i]) fill = "#d9d9d9";
+      if (commit[i] === f) fill = viridis(confidence[i] ?? 1);
+      if (editedAt[i] && editedAt[i].includes(f)) fill = "#d62728";
+      if (fill) rects.push({ x: i * CELL, y: (f - 1) * CELL, fill });
+    }
+  }
+  return { width: Math.max(n, 1) * CELL, height: Math.max(rows, 1) * CELL, rects };
+}
+
+function drawOrder(pane) {
+  const { width, height, rects } = orderRects(pane);
+  const canvas = $(".order", pane.root);
+  canvas.width = width;
+  canvas.height = height;
+  const g = canvas.getContext("2d");
+  g.fillStyle = "#ffffff";
+  g.fillRect(0, 0, width, height);
+  for (const r of rects) { g.fillStyle = r.fill; g.fillRect(r.x, r.y, CELL, CELL); }
+  for (const b of pane.root.querySelectorAll(".png, .svg")) b.disabled = false;
+}
+
+function download(pane, kind) {
+  const name = `unmask-order-${pane.key}.${kind}`;
+  const save = (blob) => {
+    const url = URL.createObjectURL(blob);
+    const link = el("a", { href: url, download: name });
+    document.body.append(link);
+    link.click();
+    link.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 10000);
+  };
+  if (kind === "png") {
+    $(".order", pane.root).toBlob(save, "image/png");
+    return;
+  }
+  const { width, height, rects } = orderRects(pane);
+  const cells = rects.map((r) => `<rect x="${r.x}" y="${r.y}" width="${CELL}" height="${CELL}" fill="${r.fill}"/>`);
+  const svg = `<svg xmlns="http://www.w3.org/2000/svg" width="${width}" height="${height}">` +
+    `<rect width="${width}" height="${height}" fill="#ffffff"/>${cells.join("")}</svg>`;
+  save(new Blob([svg], { type: "image/svg+xml" }));
+}
+
+// -- the chat
+
+async function readImage() {
+  const file = $("#image").files[0];
+  if (!file) return null;
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+function addTurn(role, text) {
+  $("#history").append(el("div", { className: `turn ${role}`, textContent: text }));
+}
+
+async function send() {
+  const text = $("#prompt").value;
+  if (!text.trim()) return;
+  const image = await readImage();
+  const content = image ? [{ type: "image_url", image_url: { url: image } }, { type: "text", text }] : text;
+  const messages = state.history.concat([{ role: "user", content }]);
+  $("#run").disabled = true;
+  try {
+    const answer = await run(state.panes.a, messages);
+    if ($("#compare").checked) await run(state.panes.b, messages);
+    if (answer !== null) {
+      state.history = messages.concat([{ role: "assistant", content: answer }]);
+      addTurn("user", text);
+      addTurn("assistant", answer);
+      $("#prompt").value = "";
+    }
+  } finally {
+    $("#run").disabled = false;
+    document.body.dataset.runs = String(Number(document.body.dataset.runs || 0) + 1);
+  }
+}
+
+async function start() {
+  try {
+    const models = await (await fetch("/v1/models")).json();
+    state.model = models.data[0].id;
+    state.listing = await (await fetch("/v1/options")).json();
+  } catch (e) {
+    showError(null, `cannot read the server's models and options: ${e}`);
+    return;
+  }
+  $("#model").textContent = state.model;
+  $("#family").textContent = state.listing.family || "autoregressive";
+  $("#image-label").hidden = !state.listing.vision;
+  makePane("a", "A");
+  makePane("b", "B").root.hidden = true;
+  $("#compare").addEventListener("change", (e) => { state.panes.b.root.hidden = !e.target.checked; });
+  $("#run").addEventListener("click", send);
+  $("#prompt").addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
+  });
+  $("#new-chat").addEventListener("click", () => { state.history = []; $("#history").replaceChildren(); });
+  document.body.dataset.ready = "true";
+}
+
+start();

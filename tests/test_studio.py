@@ -1,0 +1,324 @@
+"""The studio page (GET /studio), driven in headless Chromium through Playwright: on the
+demo, one frame per forward and the answer; a threshold that takes fewer forwards; a bad
+option shows the server's own message; two settings side by side; the replay slider; the
+unmask-order picture as PNG and SVG; the page's policy (its own files only, CSP, same
+origin). Then LLaDA2.1's edits and DiffusionGemma's uniform canvas with an image. And the
+same picture from the CLI (--trace-png) and from a protocol response.
+
+.ci/run installs Debian's chromium; Playwright's Python package drives it
+(`executable_path`), so no browser is downloaded. STUDIO_PICTURES=DIR keeps the run's
+screenshot and exported picture there (the README's pictures come from this run)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from serving import post_json, running_server
+
+from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+from mlx_lm_diffusion.output import unmask_order
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
+                  "--disable-background-networking", "--disable-component-update"]
+WAIT_MS = 120_000
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    assert Path(CHROMIUM).exists(), "the studio tests need Debian's chromium (.ci/run installs it)"
+    # Playwright's node and Chromium without the tests' LD_PRELOAD of OpenBLAS (node's
+    # threads fail to start under it): the driver takes the environment at its start
+    preload = os.environ.pop("LD_PRELOAD", None)
+    try:
+        manager = sync_playwright().start()
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
+    try:
+        chromium = manager.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()
+    finally:
+        manager.stop()
+
+
+def serve(path: Path, *flags: str):
+    return running_server(["--model", str(path), "--port", "0", "--log-level", "WARNING", *flags])
+
+
+@pytest.fixture(scope="module")
+def demo():
+    with serve(DEMO_MODEL_PATH) as (httpd, _):
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+class Studio:
+    """One page of the studio, and what it saw."""
+
+    def __init__(self, browser, url: str):
+        self.url, self.requests, self.problems = url, [], []
+        self.page = browser.new_page(viewport={"width": 1200, "height": 900}, accept_downloads=True)
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.on("pageerror", lambda e: self.problems.append(str(e)))
+        self.page.on("console", lambda m: self.problems.append(m.text) if m.type == "error" else None)
+        self.page.goto(url + "/studio")
+        self.page.wait_for_selector("body[data-ready=true]", timeout=WAIT_MS)
+        self.runs = 0
+
+    def set(self, pane: str, **options) -> None:
+        for name, value in options.items():
+            field = self.page.locator(f"#pane-{pane} .settings [name={name}]")
+            if field.evaluate("e => e.tagName") == "SELECT":
+                field.select_option(str(value))
+            else:
+                field.fill(str(value))
+
+    def ask(self, text: str, image: Path | None = None) -> None:
+        if image is not None:
+            self.page.set_input_files("#image", str(image))
+        self.page.fill("#prompt", text)
+        self.page.click("#run")
+        self.runs += 1
+        self.page.wait_for_selector(f"body[data-runs='{self.runs}']", timeout=WAIT_MS)
+
+    def text(self, selector: str) -> str:
+        return self.page.inner_text(selector)
+
+    def frames(self, pane: str = "a") -> list:
+        return self.page.evaluate(f"window.studio.panes.{pane}.frames")
+
+    def close(self) -> None:
+        self.page.close()
+
+
+@pytest.fixture
+def studio(browser, demo):
+    page = Studio(browser, demo)
+    yield page
+    page.close()
+    assert not page.problems, page.problems  # no script error, no refused resource
+
+
+def picture(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def test_demo_draws_one_frame_per_forward_and_the_answer(studio):
+    studio.ask("357+468=")
+    assert studio.text("#pane-a .answer") == "825"
+    frames = studio.frames()
+    forwards = int(studio.text("#pane-a .forwards"))
+    assert [f["forwards"] for f in frames] == list(range(1, forwards + 1))  # one frame per forward
+    assert int(studio.text("#pane-a .frames")) == forwards
+    first, last = frames[0], frames[-1]
+    assert "m" in first["states"] and last["states"][:6] == "cccccc"
+    cells = studio.page.locator("#pane-a .canvas .cell").all_inner_texts()
+    assert "".join(cells[:5]).replace("∅", "") == "825"
+    assert float(studio.text("#pane-a .tpf")) == pytest.approx(last["committed"] / forwards, abs=0.01)
+    assert studio.text("#history").split() == ["357+468=", "825"]
+    assert all(url.startswith(studio.url) for url in studio.requests)  # its own files and routes only
+
+
+def test_a_threshold_takes_fewer_forwards(studio):
+    studio.ask("357+468=")
+    one_per_forward = int(studio.text("#pane-a .forwards"))
+    studio.set("a", threshold=0.5)
+    studio.ask("357+468=")
+    assert studio.text("#pane-a .answer") == "825"
+    assert int(studio.text("#pane-a .forwards")) < one_per_forward
+
+
+def test_a_bad_option_shows_the_servers_message(studio):
+    status, answer = post_json(int(studio.url.rsplit(":", 1)[1]), "/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": "1+1="}], "threshold": 2})
+    assert status == 400
+    studio.set("a", threshold=2)
+    studio.ask("1+1=")
+    assert studio.text("#pane-a .error") == answer["error"]["message"]
+    assert studio.text("#pane-a .answer") == "" and studio.text("#history") == ""
+    assert studio.problems == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
+    studio.problems.clear()  # (the browser's own line about the refused request: expected here)
+
+
+def test_compare_runs_two_settings_side_by_side(studio):
+    studio.page.check("#compare")
+    studio.set("b", threshold=0.9, cache="dual")
+    studio.ask("1234+4321=")
+    answers = [studio.text(f"#pane-{p} .answer") for p in "ab"]
+    forwards = [int(studio.text(f"#pane-{p} .forwards")) for p in "ab"]
+    assert answers == ["5555", "5555"]
+    assert forwards[1] < forwards[0]
+    assert [len(studio.frames(p)) for p in "ab"] == forwards
+    assert studio.page.locator("#pane-b").is_visible()
+    if os.environ.get("STUDIO_PICTURES"):
+        for box in studio.page.locator("details.settings-box").all():
+            box.evaluate("e => e.open = false")  # (the canvases, not the controls)
+        out = Path(os.environ["STUDIO_PICTURES"])
+        out.mkdir(parents=True, exist_ok=True)
+        studio.page.screenshot(path=str(out / "studio.png"))
+
+
+def test_the_replay_slider_redraws_the_canvas(studio):
+    studio.ask("357+468=")
+    last = studio.page.locator("#pane-a .canvas").inner_text()
+    slider = studio.page.locator("#pane-a .replay")
+    slider.fill("0")
+    assert studio.text("#pane-a .replay-at").startswith("1 /")
+    first = studio.page.locator("#pane-a .canvas .cell.m").count()
+    assert first > 0 and studio.page.locator("#pane-a .canvas").inner_text() != last
+    slider.fill(str(len(studio.frames()) - 1))
+    assert studio.page.locator("#pane-a .canvas .cell.m").count() < first
+
+
+def test_the_unmask_order_downloads_as_png_and_svg(studio, tmp_path):
+    studio.ask("357+468=")
+    frames = studio.frames()
+    with studio.page.expect_download() as download:
+        studio.page.click("#pane-a .png")
+    png = picture(Path(download.value.path()).read_bytes())
+    width = len(frames[-1]["tokens"][:8])  # (the answer's positions, shown up to the last token)
+    assert png.shape[0] == 12 * len(frames) and png.shape[1] >= 12 * 6
+    assert len(np.unique(png.reshape(-1, 3), axis=0)) >= 3  # white, grey and the commits: not blank
+    with studio.page.expect_download() as download:
+        studio.page.click("#pane-a .svg")
+    svg = ET.parse(download.value.path()).getroot()
+    rects = [r for r in svg if r.tag.endswith("rect")]
+    assert len(rects) > width  # the background and a cell per commit and after
+    if os.environ.get("STUDIO_PICTURES"):
+        out = Path(os.environ["STUDIO_PICTURES"])
+        out.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(png).save(out / "unmask-order.png")
+
+
+def test_the_page_is_served_under_a_strict_policy(demo, browser):
+    import http.client
+
+    host, port = demo.rsplit("/", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/studio")
+    response = conn.getresponse()
+    response.read()
+    csp = response.getheader("Content-Security-Policy")
+    assert "script-src 'self'" in csp and "connect-src 'self'" in csp and "default-src 'none'" in csp
+    conn.request("GET", "/studio", headers={"Host": "evil.example.com"})
+    refused = conn.getresponse()
+    refused.read()
+    assert refused.status == 403  # the server's Host policy holds for the page too
+    # another origin's page cannot drive the server (no --allowed-origins)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "1+1="}]}),
+                 {"Content-Type": "application/json", "Origin": "http://evil.example.com"})
+    assert conn.getresponse().status == 403
+    conn.close()
+    # the controls are the server's option listing, nothing else
+    listing = json.loads(subprocess_get(demo + "/v1/options"))
+    page = Studio(browser, demo)
+    names = page.page.locator("#pane-a .settings [name]").evaluate_all("es => es.map(e => e.name)")
+    page.close()
+    assert names == [o["name"] for o in listing["data"]]
+    assert "cache" in names and "threshold" in names and "temperature" in names
+
+
+def subprocess_get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return response.read().decode()
+
+
+def test_llada2_1_edits_show_as_edits(browser, tmp_path):
+    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2
+
+    with serve(write_llada2(tmp_path / "llada2")) as (httpd, _):
+        page = Studio(browser, f"http://127.0.0.1:{httpd.server_address[1]}")
+        page.set("a", max_tokens=16, block_length=8, threshold=0.5, editing_threshold=0.5, temperature=0)
+        page.ask("hello")
+        frames = page.frames()
+        edited = [i for k in range(1, len(frames)) for i, (a, b) in
+                  enumerate(zip(frames[k - 1]["tokens"], frames[k]["tokens"])) if a is not None and a != b]
+        assert edited, "the tiny LLaDA2.1 checkpoint edits under editing_threshold 0.5"
+        assert page.page.locator("#pane-a .canvas .cell.edited").count() > 0
+        assert not page.problems
+        page.close()
+
+
+def test_diffusion_gemma_draws_its_uniform_canvas_with_an_image(browser, tmp_path):
+    from mlx_lm_diffusion.testing.gemma_vision_checkpoints import make_image, write_gemma_with_vision
+
+    image = tmp_path / "picture.png"
+    make_image().save(image)
+    with serve(write_gemma_with_vision(tmp_path / "gemma")) as (httpd, _):
+        page = Studio(browser, f"http://127.0.0.1:{httpd.server_address[1]}")
+        assert page.page.locator("#image-label").is_visible()  # a vision tower: images attach
+        page.set("a", max_tokens=8, temperature=0)
+        page.ask("describe", image=image)
+        frames = page.frames()
+        assert page.text("#pane-a .error") == "" and frames
+        assert set("".join(f["states"] for f in frames)) == {"d"}  # no mask token: argmax drafts
+        assert int(page.text("#pane-a .forwards")) == len(frames) > 1
+        renoised = [i for k in range(1, len(frames)) for i, (a, b) in
+                    enumerate(zip(frames[k - 1]["tokens"], frames[k]["tokens"])) if a != b]
+        assert renoised, "a random uniform canvas changes its drafts between forwards"
+        page.page.locator("#pane-a .replay").fill(str(min(renoised_frame(frames), len(frames) - 1)))
+        assert page.page.locator("#pane-a .canvas .cell.edited").count() > 0
+        assert not page.problems
+        page.close()
+
+
+def renoised_frame(frames: list) -> int:
+    """The first frame whose drafts differ from the frame before."""
+    return next(k for k in range(1, len(frames)) if frames[k]["tokens"] != frames[k - 1]["tokens"])
+
+
+# -- the same picture outside the page
+
+
+def test_trace_png_from_the_generate_cli(tmp_path):
+    out = tmp_path / "order.png"
+    done = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.generate", "--prompt", "357+468=",
+                           "--max-tokens", "8", "--trace-png", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "825" in done.stdout
+    pixels = picture(out.read_bytes())
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 10
+    bad = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.generate", "--prompt", "1+1=",
+                          "--trace-png", str(tmp_path / "order.txt")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --trace-png")
+
+
+def test_the_picture_of_a_protocol_response(tmp_path):
+    import mlx_lm_diffusion as mld
+    from mlx_lm_diffusion.api import protocol
+
+    model, tokenizer = mld.load(str(DEMO_MODEL_PATH))
+    prompt = tokenizer.encode("357+468=")
+    response = protocol.run_request(model, tokenizer, {
+        "prompt_tokens": prompt, "target_length": len(prompt) + 8, "num_steps": 8,
+        "mask_schedule": "linear", "temperature_schedule": [0.0] * 8, "top_p": 1.0})
+    order = unmask_order.from_protocol(response)
+    committed = {i - len(prompt) for step in response["per_step_unmasked"] for i in step["token_indices"]}
+    assert len(order.forward) == 8 and set(np.flatnonzero(order.forward).tolist()) == committed
+    first = response["per_step_unmasked"][0]
+    assert all(order.forward[i - len(prompt)] == first["step"] + 1 for i in first["token_indices"])
+    saved = tmp_path / "response.json"
+    saved.write_text(json.dumps(response))
+    done = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.output.unmask_order", str(saved),
+                           str(tmp_path / "order.svg")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert ET.parse(tmp_path / "order.svg").getroot().tag.endswith("svg")
+    bad = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.output.unmask_order", str(tmp_path / "nope.json"),
+                          str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
