@@ -146,6 +146,44 @@ def test_long_requests_leave_rows_for_short_ones(llada_path):
     assert len(answers) == 8 and all(s == 200 for s, _ in answers)
 
 
+def test_a_short_request_does_not_step_with_the_long_ones(llada_path):
+    """A short request beside requests at the forward bound shared every one of their steps
+    (an 8-token answer behind 16 of them waited 55 s). Rows now decode in lanes by the size
+    of their forward bound, and lanes share the time: while the short request decodes, the
+    long lane takes a step or two, not one per short forward."""
+    from mlx_lm_diffusion.serving.scheduler import lane_of
+
+    argv = ["--model", str(llada_path), "--port", "0", "--log-level", "WARNING", "--decode-concurrency", "8"]
+    steps = 256
+    long_body = {**PROTOCOL, "target_length": 3 + steps, "num_steps": steps, "temperature_schedule": [0.0] * steps}
+    with running_server(argv) as (httpd, generator):
+        port, scheduler = httpd.server_address[1], generator.scheduler
+        answers = []
+        longs = [threading.Thread(target=lambda: answers.append(protocol(port, long_body))) for _ in range(4)]
+        for thread in longs:
+            thread.start()
+        for _ in range(600):  # (until the long ones decode)
+            if scheduler.stats()["running_rows"] >= 4 and long_forwards(scheduler, steps) >= 2:
+                break
+            time.sleep(0.05)
+        before = long_forwards(scheduler, steps)
+        status, answer = protocol(port, PROTOCOL)  # short: 4 forwards
+        during = long_forwards(scheduler, steps) - before
+        lanes = {lane_of(row.payload) for batch in scheduler.batches.values() for row in batch.rows.values()}
+        for thread in longs:
+            thread.join(timeout=300)
+    assert status == 200, answer
+    assert during <= 3, f"the long lane took {during} steps while the short request took 4"
+    assert len(lanes) == 1  # (only the long rows were left)
+    assert len(answers) == 4 and all(s == 200 for s, _ in answers)
+
+
+def long_forwards(scheduler, steps: int) -> int:
+    """Forwards run by the batches whose rows are the long requests (`steps` forwards each)."""
+    return sum(batch.forwards for batch in list(scheduler.batches.values())
+               if any(row.payload.forwards >= steps for row in list(batch.rows.values())))
+
+
 def test_kernels_compile_in_a_private_directory_and_health_says_when_they_cannot(tmp_path):
     """MLX compiles its CPU kernels under $TMPDIR/mlx/<version>/ and loads what it finds
     there: under a shared TMPDIR a planted library was loaded into the server. The server

@@ -44,7 +44,8 @@ DRAFT_EVENT = "mlx_lm_diffusion.draft"  # tag of draft events on a request's res
 DEFAULT_MAX_FORWARDS = 16384
 # A request whose decode could take more forwards than this is long: long rows may hold
 # at most half of a batch (scheduler), so that a short request never waits for them all.
-DEFAULT_LONG_FORWARDS = 1024
+# 256: a default chat request (256 tokens, one per forward) is not long; one at twice it is.
+DEFAULT_LONG_FORWARDS = 256
 
 
 def _model_names(name: str) -> List[str]:

@@ -12,10 +12,17 @@ max_tokens, sampler or seed differ freely per row). Each turn:
    `--long-request-forwards`) waits while long rows hold half of its batch, so that
    requests at the forward bound cannot take every row: a short one behind them is
    admitted at once (a waiting job never blocks a later one that fits);
-2. the next group in turn (round robin: groups take turns, none starves) drops the rows
-   whose client left or whose request was cancelled, then runs one step (one model
-   forward for all its rows) under the server's decode lock, which the step-schedule
-   protocol endpoint and the serial path also take;
+2. the lane that has used the least decoding time steps next: a group's rows are split
+   into lanes (one batch each) by the size of their forward bound (within a factor of 4
+   of each other: `lane_of`), and lanes share the time fairly: the lane that has used the
+   least steps next, and a lane that joins starts one step's time (the longest of the
+   others' last steps) ahead of the least served, so it runs at once, builds up no credit
+   for the time it was idle, and delays the others by at most one such step. A short request therefore runs at the pace of its own small forwards, not
+   of the 500-position canvases beside it (a short answer behind 16 requests at the
+   forward bound took 55 s when they shared every step). The lane drops the rows whose
+   client left or whose request was cancelled, then runs one step (one model forward
+   for all its rows) under the server's decode lock, which the step-schedule protocol
+   endpoint and the serial path also take;
 3. every row's new final tokens go to its client as mlx_lm.server `Response`s (its own
    detokenizer, stop words, logprobs); a row that finished (EOS, max_tokens, a stop
    word) leaves at once and its client gets the end of its stream.
@@ -51,6 +58,13 @@ from mlx_lm_diffusion.serving.errors import Cancelled, RequestError
 from mlx_lm_diffusion.serving.stream_batching import ResponseSender
 from model_adapters import adapter_for
 from model_adapters.runtime.prompt_cache import TokenCache
+
+
+def lane_of(job: Any) -> tuple:
+    """(group, size class): jobs whose forward bounds are within a factor of 4 of each
+    other share a lane (a batch); a short request never steps with canvases 100 times
+    its own."""
+    return job.group, max(0, (max(job.forwards, 1) - 1).bit_length() + 1) // 2
 
 
 @dataclass
@@ -239,8 +253,10 @@ class Scheduler:
         self.long_forwards = long_forwards  # None: no request counts as long
         self.max_long_rows = max(1, max_rows // 2)
         self.queued: deque = deque()  # jobs not in a batch yet, FIFO
-        self.batches: dict = {}  # group -> RunningBatch
-        self.turns: deque = deque()  # groups with rows, in the order they step
+        self.batches: dict = {}  # lane (group, long) -> RunningBatch
+        self.turns: deque = deque()  # lanes with rows, in the order they joined
+        self.used: dict = {}  # lane -> seconds of steps it has run (the fair share's measure)
+        self.last: dict = {}  # lane -> seconds its latest step took
         self.peak_rows = 0  # the most rows decoded at once since the start
         self._cond = threading.Condition()
         self._stop = False
@@ -289,10 +305,14 @@ class Scheduler:
                 self._admit()
                 group = self._next_group()
             if group is not None:
+                started = time.perf_counter()
                 try:
                     self._step(group)
                 except Exception as e:  # noqa: BLE001 (a broken batch fails its requests, not the server)
                     self._fail_group(group, e)
+                with self._cond:
+                    self.last[group] = time.perf_counter() - started
+                    self.used[group] = self.used.get(group, 0.0) + self.last[group]
         self._cancel_all()
 
     def _look_up(self, jobs: list) -> None:
@@ -318,14 +338,18 @@ class Scheduler:
             if not job.looked_up:  # (submitted after this turn's look-ups: it joins at the next)
                 waiting.append(job)
                 continue
-            batch = self.batches.get(job.group)
+            lane = lane_of(job)
+            lanes = [b for (group, _), b in self.batches.items() if group == job.group]
+            rows = sum(len(b) for b in lanes)
+            long_rows = sum(1 for b in lanes for row in b.rows.values() if self._long(row.payload))
+            if rows >= self.max_rows or self._long(job) and long_rows >= self.max_long_rows:
+                waiting.append(job)
+                continue
+            batch = self.batches.get(lane)
             if batch is None:
                 protocol = isinstance(job, ProtocolJob)  # (its adapter ignores EOS)
                 adapter = job.decode.adapter if protocol else adapter_for(self.model, self.tokenizer)
-                batch = self.batches[job.group] = RunningBatch(adapter, keep_logprobs=not protocol)
-            if len(batch) >= self.max_rows or self._long(job) and self._long_rows(batch) >= self.max_long_rows:
-                waiting.append(job)
-                continue
+                batch = self.batches[lane] = RunningBatch(adapter, keep_logprobs=not protocol)
             if isinstance(job, ProtocolJob):
                 job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
             else:
@@ -333,26 +357,28 @@ class Scheduler:
                                     keep_logprobs=job.keeps_logprobs)
                 job.prefix = None
                 job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
-            if job.group not in self.turns:
-                self.turns.append(job.group)
+            if lane not in self.turns:
+                # one step ahead of the least served lane: no credit for the time it was idle
+                least = min((self.used.get(t, 0.0) for t in self.turns), default=0.0)
+                self.used[lane] = least - max((self.last.get(t, 0.0) for t in self.turns), default=0.0)
+                self.turns.append(lane)
         self.queued = waiting
         self.peak_rows = max(self.peak_rows, sum(len(b) for b in self.batches.values()))
 
     def _long(self, job: Any) -> bool:
         return self.long_forwards is not None and job.forwards > self.long_forwards
 
-    def _long_rows(self, batch: RunningBatch) -> int:
-        return sum(1 for row in batch.rows.values() if self._long(row.payload))
-
     def _next_group(self) -> Optional[tuple]:
-        while self.turns:
-            group = self.turns[0]
-            self.turns.rotate(-1)
-            if len(self.batches.get(group) or ()):
-                return group
-            self.turns.remove(group)
-            self.batches.pop(group, None)
-        return None
+        """The lane with rows that has used the least time (the earliest joined on a tie);
+        lanes left without rows are dropped."""
+        for lane in [t for t in self.turns if not len(self.batches.get(t) or ())]:
+            self.turns.remove(lane)
+            self.batches.pop(lane, None)
+            self.used.pop(lane, None)
+            self.last.pop(lane, None)
+        if not self.turns:
+            return None
+        return min(self.turns, key=lambda lane: self.used.get(lane, 0.0))
 
     def _step(self, group: tuple) -> None:
         batch = self.batches[group]
