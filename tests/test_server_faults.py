@@ -317,6 +317,31 @@ def test_client_chat_templates_render_under_limits():
         assert chat(port, {"messages": user})[1]["choices"][0]["message"]["content"] == "825"
 
 
+def test_a_client_template_renders_on_its_own_requests_thread():
+    """A client template rendered inside the generation thread's tokenize step: a template
+    that loops until its CPU limit (5 s) held every other request that long. It renders
+    on its request's own thread now: a normal request sent meanwhile is answered first."""
+    argv = ["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING", "--allow-client-chat-templates"]
+    user = [{"role": "user", "content": "357+468="}]
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    finished = []
+    with running_server(argv) as (httpd, _):
+        port = httpd.server_address[1]
+        assert chat(port, {"messages": user})[0] == 200  # (warm)
+
+        def looping():
+            status, body = chat(port, {"messages": user, "chat_template_kwargs": {"chat_template": loop}})
+            finished.append(("template", status))
+
+        thread = threading.Thread(target=looping)
+        thread.start()
+        time.sleep(1.0)  # (its render is under way)
+        status, body = chat(port, {"messages": user})
+        finished.append(("normal", status))
+        thread.join(timeout=120)
+    assert finished == [("normal", 200), ("template", 400)], finished
+
+
 def health(port: int):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/health")

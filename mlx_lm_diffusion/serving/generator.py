@@ -319,11 +319,17 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
 
     def _client_template_prompt(self, tokenizer, request, args) -> Optional[List[int]]:
         """A chat's prompt under the client's own chat template (allowed by the operator),
-        rendered in a child process with a memory and a time cap (serving.template_sandbox);
-        None when the request brings no template."""
+        or None when the request brings no template (see `client_template_prompt`)."""
+        return self.client_template_prompt(tokenizer, request, args.chat_template_kwargs)
+
+    def client_template_prompt(self, tokenizer, request, chat_template_kwargs) -> Optional[List[int]]:
+        """The prompt ids of a chat under the client's own chat template, rendered in a
+        child process with a memory and a time cap (serving.template_sandbox); None when
+        the request brings no template. The handler renders it on its own thread (a
+        render may take seconds: the generation thread must not wait for it)."""
         kwargs = dict(getattr(self.model_provider.cli_args, "chat_template_args", None) or {})
-        kwargs.update(args.chat_template_kwargs or {})
-        template = (args.chat_template_kwargs or {}).get("chat_template")
+        kwargs.update(chat_template_kwargs or {})
+        template = (chat_template_kwargs or {}).get("chat_template")
         if request.request_type != "chat" or template is None:
             return None
         messages = [dict(m) for m in request.messages]

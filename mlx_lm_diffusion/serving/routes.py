@@ -14,7 +14,7 @@ from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.media import images
-from mlx_lm_diffusion.serving import choices, stream_batching, studio
+from mlx_lm_diffusion.serving import choices, stream_batching, studio, template_sandbox
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     _BODY_FIELDS,
@@ -204,6 +204,12 @@ class Routes:
                                "those prompts in the server)", param="chat_template_kwargs")
         request = self._diffusion_request(super().handle_chat_completions())
         request.images = pictures
+        tokenizer = generator.model_provider.tokenizer
+        if tokenizer is not None and (self.chat_template_kwargs or {}).get("chat_template") is not None:
+            try:  # (here, on this request's thread: a render may take seconds)
+                request.prompt_ids = generator.client_template_prompt(tokenizer, request, self.chat_template_kwargs)
+            except template_sandbox.TemplateError as e:
+                raise RequestError(str(e), param="chat_template_kwargs") from e
         return [request]
 
     def handle_text_completions(self) -> List[CompletionRequest]:
