@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from mlx_lm_diffusion.api.install import quiet_config_warnings
 from mlx_lm_diffusion.api.loading import _check_local_path, checkpoint_errors, read_config
-from mlx_lm_diffusion.flags import one_line_errors
+from mlx_lm_diffusion.flags import exit_status, one_line_errors
 from model_adapters import check_weights, family_module, register
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
@@ -195,12 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # AutoTokenizer/AutoConfig warn about model types they do not know
-    try:
-        convert(**vars(args))
-    except (ValueError, OSError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_status(lambda: convert(**vars(args)))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
+
+from mlx_lm_diffusion.flags import exit_status
 
 
 @dataclass
@@ -140,13 +143,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("response", help="The protocol response, a JSON file ('-': stdin)")
     parser.add_argument("out", help="The picture to write (.png, .svg or .pdf)")
     args = parser.parse_args(argv)
-    try:
-        text = sys.stdin.read() if args.response == "-" else open(args.response, encoding="utf-8").read()
+
+    def work() -> None:
+        text = sys.stdin.read() if args.response == "-" else Path(args.response).read_text(encoding="utf-8")
         draw(from_protocol(json.loads(text)), args.out)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+    return exit_status(work)
 
 
 if __name__ == "__main__":
