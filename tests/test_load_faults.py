@@ -115,4 +115,4 @@ def test_the_extras_install_from_a_clone():
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     assert {"constraints", "vision", "eval", "test", "all"} <= set(extras)
-    assert extras["all"] == ["mlx-lm-diffusion[constraints,vision,bench,eval]"]
+    assert extras["all"] == ["mlx-lm-diffusion[constraints,vision,bench,eval,plot]"]
