@@ -55,7 +55,7 @@ function makePane(key, title) {
   $("h2", root).textContent = title;
   for (const option of state.listing.data) $(".settings", root).append(control(option));
   $("#panes").append(root);
-  const pane = { key, root, frames: [], answer: "", forwards: 0, seconds: 0 };
+  const pane = { key, root, frames: [], history: emptyHistory(), answer: "", forwards: 0, seconds: 0 };
   $(".replay", root).addEventListener("input", (e) => showFrame(pane, Number(e.target.value)));
   $(".png", root).addEventListener("click", () => download(pane, "png"));
   $(".svg", root).addEventListener("click", () => download(pane, "svg"));
@@ -72,7 +72,7 @@ function showError(pane, message) {
 }
 
 async function run(pane, messages) {
-  Object.assign(pane, { frames: [], answer: "", forwards: 0, seconds: 0, finish: null });
+  Object.assign(pane, { frames: [], history: emptyHistory(), answer: "", forwards: 0, seconds: 0, finish: null });
   showError(pane, "");
   $(".answer", pane.root).textContent = "";
   const body = Object.assign({ model: state.model, messages, stream: true, drafts: true }, settingsOf(pane));
@@ -106,6 +106,7 @@ async function run(pane, messages) {
     }
   }
   pane.seconds = (performance.now() - started) / 1000;
+  if (pane.frames.length) showFrame(pane, pane.frames.length - 1, true); // (the last frame, drawn now)
   figures(pane);
   return pane.answer;
 }
@@ -114,10 +115,11 @@ function handleLine(pane, line, started) {
   if (line.startsWith(": draft ")) {
     const frame = JSON.parse(line.slice(8));
     frame.at = (performance.now() - started) / 1000;
+    record(pane.history, frame, pane.frames[pane.frames.length - 1] || null);
     pane.frames.push(frame);
     pane.forwards = frame.forwards;
     pane.seconds = frame.at;
-    showFrame(pane, pane.frames.length - 1, true);
+    drawSoon(pane);
   } else if (line.startsWith("data: ") && line !== "data: [DONE]") {
     const chunk = JSON.parse(line.slice(6));
     if (chunk.error) { showError(pane, chunk.error.message || String(chunk.error)); return; }
@@ -128,29 +130,46 @@ function handleLine(pane, line, started) {
   }
 }
 
+function drawSoon(pane) {
+  // frames can come faster than the screen redraws: draw the latest once per display frame
+  if (pane.drawing) return;
+  pane.drawing = requestAnimationFrame(() => {
+    pane.drawing = null;
+    showFrame(pane, pane.frames.length - 1, true);
+  });
+}
+
 // -- what each position went through, up to frame k
 
-function history(frames, k) {
+function emptyHistory() {
   // commit[i]: the forward that committed position i, with its confidence; edited[i]: a
-  // committed (or drafted) token that a later forward replaced.
-  const commit = [], confidence = [], edited = [], editedAt = [];
-  for (let f = 0; f <= k; f++) {
-    const frame = frames[f], previous = f > 0 ? frames[f - 1] : null;
-    frame.tokens.forEach((token, i) => {
-      const s = frame.states[i];
-      if (s === "c" && commit[i] === undefined) {
-        commit[i] = frame.forwards;
-        const j = i - frame.block[0];
-        confidence[i] = j >= 0 && j < frame.confidence.length ? frame.confidence[j] : 1;
-      }
-      const before = previous ? previous.tokens[i] : undefined;
-      if (previous && before !== null && before !== undefined && token !== before && previous.states[i] !== "m") {
-        edited[i] = true;
-        (editedAt[i] = editedAt[i] || []).push(frame.forwards);
-      }
-    });
-  }
-  return { commit, confidence, edited, editedAt };
+  // committed (or drafted) token that a later forward replaced, at the forwards editedAt[i]
+  return { commit: [], confidence: [], edited: [], editedAt: [] };
+}
+
+function record(h, frame, previous) {
+  // one more frame into the history `h` (live: once per frame, not the whole run again)
+  frame.tokens.forEach((token, i) => {
+    if (frame.states[i] === "c" && h.commit[i] === undefined) {
+      h.commit[i] = frame.forwards;
+      const j = i - frame.block[0];
+      h.confidence[i] = j >= 0 && j < frame.confidence.length ? frame.confidence[j] : 1;
+    }
+    const before = previous ? previous.tokens[i] : undefined;
+    if (previous && before !== null && before !== undefined && token !== before && previous.states[i] !== "m") {
+      h.edited[i] = true;
+      (h.editedAt[i] = h.editedAt[i] || []).push(frame.forwards);
+    }
+  });
+  return h;
+}
+
+function history(pane, k) {
+  // the history up to frame k: the kept one for the latest frame, rebuilt for a replay
+  if (k === pane.frames.length - 1 && pane.history) return pane.history;
+  const h = emptyHistory();
+  for (let f = 0; f <= k; f++) record(h, pane.frames[f], f > 0 ? pane.frames[f - 1] : null);
+  return h;
 }
 
 const hue = (forward) => (forward * 137.508) % 360; // neighbouring forwards far apart in hue
@@ -159,7 +178,7 @@ function showFrame(pane, k, live = false) {
   const frames = pane.frames;
   if (!frames.length) return;
   const frame = frames[k];
-  const { commit, confidence, edited } = history(frames, k);
+  const { commit, confidence, edited } = history(pane, k);
   const canvas = $(".canvas", pane.root);
   canvas.replaceChildren();
   const shown = visibleLength(frames[frames.length - 1]);
@@ -211,7 +230,7 @@ const CELL = 12;
 
 function orderCells(pane) {
   const frames = pane.frames, last = frames[frames.length - 1];
-  const { commit, confidence, editedAt } = history(frames, frames.length - 1);
+  const { commit, confidence, editedAt } = history(pane, frames.length - 1);
   const n = visibleLength(last), rows = last.forwards;
   return { n, rows, commit, confidence, editedAt };
 }
@@ -225,16 +244,14 @@ function viridis(t) {
 }
 
 function orderRects(pane) {
+  // one rectangle per position for its committed span, one for its commit, one per edit
   const { n, rows, commit, confidence, editedAt } = orderCells(pane);
   const rects = [];
   for (let i = 0; i < n; i++) {
-    for (let f = 1; f <= rows; f++) {
-      let fill = null;
-      if (commit[i] !== undefined && f > commit[i]) fill = "#d9d9d9";
-      if (commit[i] === f) fill = viridis(confidence[i] ?? 1);
-      if (editedAt[i] && editedAt[i].includes(f)) fill = "#d62728";
-      if (fill) rects.push({ x: i * CELL, y: (f - 1) * CELL, fill });
-    }
+    const f = commit[i];
+    if (f !== undefined && f < rows) rects.push({ x: i * CELL, y: f * CELL, h: (rows - f) * CELL, fill: "#d9d9d9" });
+    if (f !== undefined) rects.push({ x: i * CELL, y: (f - 1) * CELL, h: CELL, fill: viridis(confidence[i] ?? 1) });
+    for (const e of editedAt[i] || []) rects.push({ x: i * CELL, y: (e - 1) * CELL, h: CELL, fill: "#d62728" });
   }
   return { width: Math.max(n, 1) * CELL, height: Math.max(rows, 1) * CELL, rects };
 }
@@ -247,7 +264,7 @@ function drawOrder(pane) {
   const g = canvas.getContext("2d");
   g.fillStyle = "#ffffff";
   g.fillRect(0, 0, width, height);
-  for (const r of rects) { g.fillStyle = r.fill; g.fillRect(r.x, r.y, CELL, CELL); }
+  for (const r of rects) { g.fillStyle = r.fill; g.fillRect(r.x, r.y, CELL, r.h); }
   for (const b of pane.root.querySelectorAll(".png, .svg")) b.disabled = false;
 }
 
@@ -266,7 +283,7 @@ function download(pane, kind) {
     return;
   }
   const { width, height, rects } = orderRects(pane);
-  const cells = rects.map((r) => `<rect x="${r.x}" y="${r.y}" width="${CELL}" height="${CELL}" fill="${r.fill}"/>`);
+  const cells = rects.map((r) => `<rect x="${r.x}" y="${r.y}" width="${CELL}" height="${r.h}" fill="${r.fill}"/>`);
   const svg = `<svg xmlns="http://www.w3.org/2000/svg" width="${width}" height="${height}">` +
     `<rect width="${width}" height="${height}" fill="#ffffff"/>${cells.join("")}</svg>`;
   save(new Blob([svg], { type: "image/svg+xml" }));
