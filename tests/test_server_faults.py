@@ -154,8 +154,8 @@ def test_a_short_request_does_not_step_with_the_long_ones(llada_path):
     from mlx_lm_diffusion.serving.scheduler import lane_of
 
     argv = ["--model", str(llada_path), "--port", "0", "--log-level", "WARNING", "--decode-concurrency", "8"]
-    steps = 256
-    long_body = {**PROTOCOL, "target_length": 3 + steps, "num_steps": steps, "temperature_schedule": [0.0] * steps}
+    steps = 48  # (each over a canvas of 500 positions: a step costs many of the short request's)
+    long_body = {**PROTOCOL, "target_length": 3 + 500, "num_steps": steps, "temperature_schedule": [0.0] * steps}
     with running_server(argv) as (httpd, generator):
         port, scheduler = httpd.server_address[1], generator.scheduler
         answers = []
