@@ -181,3 +181,24 @@ def test_validation_is_the_likelihood_estimate_and_repeats(llada):
     count = sum(e - o for o, e in SPANS)
     assert int(first[1]) == count
     assert float(first[0]) == float(again[0]) == pytest.approx(nll / count, rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llada", "sdar"])
+def test_sft_padding_is_eos_and_trained(request, name):
+    """With pad_id (--mask-prompt) a row is trained as the same row written out with EOS to
+    the batch's width (LLaDA's SFT padding), its answer length counting the EOS."""
+    model, adapter = _family(request, name)
+    eos = 3
+    tokens, lengths = _batch(SPANS, model.vocab_size, adapter.mask_id)
+    width = tokens.shape[1]
+    draws, times, blocks_u = _noise(*tokens.shape)
+    noise = Noise(mx.array(times, mx.float32), mx.array(draws, mx.float32), mx.array(blocks_u, mx.float32))
+    padded = objective_for(adapter, "diffusion", "answer", pad_id=eos)
+    loss, count = padded(model, mx.array(tokens), mx.array(lengths), noise)
+    written = tokens.copy()
+    for row, (_, end) in enumerate(SPANS):
+        written[row, end:] = eos
+    spans = [(offset, width) for offset, _ in SPANS]
+    expected, expected_count = _oracle(adapter, written, spans, draws, times, blocks_u, "answer")
+    assert int(count) == expected_count == sum(width - o for o, _ in SPANS)
+    assert float(loss) == pytest.approx(expected, rel=2e-4, abs=2e-4)

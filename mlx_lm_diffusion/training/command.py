@@ -100,11 +100,23 @@ def check_trainable(model: str) -> None:
 def objective_of(model: Any, tokenizer: Any, args: Any) -> Objective:
     """The loss for mlx-lm's trainer: the family's objective; in evaluation, the ELBO."""
     adapter = adapter_for(model, tokenizer)
-    normalize = "answer" if args.mask_prompt else "tokens"
-    objective = objective_for(adapter, args.objective, normalize)
+    if args.mask_prompt:  # supervised fine-tuning: LLaDA's SFT normalization and EOS padding
+        objective = objective_for(adapter, args.objective, "answer", pad_id=_eos_id(adapter, tokenizer))
+    else:
+        objective = objective_for(adapter, args.objective, "tokens")
     if not objective.autoregressive:
         objective.validation = ElboValidation(adapter, objective.first, seed=args.seed)
     return objective
+
+
+def _eos_id(adapter: Any, tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        return eos
+    if adapter.eos_ids:
+        return min(adapter.eos_ids)
+    raise ValueError("the checkpoint names no EOS token (config.json's eos_token_id or the tokenizer's): "
+                     "supervised fine-tuning pads answers with it")
 
 
 @contextmanager

@@ -35,6 +35,14 @@ Three objectives, after the attention each family is trained with
   attention, next-token cross-entropy averaged over the trained tokens (mlx-lm's own
   loss; Nemotron's causal passes propose each block's first token at decoding).
 
+With --mask-prompt (supervised fine-tuning: completions and chat data) the padding is
+LLaDA's SFT padding instead (GUIDELINES.md: "|EOS| tokens at the end of short pairs ...
+treated as a normal token", masked and predicted, counted in the answer length): every
+position after a row's end holds EOS and is trained, so the model learns to fill the
+rest of a canvas with EOS, as the decoders need (they fill max_tokens positions and stop
+at EOS). The same applies to the block families (each block after the answer is
+trained to be EOS); for `text` data (pre-training) padding stays out of the loss.
+
 The noise (`Noise`: each row's time, each position's uniform draw, each row's block
 draw) is drawn inside the loss (mlx.random, which mlx-lm's compiled step carries) unless
 given, so a test can give it and recompute the loss independently. In evaluation mode
@@ -83,7 +91,7 @@ class Objective:
     training loss there too."""
 
     def __init__(self, mask_id: int, layout: BoundLayout, normalize: str = "tokens", autoregressive: bool = False,
-                 shift: int = 0, validation: Any = None):
+                 shift: int = 0, validation: Any = None, pad_id: Optional[int] = None):
         if normalize not in ("answer", "tokens"):
             raise ValueError(f"normalize must be 'answer' or 'tokens', got {normalize!r}")
         self.mask_id = int(mask_id)
@@ -95,14 +103,25 @@ class Objective:
         # logits of position i come from row i - 1 (Dream, AR) or the prefix must hold one
         self.first = 1 if (self.shift or layout.needs_context) else 0
         self.validation = validation
+        self.pad_id = pad_id  # None: padding stays out of the loss and the attention
 
     def __call__(self, model: nn.Module, batch: mx.array, lengths: mx.array,
                  noise: Optional[Noise] = None) -> tuple:
+        if self.pad_id is not None:
+            batch, lengths = self.padded(batch, lengths)
         if not model.training and noise is None and self.validation is not None:
             return self.validation(batch, lengths)
         if self.autoregressive:
             return self.next_token_loss(model, batch, lengths)
         return self.diffusion_loss(model, batch, lengths, noise if noise is not None else draw_noise(batch.shape))
+
+    def padded(self, batch: mx.array, lengths: mx.array) -> tuple:
+        """LLaDA's SFT padding: every row's positions after its end hold `pad_id` (EOS)
+        and are trained."""
+        width = batch.shape[1]
+        tail = mx.arange(width)[None, :] >= lengths[:, 1:]
+        ends = mx.full(lengths[:, 1:].shape, width, dtype=lengths.dtype)
+        return mx.where(tail, self.pad_id, batch), mx.concatenate([lengths[:, :1], ends], axis=1)
 
     def _region(self, batch: mx.array, lengths: mx.array) -> tuple:
         positions = mx.arange(batch.shape[1])[None, :]
@@ -172,8 +191,9 @@ class Objective:
 
 
 def objective_for(adapter: Any, objective: str = "diffusion", normalize: str = "tokens",
-                  validation: Any = None) -> Objective:
-    """The family's objective from its adapter (ValueError: one it cannot train with)."""
+                  validation: Any = None, pad_id: Optional[int] = None) -> Objective:
+    """The family's objective from its adapter (ValueError: one it cannot train with);
+    `pad_id` (EOS, for supervised fine-tuning): LLaDA's SFT padding, trained."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose from {', '.join(OBJECTIVES)}")
     layout = bound_layout(adapter)  # (refuses uniform-noise and autoregressive adapters)
@@ -185,4 +205,4 @@ def objective_for(adapter: Any, objective: str = "diffusion", normalize: str = "
     if layout.kind == "prefix":  # Nemotron: the block size it was trained with, over the decoding default
         layout = BoundLayout("prefix", int(getattr(adapter.model.args, "block_size", layout.block)), True)
     return Objective(adapter.mask_id, layout, normalize, shift=int(getattr(adapter, "shift", 0)),
-                     validation=validation)
+                     validation=validation, pad_id=pad_id)
