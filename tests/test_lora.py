@@ -23,9 +23,13 @@ from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 # (Doubling, "7000==" -> "14000", was tried first: 50 % held-out after 600 steps, 77 s.)
 LOW, HIGH = 1000, 10000
 HELD_OUT = 100
-LORA_FLAGS = ["--iters", "200", "--batch-size", "32", "--num-layers", "-1", "--learning-rate", "1e-3",
-              "--steps-per-eval", "100", "--steps-per-report", "50", "--val-batches", "2", "--mask-prompt",
-              "--save-every", "100000"]
+# --max-seq-length 16: rows of 12 tokens (prompt 6, answer 5, EOS) EOS-padded to 16, not to
+# mlx-lm's 33 (canvases of 10 positions hold the 8 decoded here). Measured on two splits: 92-96 %
+# held-out after 200-300 steps at this learning rate; 1e-3 reached 100 % on one split and
+# collapsed on the other.
+LORA_FLAGS = ["--iters", "400", "--batch-size", "32", "--num-layers", "-1", "--learning-rate", "5e-4",
+              "--max-seq-length", "16", "--steps-per-eval", "200", "--steps-per-report", "50", "--val-batches", "2",
+              "--mask-prompt", "--save-every", "100000"]
 
 
 def _skill_rows(numbers):
@@ -68,14 +72,18 @@ def accuracy(model, tokenizer, rows) -> float:
 
 
 def test_the_demo_lacks_the_skill(skill_data):
-    assert accuracy(*mld.load(str(DEMO_MODEL_PATH)), _held_out(skill_data)) <= 0.05
+    score = accuracy(*mld.load(str(DEMO_MODEL_PATH)), _held_out(skill_data))
+    print(f"held-out exact match before LoRA: {score:.0%}")
+    assert score <= 0.05
 
 
 def test_lora_teaches_the_demo_the_skill(trained, skill_data):
     adapters, output = trained
     assert (adapters / "adapters.safetensors").exists() and (adapters / "adapter_config.json").exists()
     model, tokenizer = mld.load(str(DEMO_MODEL_PATH), adapter_path=str(adapters))
-    assert accuracy(model, tokenizer, _held_out(skill_data)) >= 0.9
+    score = accuracy(model, tokenizer, _held_out(skill_data))
+    print(f"held-out exact match after LoRA: {score:.0%}")
+    assert score >= 0.9
     # mlx_lm.lora's progress: validation and training losses, tokens per second
     assert "val" in output and "tok/s" in output and "Trainable parameters" in output
     losses = [float(x) for x in re.findall(r"val\S*\s+\S*?(\d+\.\d+)", output)]
@@ -192,11 +200,11 @@ def test_test_resume_and_config_file(trained, skill_data, tmp_path):
     --resume-adapter-file starts from trained weights; -c/--config gives the flags."""
     adapters, _ = trained
     r = run_main("mlx_lm_diffusion.lora", "--test", "--data", str(skill_data), "--adapter-path", str(adapters),
-                 "--num-layers", "-1", "--batch-size", "32", "--mask-prompt")
+                 "--num-layers", "-1", "--batch-size", "32", "--mask-prompt", "--max-seq-length", "16")
     assert r.returncode == 0, r.stderr
     assert re.search(r"Test loss \d+\.\d+, Test ppl \d+\.\d+", r.stdout + r.stderr)
     config = tmp_path / "lora.yaml"
-    config.write_text(f"train: true\ndata: {skill_data}\niters: 2\nbatch_size: 32\nnum_layers: -1\n"
+    config.write_text(f"train: true\ndata: {skill_data}\niters: 2\nbatch_size: 32\nnum_layers: -1\nmax_seq_length: 16\n"
                       f"mask_prompt: true\nval_batches: 2\nlearning_rate: 1.0e-5\n"
                       f"adapter_path: {tmp_path / 'resumed'}\n")
     r = run_main("mlx_lm_diffusion.lora", "-c", str(config), "--resume-adapter-file",
