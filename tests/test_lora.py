@@ -224,3 +224,23 @@ def test_dora_with_gradient_checkpointing(tmp_path):
             "--val-batches", "1", "--adapter-path", str(tmp_path / "ad"))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "ad" / "adapters.safetensors").exists()
+
+
+def test_the_mlx_lm_names_the_commands_rely_on():
+    """Contract: what training.command and training.fusing take from mlx-lm 0.32.x."""
+    import inspect
+
+    import mlx_lm.lora
+    import mlx_lm.utils
+    from mlx_lm.tuner import trainer
+
+    for name in ("build_parser", "CONFIG_DEFAULTS", "yaml_loader", "train_model", "evaluate_model", "train",
+                 "evaluate"):
+        assert hasattr(mlx_lm.lora, name), name
+    assert mlx_lm.lora.train is trainer.train and mlx_lm.lora.evaluate is trainer.evaluate
+    for fn in (trainer.train, trainer.evaluate):
+        assert {"loss", "iterate_batches"} <= set(inspect.signature(fn).parameters)
+    assert list(inspect.signature(trainer.iterate_batches).parameters) == [
+        "dataset", "batch_size", "max_seq_length", "loop", "seed", "comm_group"]
+    for name in ("load_adapters", "dequantize_model", "save", "_download"):
+        assert hasattr(mlx_lm.utils, name), name
