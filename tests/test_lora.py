@@ -244,3 +244,24 @@ def test_the_mlx_lm_names_the_commands_rely_on():
         "dataset", "batch_size", "max_seq_length", "loop", "seed", "comm_group"]
     for name in ("load_adapters", "dequantize_model", "save", "_download"):
         assert hasattr(mlx_lm.utils, name), name
+
+
+def test_qlora_then_fuse_dequantize(tmp_path):
+    """A LoRA over a 4-bit checkpoint (QLoRA), fused with --dequantize as mlx_lm.fuse does: a
+    float checkpoint without quantization settings, which loads and decodes."""
+    source = _write("llada", tmp_path / "model")
+    quantized = tmp_path / "q4"
+    r = run_main("mlx_lm_diffusion.convert", "--hf-path", str(source), "--mlx-path", str(quantized), "-q")
+    assert r.returncode == 0, r.stderr
+    assert "quantization" in json.loads((quantized / "config.json").read_text())
+    r = run_main("mlx_lm_diffusion.lora", "--model", str(quantized), "--train", "--data", str(_text_data(tmp_path / "d")),
+                 "--num-layers", "-1", "--iters", "2", "--batch-size", "2", "--val-batches", "1",
+                 "--adapter-path", str(tmp_path / "ad"))
+    assert r.returncode == 0, r.stderr
+    r = run_main("mlx_lm_diffusion.fuse", "--model", str(quantized), "--adapter-path", str(tmp_path / "ad"),
+                 "--save-path", str(tmp_path / "fused"), "--dequantize")
+    assert r.returncode == 0, r.stderr
+    config = json.loads((tmp_path / "fused" / "config.json").read_text())
+    assert "quantization" not in config and config["model_type"] == "llada"
+    model, tokenizer = mld.load(str(tmp_path / "fused"))
+    assert mld.generate(model, tokenizer, "Hi", max_tokens=4) is not None
