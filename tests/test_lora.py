@@ -180,6 +180,8 @@ def test_faults_exit_2_with_one_line(tmp_path):
     assert "--no-such-flag" in _one_line_error(run_main("mlx_lm_diffusion.lora", "--no-such-flag"))
     missing = run_main("mlx_lm_diffusion.lora", "--model", str(tmp_path / "nowhere"), "--train", "--data", str(data))
     assert "nowhere" in _one_line_error(missing)
+    no_data = run_main("mlx_lm_diffusion.lora", "--train", "--data", str(tmp_path / "no-data"))
+    assert "no data at" in _one_line_error(no_data)
     ar = write_causal(tmp_path / "llama", "llama")
     assert "mlx_lm.lora" in _one_line_error(run_main("mlx_lm_diffusion.lora", "--model", str(ar), "--train",
                                                      "--data", str(data)))

@@ -84,6 +84,17 @@ def resolve_args(args: argparse.Namespace) -> types.SimpleNamespace:
     return types.SimpleNamespace(**values)
 
 
+def check_data(args: types.SimpleNamespace) -> None:
+    """--data that can only be a local directory must exist (ValueError): mlx-lm would look
+    a missing one up on the Hugging Face Hub instead, which answers about something else."""
+    data = str(args.data)
+    if getattr(args, "hf_dataset", False) or Path(data).exists():
+        return
+    if data.startswith((".", "/", "~")) or data.count("/") != 1:
+        raise ValueError(f"no data at {data}: give a directory with train.jsonl and valid.jsonl "
+                         "(a Hugging Face dataset is named 'namespace/name')")
+
+
 def check_trainable(model: str) -> None:
     """Refuse, before loading, a model this command does not train (ValueError)."""
     path = Path(model)
@@ -145,6 +156,7 @@ def run(args: types.SimpleNamespace) -> None:
 
     if not (args.train or args.test):
         raise ValueError("give --train, --test or both")
+    check_data(args)
     check_trainable(args.model)
     np.random.seed(args.seed)
     callback = get_reporting_callbacks(args.report_to, project_name=args.project_name, log_dir=args.adapter_path,
