@@ -202,3 +202,18 @@ def test_sft_padding_is_eos_and_trained(request, name):
     expected, expected_count = _oracle(adapter, written, spans, draws, times, blocks_u, "answer")
     assert int(count) == expected_count == sum(width - o for o, _ in SPANS)
     assert float(loss) == pytest.approx(expected, rel=2e-4, abs=2e-4)
+
+
+def test_validation_batches_come_in_a_fixed_order_and_leave_numpy_alone():
+    from mlx_lm_diffusion.training.batches import iterate_batches
+
+    dataset = [([i + 1] * (3 + i % 5), 0) for i in range(40)]
+    np.random.seed(123)
+    state = np.random.get_state()[1].copy()
+
+    def firsts():
+        return [int(batch[0, 0]) for batch, _ in iterate_batches(dataset, 4, 64)]
+
+    one, two = firsts(), firsts()
+    assert one == two and sorted(one) != one  # (shuffled, the same way every time)
+    assert np.array_equal(np.random.get_state()[1], state)  # the training order's generator is untouched
