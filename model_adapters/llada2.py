@@ -72,11 +72,12 @@ class Router(bailing_moe.BailingMoeGate):
             cutoff = mx.topk(group_scores, self.topk_group, axis=-1).min(axis=-1, keepdims=True)
             keep = (group_scores >= cutoff)[..., None]
             choice = mx.flatten(mx.where(keep, grouped, -mx.inf), -2, -1)
-        inds = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        # (the choice carries no gradient: mlx cannot differentiate through gathered indices)
+        inds = mx.stop_gradient(mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
         weights = mx.take_along_axis(scores, inds, axis=-1)
         if self.top_k > 1 and self.norm_topk_prob:
             weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
-        return mx.stop_gradient(inds), (weights * self.routed_scaling_factor).astype(x.dtype)
+        return inds, (weights * self.routed_scaling_factor).astype(x.dtype)
 
 
 class Backbone(LayerStack):

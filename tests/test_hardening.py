@@ -702,7 +702,7 @@ def test_bad_model_fails_at_start_before_binding(monkeypatch, capsys, tmp_path, 
 
 
 @pytest.mark.parametrize("flags", [
-    ["--draft-model", "x"], ["--num-draft-tokens", "3"], ["--adapter-path", "a"], ["--kv-bits", "4"],
+    ["--draft-model", "x"], ["--num-draft-tokens", "3"], ["--kv-bits", "4"],
     ["--kv-group-size", "32"], ["--quantized-kv-start", "0"], ["--prefill-step-size", "512"], ["--pipeline"],
     ["--read-timeout", "0"], ["--max-connections", "0"], ["--max-forwards", "0"], ["--threshold", "2"],
 ])

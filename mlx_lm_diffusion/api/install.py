@@ -157,10 +157,30 @@ def _loads_generation_defaults(original: Callable[..., Any]) -> Callable[..., An
     return load_model
 
 
+def _loads_adapters_evaluated(original: Callable[..., Any]) -> Callable[..., Any]:
+    """mlx_lm.utils.load_adapters over a diffusion model: the adapter weights evaluated on
+    the loading thread. mx.load's arrays are lazy, bound to the stream of the thread that
+    loaded them, and mlx-lm leaves them so; the server loads on its generation thread and
+    decodes on another ("There is no Stream(cpu, 1) in current thread")."""
+
+    @functools.wraps(original)
+    def load_adapters(model, *args, **kwargs):
+        loaded = original(model, *args, **kwargs)
+        if is_diffusion_model(model):
+            import mlx.core as mx
+
+            mx.eval(model.parameters())
+        return loaded
+
+    load_adapters.__mlx_lm_diffusion__ = True
+    return load_adapters
+
+
 # (module, attribute, wrapper) patched for diffusion checkpoints only
 WRAPPED: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
     ("mlx_lm.utils", "load_tokenizer", _loads_no_remote_code),
     ("mlx_lm.utils", "load_model", _loads_generation_defaults),
+    ("mlx_lm.utils", "load_adapters", _loads_adapters_evaluated),
 )
 
 _lock = threading.Lock()

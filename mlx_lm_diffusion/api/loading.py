@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
+import mlx.core as mx
 from mlx_lm.utils import _download, load_config
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -106,6 +107,8 @@ def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_pa
             trust_remote_code=bool(trust_remote_code),
         )
         check_weights(model)
+        if adapter_path and not sharded:  # (mx.load's lazy adapter arrays, bound to this thread)
+            mx.eval(model.parameters())
         if sharded:
             shard_loaded(model, group)
         processor = _processor(model, model_path, config)

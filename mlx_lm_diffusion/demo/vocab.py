@@ -39,7 +39,9 @@ NUMBER_WIDTH = 4  # the normalizer pads every number to at least this many digit
 ANSWER_WIDTH = 5  # answer slots: the largest sum, 9999 + 9999 = 19998, has 5 digits
 
 # The last user message's content (a string, or OpenAI-style parts whose text is joined),
-# then nothing else: the generation prompt is empty and there are no role markers.
+# then nothing else: the generation prompt is empty and there are no role markers. A
+# conversation that ends with the assistant's reply (a training example: mlx-lm's
+# completions and chat data) renders that reply after it, then EOS.
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(text='') -%}"
     "{%- for message in messages -%}"
@@ -52,6 +54,9 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- endfor -%}"
     "{{- ns.text -}}"
+    "{%- if messages and messages[-1]['role'] == 'assistant' and messages[-1]['content'] is string -%}"
+    "{{- messages[-1]['content'] + '<eos>' -}}"
+    "{%- endif -%}"
 )
 
 

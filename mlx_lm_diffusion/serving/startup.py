@@ -34,7 +34,8 @@ What a client may do is bounded (mlx_lm.server leaves these open):
   cancels its decode at the next forward;
 * models: only --model and the --allowed-models the operator named are served; any
   other "model" is a 404 that reads neither the filesystem nor the Hub; a request's
-  draft_model, adapters and num_draft_tokens are refused, images (DiffusionGemma) are
+  draft_model, adapters and num_draft_tokens are refused (--adapter-path, the
+  operator's, loads LoRA adapters as mlx_lm.server does), images (DiffusionGemma) are
   data: URLs or files under --allowed-image-dir (nothing is fetched; --max-images,
   --max-image-bytes: 400 / 413), a client's chat template is refused unless
   --allow-client-chat-templates;
@@ -107,8 +108,6 @@ DEFAULT_SHUTDOWN_GRACE = 30.0
 INAPPLICABLE_FLAGS = {
     "draft_model": ("--draft-model", "speculative decoding does not apply to diffusion models"),
     "num_draft_tokens": ("--num-draft-tokens", "speculative decoding does not apply to diffusion models"),
-    "adapter_path": ("--adapter-path", "this server does not load adapters for diffusion models (mlx_lm_diffusion.load, "
-                     "the generate and chat CLIs do); serve a model with the adapter fused into its weights"),
     "kv_bits": ("--kv-bits", compat.NO_KV_QUANTIZATION),
     "kv_group_size": ("--kv-group-size", compat.NO_KV_QUANTIZATION),
     "quantized_kv_start": ("--quantized-kv-start", compat.NO_KV_QUANTIZATION),
