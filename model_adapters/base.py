@@ -13,6 +13,7 @@ streaming.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 from types import ModuleType
@@ -79,9 +80,15 @@ class DiffusionArgs(BaseModelArgs):
         return config
 
 
+# Backbone fields that must be positive (a rope_theta of 0 loaded and decoded NaN rotations)
+POSITIVE_FIELDS = ("rope_theta", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                   "head_dim", "vocab_size")
+
+
 def _check_numbers(args: Any) -> None:
     """Refuse (ValueError) a config whose numeric fields hold something else: a string
-    rope_theta loaded and failed at the first forward, deep inside a kernel call."""
+    rope_theta loaded and failed at the first forward, deep inside a kernel call; or a
+    size or rope_theta that is not positive and finite."""
     try:
         hints = typing.get_type_hints(type(args))
     except Exception:  # (a backbone's annotations this Python cannot resolve: nothing checked)
@@ -94,6 +101,8 @@ def _check_numbers(args: Any) -> None:
         if not number or kind is int and not isinstance(value, int):
             raise ValueError(f"config.json's {f.name} must be {'an integer' if kind is int else 'a number'}, "
                              f"got {value!r}")
+        if f.name in POSITIVE_FIELDS and not (0 < value < math.inf):
+            raise ValueError(f"config.json's {f.name} must be positive, got {value!r}")
 
 
 @runtime_checkable

@@ -71,6 +71,7 @@ BROKEN = {
     "an EOS id outside the vocabulary": (_config({"eos_token_id": 999}), "eos_token_id (999) lies outside"),
     "no attention heads": (_config({"n_heads": 0}), "must be positive"),
     "a rope_theta that is a string": (_config({"rope_theta": "abc"}), "rope_theta must be a number"),
+    "a rope_theta of zero": (_config({"rope_theta": 0}), "rope_theta must be positive"),  # (decoded NaN rotations)
 }
 
 
