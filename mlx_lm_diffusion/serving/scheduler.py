@@ -12,14 +12,14 @@ max_tokens, sampler or seed differ freely per row). Each turn:
    `--long-request-forwards`) waits while long rows hold half of its batch, so that
    requests at the forward bound cannot take every row: a short one behind them is
    admitted at once (a waiting job never blocks a later one that fits);
-2. the lane that has used the least decoding time steps next: a group's rows are split
+2. the lane that has used the least decoding time steps next. A group's rows are split
    into lanes (one batch each) by the size of their forward bound (within a factor of 4
-   of each other: `lane_of`), and lanes share the time fairly: the lane that has used the
-   least steps next, and a lane that joins starts one step's time (the longest of the
-   others' last steps) ahead of the least served, so it runs at once, builds up no credit
-   for the time it was idle, and delays the others by at most one such step. A short request therefore runs at the pace of its own small forwards, not
-   of the 500-position canvases beside it (a short answer behind 16 requests at the
-   forward bound took 55 s when they shared every step). The lane drops the rows whose
+   of each other: `lane_of`); a lane that joins starts one step's time (the longest of
+   the others' last steps) ahead of the least served, so it runs at once, builds up no
+   credit for the time it was idle, and delays the others by at most one such step. A
+   short request therefore runs at the pace of its own small forwards, not of the
+   500-position canvases beside it (a short answer behind 32 requests at the forward
+   bound waited 55-70 s when they shared every step). The lane drops the rows whose
    client left or whose request was cancelled, then runs one step (one model forward
    for all its rows) under the server's decode lock, which the step-schedule protocol
    endpoint and the serial path also take;
@@ -253,7 +253,7 @@ class Scheduler:
         self.long_forwards = long_forwards  # None: no request counts as long
         self.max_long_rows = max(1, max_rows // 2)
         self.queued: deque = deque()  # jobs not in a batch yet, FIFO
-        self.batches: dict = {}  # lane (group, long) -> RunningBatch
+        self.batches: dict = {}  # lane (group, size class: lane_of) -> RunningBatch
         self.turns: deque = deque()  # lanes with rows, in the order they joined
         self.used: dict = {}  # lane -> seconds of steps it has run (the fair share's measure)
         self.last: dict = {}  # lane -> seconds its latest step took
