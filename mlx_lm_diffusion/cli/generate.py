@@ -22,7 +22,6 @@ import json
 import sys
 from typing import Optional, Sequence
 
-import numpy as np
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -207,22 +206,22 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
     sampler = make_cli_sampler(args, text_tokenizer(tokenizer))
     mask_id = adapter_for(model, text_tokenizer(tokenizer)).mask_id
     if not args.show_canvas:
-        recorder = _recorder(args, mask_id, run.progress())
+        callback = _traced(args, mask_id, run.progress())
         text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
-                        sampler=sampler, seed=args.seed, draft_callback=recorder or run.progress(), **options)
+                        sampler=sampler, seed=args.seed, draft_callback=callback, **options)
         run.finished(text)
         if not args.verbose:
             print(text)
-        _save_trace(args, recorder, text_tokenizer(tokenizer), group)
+        _save_trace(args, callback, text_tokenizer(tokenizer), group)
         return
     # The canvas on stderr, the answer on stdout once final: they never share a line.
     view = CanvasView(text_tokenizer(tokenizer), mask_id)
     shown = view if distributed.is_leader(group) else None  # (rank 0 draws the canvas)
-    recorder = _recorder(args, mask_id, run.progress(shown))
+    callback = _traced(args, mask_id, run.progress(shown))
     text, last = "", None
     try:
         for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
-                                    seed=args.seed, draft_callback=recorder or run.progress(shown), **options):
+                                    seed=args.seed, draft_callback=callback, **options):
             text += last.text
     finally:
         view.close()
@@ -233,7 +232,7 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
         print_stats(last)
     else:
         print(text)
-    _save_trace(args, recorder, text_tokenizer(tokenizer), group)
+    _save_trace(args, callback, text_tokenizer(tokenizer), group)
 
 
 def _check_trace_path(path: str) -> None:
@@ -247,19 +246,18 @@ def _check_trace_path(path: str) -> None:
                          "(from a clone: pip install -e \".[plot]\")") from None
 
 
-def _recorder(args: argparse.Namespace, mask_id, then) -> Optional[unmask_order.OrderRecorder]:
-    return unmask_order.OrderRecorder(mask_id, then) if args.trace_png else None
+def _traced(args: argparse.Namespace, mask_id, then):
+    """The draft callback `then`, recorded for --trace-png's picture when asked for."""
+    return unmask_order.OrderRecorder(mask_id, then) if args.trace_png else then
 
 
-def _save_trace(args: argparse.Namespace, recorder, tokenizer, group) -> None:
+def _save_trace(args: argparse.Namespace, callback, tokenizer, group) -> None:
     """The unmask-order picture of row 0, over the positions the decode committed (a
     decode that ends early leaves its later blocks out)."""
-    if recorder is None or not distributed.is_leader(group):
+    if not isinstance(callback, unmask_order.OrderRecorder) or not distributed.is_leader(group):
         return
-    order = recorder.order()
-    committed = np.flatnonzero(order.forward > 0)
-    order = recorder.order(int(committed[-1]) + 1 if committed.size else 0)
-    labels = [tokenizer.decode([t]) for t in recorder.tokens[: len(order.forward)]]
+    order = callback.order(callback.committed_span())
+    labels = [tokenizer.decode([t]) for t in callback.tokens[: len(order.forward)]]
     unmask_order.draw(order, args.trace_png, labels=labels)
 
 

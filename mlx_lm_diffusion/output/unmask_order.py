@@ -75,6 +75,10 @@ class OrderRecorder:
         if self.then is not None:
             self.then(step)
 
+    def committed_span(self) -> int:
+        """The generated positions up to the last one committed."""
+        return max(self.forward, default=-1) + 1
+
     def order(self, length: Optional[int] = None) -> UnmaskOrder:
         """The record over the first `length` generated positions (all by default)."""
         n = self.generated if length is None else length
