@@ -37,6 +37,19 @@ class ModelArgs(DiffusionArgs):
         if self.include_bias or self.include_qkv_bias:
             raise ValueError("LLaDA checkpoints with linear biases are not supported")
 
+    @classmethod
+    def from_dict(cls, params: dict) -> "ModelArgs":
+        # The weights have embedding_size rows, padded past the tokenizer's vocab_size (OLMo's
+        # layout, 126464 and 126464 in LLaDA-8B): the model is built from embedding_size, so a
+        # vocab_size above it, or a mask id past the vocab_size, is a config that contradicts
+        # itself (vocab_size 7 with mask 260 loaded and decoded noise with exit 0).
+        vocab, rows, mask = (params.get(k) for k in ("vocab_size", "embedding_size", "mask_token_id"))
+        if isinstance(vocab, int) and isinstance(rows, int) and vocab > rows:
+            raise ValueError(f"config.json's vocab_size ({vocab}) exceeds its embedding_size ({rows})")
+        if isinstance(vocab, int) and isinstance(mask, int) and not 0 <= mask < vocab:
+            raise ValueError(f"config.json's mask_token_id ({mask}) lies outside its vocab_size ({vocab})")
+        return super().from_dict(params)
+
 
 class Model(DiffusionModel):
     """LLaDA's training-time (bidirectional) attention over mlx-lm's Llama layers."""

@@ -25,7 +25,7 @@ def broken(tmp_path):
 
 
 def test_a_mask_id_outside_the_weights_vocabulary_is_refused(broken):
-    with pytest.raises(ValueError, match=r"mask_token_id \(99\) lies outside the vocabulary of the weights"):
+    with pytest.raises(ValueError, match=r"mask_token_id \(99\) lies outside (the vocabulary of the weights|its vocab_size)"):
         mld.load(str(broken))
     r = run_main("mlx_lm_diffusion.generate", "--model", str(broken), "--prompt", "357+468=")
     assert r.returncode == 2 and r.stdout == ""
@@ -72,6 +72,9 @@ BROKEN = {
     "no attention heads": (_config({"n_heads": 0}), "must be positive"),
     "a rope_theta that is a string": (_config({"rope_theta": "abc"}), "rope_theta must be a number"),
     "a rope_theta of zero": (_config({"rope_theta": 0}), "rope_theta must be positive"),  # (decoded NaN rotations)
+    # (these two loaded: LLaDA's model is built from embedding_size, and vocab_size went unread)
+    "a vocab_size past the embedding": (_config({"vocab_size": 17}), "vocab_size (17) exceeds its embedding_size"),
+    "a mask id past the vocab_size": (_config({"vocab_size": 7}), "mask_token_id (13) lies outside its vocab_size (7)"),
 }
 
 
