@@ -224,6 +224,8 @@ def _clock(seconds: float) -> str:
 
 def _draw(rng: np.random.Generator, values, weights, size: int) -> np.ndarray:
     p = np.asarray(weights, np.float64)
+    if len(values) == 0 or p.sum() == 0:  # (a form never drawn)
+        return np.zeros(size, np.int64)
     return rng.choice(np.asarray(values), size=size, p=p / p.sum())
 
 
