@@ -28,17 +28,27 @@ from mlx_lm_diffusion.api.loading import load
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
-from mlx_lm_diffusion.demo.problems import GEN_LENGTH, answer_text, group_by_prompt_length, held_out_problems
+from mlx_lm_diffusion.demo.problems import (
+    EDGE_CASES,
+    GEN_LENGTH,
+    answer_text,
+    carry_chain_problems,
+    group_by_prompt_length,
+    held_out_problems,
+    json_answer_text,
+)
 from mlx_lm_diffusion.demo.vocab import ANSWER_WIDTH, decode
 from mlx_lm_diffusion.flags import one_line_errors
 from model_adapters import adapter_for
 
-MAX_TOKENS = (8, 64, 512)  # the max_tokens the shipped figures are measured at (512: capped to the context)
+# the max_tokens the shipped figures are measured at (512: capped to the context)
+MAX_TOKENS = (5, 6, 8, 16, 64, 512)
 DECODING_KEYS = ("block_length", "steps", "strategy")  # generation_config.json keys read here
 
 
 @dataclass
 class Evaluation:
+    form: str = "plain"
     pairs: list = field(default_factory=list)
     answers: list = field(default_factory=list)  # decoded text per problem
     forwards: list = field(default_factory=list)  # forwards each row needed
@@ -48,7 +58,8 @@ class Evaluation:
 
     @property
     def correct(self) -> np.ndarray:
-        return np.array([ans == answer_text(a, b) for (a, b), ans in zip(self.pairs, self.answers)])
+        truth = json_answer_text if self.form == "json" else answer_text
+        return np.array([ans == truth(a, b) for (a, b), ans in zip(self.pairs, self.answers)])
 
     @property
     def accuracy(self) -> float:
@@ -84,14 +95,14 @@ def generation_defaults(path) -> dict:
 
 
 def evaluate(model, tokenizer, pairs, max_tokens: int = GEN_LENGTH, batch_size: Optional[int] = None,
-             **options) -> Evaluation:
+             form: str = "plain", **options) -> Evaluation:
     """Decode every `a+b=` prompt with `options` (DecodeOptions fields; `None` or absent
     takes the checkpoint's default, when `load` read one, else the family's) and compare with the true sum. batch_size: rows per
     decode (default: as many as keep a batch near 32k canvas positions)."""
     adapter = adapter_for(model, tokenizer)
-    result = Evaluation()
+    result = Evaluation(form=form)
     tic = time.perf_counter()
-    for group in group_by_prompt_length(list(pairs), max_tokens):
+    for group in group_by_prompt_length(list(pairs), form):
         rows = batch_size or max(8, min(512, 2**15 // (group.prompts.shape[1] + max_tokens)))
         for lo in range(0, len(group.a), rows):
             prompts = group.prompts[lo : lo + rows]
@@ -118,37 +129,52 @@ def _decode(engine: Engine, prompts: np.ndarray, result: Evaluation, eos_ids) ->
         result.stopped.append(bool(len(tokens)) and int(tokens[-1]) in eos)
 
 
+SETS = {  # name -> (problems, form)
+    "held-out": lambda n: (held_out_problems(n), "plain"),
+    "carry chains": lambda n: (carry_chain_problems(n), "plain"),
+    "json": lambda n: (held_out_problems(n), "json"),
+}
+
+
 def metrics(path, n: int, max_tokens: Sequence[int] = MAX_TOKENS, threshold: float = 0.9,
             stream=sys.stderr) -> dict:
-    """Held-out exact match and tokens per forward of the checkpoint at `path`, at its
-    defaults and with `threshold`, at every max_tokens: the record in recipe.json."""
+    """Exact match and tokens per forward of the checkpoint at `path`, at its defaults and
+    with `threshold`: held-out and carry-chain problems at every max_tokens, the JSON
+    form at 32, and the named edge cases: the record in recipe.json."""
     model, tokenizer = load(str(path))
     defaults = generation_defaults(path)
-    pairs = held_out_problems(n)
     rules = {"defaults": dict(defaults), f"threshold {threshold}": {**defaults, "strategy": None,
                                                                      "threshold": threshold}}
-    out = {"held_out_problems": n, "default_decoding": defaults, "results": []}
-    for name, options in rules.items():
-        for m in max_tokens:
-            r = evaluate(model, tokenizer, pairs, max_tokens=m, **options)
-            row = {"rule": name, "max_tokens": m, "exact_match": round(r.accuracy, 4),
-                   "stopped_at_eos": round(float(np.mean(r.stopped)), 4),
-                   "tokens_per_forward": round(r.tokens_per_forward, 3),
-                   "forwards_per_problem": round(float(np.mean(r.forwards)), 2),
-                   "seconds": round(r.seconds, 1)}
-            out["results"].append(row)
-            if stream is not None:
-                print(json.dumps(row), file=stream, flush=True)
+    out = {"problems": n, "default_decoding": defaults, "results": []}
+    for name in SETS:
+        pairs, form = SETS[name](n)
+        for rule, options in rules.items():
+            for m in ((32,) if form == "json" else max_tokens):
+                r = evaluate(model, tokenizer, pairs, max_tokens=m, form=form, **options)
+                row = {"set": name, "rule": rule, "max_tokens": m, "exact_match": round(r.accuracy, 4),
+                       "stopped_at_eos": round(float(np.mean(r.stopped)), 4),
+                       "tokens_per_forward": round(r.tokens_per_forward, 3),
+                       "forwards_per_problem": round(float(np.mean(r.forwards)), 2),
+                       "seconds": round(r.seconds, 1)}
+                out["results"].append(row)
+                if stream is not None:
+                    print(json.dumps(row), file=stream, flush=True)
+    edge = evaluate(model, tokenizer, EDGE_CASES, **defaults)
+    out["edge_cases"] = {f"{a}+{b}=": ans for (a, b), ans in zip(edge.pairs, edge.answers)}
+    out["edge_cases_right"] = int(edge.correct.sum())
     return out
 
 
 def table(record: dict) -> str:
-    head = f"{'rule':<16}{'max_tokens':>11}{'exact match':>13}{'EOS stop':>10}{'tok/forward':>13}{'fwd/problem':>13}"
-    lines = [f"{record['held_out_problems']} held-out problems; defaults {record['default_decoding']}", head,
+    head = (f"{'set':<14}{'rule':<15}{'max_tokens':>11}{'exact match':>13}{'EOS stop':>10}"
+            f"{'tok/forward':>13}{'fwd/problem':>13}")
+    lines = [f"{record['problems']} problems per set; defaults {record['default_decoding']}", head,
              "-" * len(head)]
     for r in record["results"]:
-        lines.append(f"{r['rule']:<16}{r['max_tokens']:>11}{100 * r['exact_match']:>12.1f}%"
+        lines.append(f"{r['set']:<14}{r['rule']:<15}{r['max_tokens']:>11}{100 * r['exact_match']:>12.1f}%"
                      f"{100 * r['stopped_at_eos']:>9.1f}%{r['tokens_per_forward']:>13.2f}{r['forwards_per_problem']:>13.2f}")
+    if "edge_cases" in record:
+        lines.append(f"edge cases right: {record['edge_cases_right']} of {len(record['edge_cases'])}")
     return "\n".join(lines)
 
 
@@ -157,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.evaluate",
                                                 description=__doc__.split("\n\n")[0]))
     p.add_argument("--model", type=Path, default=DEMO_MODEL_PATH, help="Checkpoint (default: the demo)")
-    p.add_argument("--problems", type=int, default=512, help="Held-out problems")
+    p.add_argument("--problems", type=int, default=1000, help="Problems per set (held-out, carry chains, json)")
     p.add_argument("--max-tokens", type=int, nargs="+", default=list(MAX_TOKENS))
     p.add_argument("--threshold", type=float, default=0.9, help="Threshold of the second rule")
     p.add_argument("--json", type=Path, help="Also write the record here")

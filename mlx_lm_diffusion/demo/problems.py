@@ -1,23 +1,28 @@
 """The demo task: addition of two numbers of 1 to 4 digits, "357+468=" -> "825".
 
-Operands: per operand a digit count drawn uniformly from MIN_DIGITS..MAX_DIGITS (1-4),
-then a number of that many digits (0-9 for one digit, no leading zeros otherwise), so
-sums run from 0 to 19998 (1 to 5 digits). The answer is written in ANSWER_WIDTH (5)
-slots, right-aligned, BLANK (text: nothing) before its first digit, so each place value
-has a fixed slot (`vocab.encode_answer`; the text read is the plain number), followed by
-EOS, and the rest of the canvas is EOS padding: LLaDA's SFT practice, so that the model
-fills the tail of any canvas with EOS and a decode of any length stops after the answer.
-(Written left-aligned, as typed, the units digit sat at a position that moves with the
-answer's length, and a model of this size left it at chance: see RECIPE.md.)
+Three forms of the task, each a prompt and what the model writes after it:
 
-Training canvases have varied lengths (`CANVAS_LENGTHS`: prompt + generated positions,
-from 16 up to the model's context, most of them short); the rows of one batch share a
-canvas length and mix prompt lengths, so the generated region is canvas - prompt.
+- plain: "357+468=" -> the sum in ANSWER_WIDTH (5) slots, right-aligned, BLANK (text:
+  nothing) before its first digit (`vocab.encode_answer`; the text read is "825"), then
+  EOS, and EOS padding to the end of the canvas: LLaDA's SFT practice, so that a decode
+  of any length stops after the answer.
+- json: '{"a":357,"b":468}' -> '{"sum":' the 5 slots '}' EOS...: the text '{"sum":825}',
+  what a JSON schema {"sum": integer} allows (compact JSON, as the grammar writes it).
+- infill: "357+" | middle | "=825": the second operand right-aligned in the middle's
+  slots (BLANK before it), whatever their number (4 to MAX_MIDDLE), so that an infill
+  of any max_tokens reads "468".
+
+Operands: per operand a digit count drawn uniformly from 1-4, then a number of that many
+digits (`uniform`), or one built to carry far (`carrying`: b completes a's last k digits
+to a power of ten, so 1 to 4 carries ripple; 9999+1, 5000+5000, 4999+5001) or with zeros
+(`zeros`: 0, 5000, 3005), so that the sums of five digits and long carry chains, which
+uniform operands rarely give, are in the training mix.
 
 Held-out split: an unordered pair {a, b} is held out when a fixed integer hash of
 (min(a, b), max(a, b)) falls in the lowest 1/16 of its range (`is_held_out`). Training
-rejects every held-out pair in either order, so no held-out problem, nor its mirror
-b+a, is ever a training example; `held_out_problems` draws only held-out pairs.
+rejects every held-out pair in either order and every form, so no held-out problem, nor
+its mirror b+a, is ever a training example; `held_out_problems` and
+`carry_chain_problems` draw only held-out pairs.
 """
 
 from __future__ import annotations
@@ -26,26 +31,37 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlx_lm_diffusion.demo.vocab import ANSWER_WIDTH, EOS_ID, encode, encode_answer
+from mlx_lm_diffusion.demo.vocab import ANSWER_WIDTH, EOS_ID, encode, encode_answer, encode_slots
 
 MIN_DIGITS, MAX_DIGITS = 1, 4  # operand digit counts are drawn from this range
 ANSWER_MAX = 2 * (10**MAX_DIGITS - 1)  # 19998: at most 5 digits
-PROMPT_MAX = 2 * MAX_DIGITS + 2  # "9999+9999=", and every prompt as the tokenizer pads it: 10 tokens
+PROMPT_MAX = 2 * MAX_DIGITS + 2  # "9999+9999=": 10 tokens
 GEN_LENGTH = 8  # a small canvas that holds every answer (5 slots) and its EOS
-# The model's context (max_sequence_length): a prompt and up to 118 tokens. The first
-# training run's canvases run to 256, but past ~128 its answers degrade (89.5 % held-out
-# at 246 generated tokens against 98.2 % at 118, RECIPE.md), so the context says 128 and
-# the second run trains up to it.
-CONTEXT = 128
-MIN_CANVAS = PROMPT_MAX + ANSWER_WIDTH + 1  # prompt, answer slots, EOS: 16
-# Canvas lengths (prompt + generated) of the training batches, and how often each is drawn:
-# mostly short canvases (cheap, where the digits are learned), some long ones (where the
-# model learns that every position after the answer is EOS, whatever its distance).
-CANVAS_LENGTHS = (16, 18, 24, 32, 48, 64, 128, 256)
-TRAIN_MAX_CANVAS = max(CANVAS_LENGTHS)
-CANVAS_WEIGHTS = (10, 4, 3, 2, 1.5, 1.5, 1, 1)
+CONTEXT = 128  # the model's context (max_sequence_length): prompt and generated tokens
+JSON_OPEN, JSON_CLOSE = '{"sum":', "}"
+JSON_ANSWER = len(JSON_OPEN) + ANSWER_WIDTH + len(JSON_CLOSE)  # 13 tokens, then EOS
+MIN_MIDDLE, MAX_MIDDLE = MAX_DIGITS, 16  # infill middles the model is trained on
+# The generated length of a training step (prompt + this = the canvas), and how often each
+# is drawn: every length from 5 (the answer's slots and nothing else) to the context,
+# mostly short ones (cheap, where the digits are learned), some long (where the model
+# learns that every position after the answer is EOS, whatever its distance).
+GEN_LENGTHS = (5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 118)
+GEN_WEIGHTS = (2, 2, 1, 4, 1, 1, 3, 1, 1.5, 1.5, 1.5, 1.5, 1, 1.5)
+# The forms and the operand samplers of a training step, and how often each is drawn.
+FORMS = ("plain", "json", "infill")
+FORM_WEIGHTS = (0.7, 0.15, 0.15)
+SAMPLERS = ("uniform", "carrying", "zeros", "aligned")
+SAMPLER_WEIGHTS = (0.55, 0.3, 0.15, 0.0)
 HELD_OUT_BITS = 4  # 1 pair in 2**4 is held out
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+# Problems that must be right (tests/test_demo.py): carries through every place, five-digit
+# sums, zeros, one-digit operands, and the sums an earlier demo got wrong.
+EDGE_CASES = (
+    (0, 0), (0, 1), (1, 0), (9, 1), (1, 9), (99, 1), (999, 1), (9999, 1), (1, 9999), (9999, 9999),
+    (5000, 5000), (4999, 5001), (9990, 10), (5555, 4445), (9999, 0), (0, 9999), (8, 37), (549, 8391),
+    (40, 3505), (9, 4562),
+)
 
 
 def is_held_out(a, b) -> np.ndarray:
@@ -58,102 +74,138 @@ def is_held_out(a, b) -> np.ndarray:
     return (h >> np.uint64(64 - HELD_OUT_BITS)) == 0
 
 
-def _operands(rng: np.random.Generator, n: int, digits: np.ndarray) -> np.ndarray:
+def _numbers(rng: np.random.Generator, digits: np.ndarray) -> np.ndarray:
     low = np.where(digits == 1, 0, 10 ** (digits - 1))
     return rng.integers(low, 10**digits)
 
 
-@dataclass
-class Batch:
-    """Problems of one prompt length: prompts (B, P) and targets (B, gen_length)."""
-
-    a: np.ndarray
-    b: np.ndarray
-    prompts: np.ndarray
-    targets: np.ndarray
+def _uniform(rng: np.random.Generator, n: int) -> tuple:
+    da, db = rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=(2, n))
+    return _numbers(rng, da), _numbers(rng, db)
 
 
-@dataclass
-class CanvasBatch:
-    """Training rows of one canvas length T with mixed prompt lengths.
+def _carrying(rng: np.random.Generator, n: int) -> tuple:
+    """b completes a's last k digits to 10**k (then, half the time, a little more or less,
+    and random higher digits): a carry ripples through k places."""
+    a = _numbers(rng, rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n))
+    k = rng.integers(1, MAX_DIGITS + 1, size=n)
+    low = (10**k - a % 10**k) % 10**k
+    high = rng.integers(0, 10 ** (MAX_DIGITS - k)) * 10**k * (rng.random(n) < 0.5)
+    jitter = rng.integers(-2, 3, size=n) * (rng.random(n) < 0.5)
+    b = np.clip(low + high + jitter, 0, 10**MAX_DIGITS - 1)
+    swap = rng.random(n) < 0.5
+    return np.where(swap, b, a), np.where(swap, a, b)
 
-    tokens (B, T): prompt, answer slots, EOS, EOS padding; prompt_len (B,): where each
-    row's generated region starts; answer_len (B,): answer slots + the first EOS."""
 
-    a: np.ndarray
-    b: np.ndarray
-    tokens: np.ndarray
-    prompt_len: np.ndarray
-    answer_len: np.ndarray
+def _aligned(rng: np.random.Generator, n: int) -> tuple:
+    """b of 4 digits: every digit of a stands at a fixed distance from the answer slot of
+    its place value (the curriculum's first stage: RECIPE.md)."""
+    return _numbers(rng, rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n)), _numbers(rng, np.full(n, MAX_DIGITS))
+
+
+def _zeros(rng: np.random.Generator, n: int) -> tuple:
+    """Operands whose digits are mostly zeros (0, 5000, 3005), nines some of the time."""
+    def one() -> np.ndarray:
+        d = rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n)
+        digits = rng.integers(0, 10, size=(n, MAX_DIGITS))
+        digits = np.where(rng.random((n, MAX_DIGITS)) < 0.6, 0, digits)
+        digits = np.where(rng.random((n, MAX_DIGITS)) < 0.15, 9, digits)
+        value = (digits * 10 ** np.arange(MAX_DIGITS)).sum(axis=1) % 10**d
+        top = 10 ** (d - 1)
+        return np.where((d > 1) & (value < top), value + top * rng.integers(1, 10, size=n), value)
+    return one(), one()
+
+
+_SAMPLE = {"uniform": _uniform, "carrying": _carrying, "zeros": _zeros, "aligned": _aligned}
+
+
+def sample_pairs(rng: np.random.Generator, n: int, sampler: str = "uniform", held_out: bool = False) -> tuple:
+    """`n` pairs (a, b) from `sampler`, all inside (held_out) or outside the held-out set."""
+    a, b = _SAMPLE[sampler](rng, n)
+    bad = is_held_out(a, b) != held_out
+    while bad.any():  # redraw the rejected rows
+        idx = np.flatnonzero(bad)
+        a[idx], b[idx] = _SAMPLE[sampler](rng, len(idx))
+        bad[idx] = is_held_out(a[idx], b[idx]) != held_out
+    return a, b
 
 
 def prompt_text(a: int, b: int) -> str:
     return f"{a}+{b}="
 
 
+def json_prompt_text(a: int, b: int) -> str:
+    return '{"a":%d,"b":%d}' % (a, b)
+
+
 def answer_text(a: int, b: int) -> str:
     return str(a + b)
 
 
-def _batch(a: np.ndarray, b: np.ndarray, gen_length: int) -> Batch:
-    prompts = np.array([encode(prompt_text(x, y)) for x, y in zip(a.tolist(), b.tolist())], np.int32)
-    targets = np.full((len(a), gen_length), EOS_ID, np.int32)
-    for i, (x, y) in enumerate(zip(a.tolist(), b.tolist())):
-        ans = encode_answer(answer_text(x, y))[:gen_length]
-        targets[i, : len(ans)] = ans
-    return Batch(a, b, prompts, targets)
+def json_answer_text(a: int, b: int) -> str:
+    return '{"sum":%d}' % (a + b)
 
 
-def sample_pairs(rng: np.random.Generator, n: int, da, db, held_out: bool) -> tuple:
-    """`n` pairs with `da` and `db` digits (ints, or arrays of n digit counts), all inside
-    (held_out) or outside the held-out set."""
-    da = np.broadcast_to(np.asarray(da), (n,))
-    db = np.broadcast_to(np.asarray(db), (n,))
-    a = _operands(rng, n, da)
-    b = _operands(rng, n, db)
-    bad = is_held_out(a, b) != held_out
-    while bad.any():  # redraw the rejected rows with their own digit counts
-        idx = np.flatnonzero(bad)
-        a[idx] = _operands(rng, len(idx), da[idx])
-        b[idx] = _operands(rng, len(idx), db[idx])
-        bad[idx] = is_held_out(a[idx], b[idx]) != held_out
-    return a, b
+@dataclass
+class CanvasBatch:
+    """Training rows of one form on canvases of one length T.
+
+    tokens (B, T): prompt, then the generated region [prompt_len, prompt_len + gen_len)
+    (answer, its EOS and EOS padding; an infill's middle), then an infill's suffix;
+    answer_len (B,): the region's positions that are not EOS padding."""
+
+    a: np.ndarray
+    b: np.ndarray
+    tokens: np.ndarray
+    prompt_len: np.ndarray
+    gen_len: np.ndarray
+    answer_len: np.ndarray
 
 
-def digit_counts(rng: np.random.Generator, n: int) -> tuple:
-    return rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=(2, n))
+def _row(form: str, a: int, b: int, gen: int) -> tuple:
+    """(prompt ids, generated ids, suffix ids) of one problem; `gen` generated positions
+    (the answer cut to them, or EOS padding after it; an infill's middle slots)."""
+    if form == "infill":
+        return encode(f"{a}+"), encode_slots(str(b), gen), encode(f"={a + b}")
+    if form == "json":
+        prompt, answer = encode(json_prompt_text(a, b)), encode(JSON_OPEN) + encode_answer(str(a + b)) + encode(JSON_CLOSE)
+    else:
+        prompt, answer = encode(prompt_text(a, b)), encode_answer(str(a + b))
+    answer = (answer + [EOS_ID])[:gen]
+    return prompt, answer + [EOS_ID] * (gen - len(answer)), []
 
 
-def canvas_batch(rng: np.random.Generator, size: int, length: int) -> CanvasBatch:
-    """`size` training rows (never a held-out pair) on canvases of `length` positions."""
-    if length < MIN_CANVAS:
-        raise ValueError(f"canvas length must be >= {MIN_CANVAS}: prompt, {ANSWER_WIDTH} answer slots, EOS")
-    da, db = digit_counts(rng, size)
-    a, b = sample_pairs(rng, size, da, db, held_out=False)
-    tokens = np.full((size, length), EOS_ID, np.int32)
-    prompt_len = np.zeros(size, np.int32)
-    answer_len = np.zeros(size, np.int32)
-    for i, (x, y) in enumerate(zip(a.tolist(), b.tolist())):
-        p, ans = encode(prompt_text(x, y)), encode_answer(answer_text(x, y))
-        tokens[i, : len(p)] = p
-        tokens[i, len(p) : len(p) + len(ans)] = ans
-        prompt_len[i], answer_len[i] = len(p), len(ans) + 1
-    return CanvasBatch(a, b, tokens, prompt_len, answer_len)
+def canvas_batch(rng: np.random.Generator, size: int, gen: int, form: str = "plain",
+                 sampler: str = "uniform") -> CanvasBatch:
+    """`size` training rows (never a held-out pair) of `form` with `gen` generated
+    positions (an infill's middle slots): the rows share the prompt length of the first
+    pair drawn (and an infill's suffix length), so that they share one canvas length."""
+    rows: list = []
+    key = None
+    while len(rows) < size:
+        a, b = sample_pairs(rng, 4 * size, sampler)
+        for x, y in zip(a.tolist(), b.tolist()):
+            parts = _row(form, x, y, gen)
+            shape = (len(parts[0]), len(parts[2]))
+            key = shape if key is None else key
+            if shape == key and len(rows) < size:
+                rows.append((x, y, parts))
+    tokens = np.array([p + g + s for _, _, (p, g, s) in rows], np.int32)
+    prompt_len = np.full(size, key[0], np.int32)
+    answer_len = np.array([len([t for t in g if t != EOS_ID]) + (EOS_ID in g) for _, _, (p, g, s) in rows], np.int32)
+    if form == "infill":
+        answer_len[:] = gen
+    return CanvasBatch(np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), tokens, prompt_len,
+                       np.full(size, gen, np.int32), answer_len)
 
 
-def training_batch(rng: np.random.Generator, size: int, length: int = 2 * GEN_LENGTH) -> CanvasBatch:
-    """One training batch of `size` rows (default: the shortest canvas)."""
-    return canvas_batch(rng, size, length)
-
-
-def held_out_problems(n: int, seed: int = 1234) -> list[tuple[int, int]]:
-    """`n` distinct held-out pairs (a, b), digit counts drawn as in training, in a seeded order."""
+def held_out_problems(n: int, seed: int = 1234, sampler: str = "uniform") -> list[tuple[int, int]]:
+    """`n` distinct held-out pairs (a, b) from `sampler`, in a seeded order."""
     rng = np.random.default_rng(seed)
     seen: set[tuple[int, int]] = set()
     out: list[tuple[int, int]] = []
     while len(out) < n:
-        da, db = (int(d) for d in rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=2))
-        a, b = sample_pairs(rng, 1, da, db, held_out=True)
+        a, b = sample_pairs(rng, 1, sampler, held_out=True)
         pair = (int(a[0]), int(b[0]))
         if pair not in seen:
             seen.add(pair)
@@ -161,12 +213,40 @@ def held_out_problems(n: int, seed: int = 1234) -> list[tuple[int, int]]:
     return out
 
 
-def group_by_prompt_length(pairs: list[tuple[int, int]], gen_length: int = GEN_LENGTH) -> list[Batch]:
+def carry_chain_problems(n: int, seed: int = 4321) -> list[tuple[int, int]]:
+    """`n` distinct held-out pairs whose addition carries far: from the `carrying` and
+    `zeros` samplers, half of them with a sum of five digits."""
+    rng = np.random.default_rng(seed)
+    seen: set[tuple[int, int]] = set()
+    out: list[tuple[int, int]] = []
+    while len(out) < n:
+        sampler = "carrying" if len(out) % 4 else "zeros"
+        a, b = sample_pairs(rng, 1, sampler, held_out=True)
+        pair = (int(a[0]), int(b[0]))
+        five = sum(pair) >= 10**MAX_DIGITS
+        if pair not in seen and (five or len(out) % 2):
+            seen.add(pair)
+            out.append(pair)
+    return out
+
+
+@dataclass
+class Batch:
+    """Problems of one prompt length: prompts (B, P)."""
+
+    a: np.ndarray
+    b: np.ndarray
+    prompts: np.ndarray
+
+
+def group_by_prompt_length(pairs: list[tuple[int, int]], form: str = "plain") -> list[Batch]:
     """Batches of equal prompt length (what `generate_batch` needs), in length order."""
+    text = json_prompt_text if form == "json" else prompt_text
     by_len: dict[int, list[tuple[int, int]]] = {}
     for a, b in pairs:
-        by_len.setdefault(len(encode(prompt_text(a, b))), []).append((a, b))
+        by_len.setdefault(len(encode(text(a, b))), []).append((a, b))
     return [
-        _batch(np.array([p[0] for p in g]), np.array([p[1] for p in g]), gen_length)
+        Batch(np.array([p[0] for p in g]), np.array([p[1] for p in g]),
+              np.array([encode(text(a, b)) for a, b in g], np.int32))
         for _, g in sorted(by_len.items())
     ]

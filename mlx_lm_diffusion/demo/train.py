@@ -3,13 +3,14 @@
     python -m mlx_lm_diffusion.demo.train --out DIR [--steps N] [--seed S] ...
 
 Masked-diffusion objective as in LLaDA's SFT: per sequence a mask ratio t ~ U(0, 1),
-generated positions (answer, EOS and the EOS padding to the end of the canvas; never
-the prompt) masked at that ratio, cross-entropy on the masked positions
-(`mask_batch` has the masking variants and the weights). Every step draws a canvas
-length (problems.CANVAS_LENGTHS: mostly short, some up to the model's context) and as
-many rows as fit a token budget. Problems are generated on the fly from a seeded stream
-that never yields a held-out pair. Training is deterministic for a seed: the same
-command gives the same loss curve.
+generated positions (answer, EOS and the EOS padding to the end of the canvas; an
+infill's middle; never the prompt nor an infill's suffix) masked at that ratio,
+cross-entropy on the masked positions (`mask_batch` has the masking variants and the
+weights). Every step draws a form of the task, an operand sampler and a generated
+length (`step_plan`; problems.FORMS, SAMPLERS, GEN_LENGTHS) and as many rows as fit a
+token budget. Problems are generated on the fly from a seeded stream that never yields
+a held-out pair. Training is deterministic for a seed: the same command gives the same
+loss curve.
 
 The checkpoint is written in the Hugging Face LLaDA layout (`model.transformer.*`,
 config model_type "llada") with a character-level tokenizer, so `load()` reads it
@@ -37,15 +38,21 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from mlx_lm_diffusion.demo.evaluate import evaluate, metrics
+from mlx_lm_diffusion.demo.evaluate import SETS, evaluate, metrics
 from mlx_lm_diffusion.demo.problems import (
-    CANVAS_LENGTHS,
-    CANVAS_WEIGHTS,
     CONTEXT,
+    FORM_WEIGHTS,
+    FORMS,
     GEN_LENGTH,
-    TRAIN_MAX_CANVAS,
+    GEN_LENGTHS,
+    GEN_WEIGHTS,
+    JSON_ANSWER,
+    MAX_MIDDLE,
+    MIN_MIDDLE,
+    PROMPT_MAX,
+    SAMPLER_WEIGHTS,
+    SAMPLERS,
     canvas_batch,
-    held_out_problems,
 )
 from mlx_lm_diffusion.demo.vocab import EOS_ID, MASK_ID, VOCAB_SIZE, write_tokenizer
 from mlx_lm_diffusion.flags import one_line_errors
@@ -111,8 +118,8 @@ def mask_batch(rng: np.random.Generator, batch, masking: str = "count", suffix: 
     tokens, P = batch.tokens, batch.prompt_len
     B, T = tokens.shape
     pos = np.arange(T)[None, :] - P[:, None]  # position in the generated region (< 0: prompt)
-    gen = pos >= 0
-    L = (T - P).astype(np.float64)
+    L = batch.gen_len.astype(np.float64)
+    gen = (pos >= 0) & (pos < batch.gen_len[:, None])  # (an infill's suffix after it: never masked)
     t = rng.permutation((rng.random() + np.arange(B) / B) % 1.0)
     keys = np.where(gen, rng.random((B, T)), np.inf)
     if masking == "count":
@@ -132,7 +139,7 @@ def mask_batch(rng: np.random.Generator, batch, masking: str = "count", suffix: 
         semi = (gen & (pos >= cut[:, None])) | (before & (ranks_b < kb[:, None]))
         semi |= gen & (pos == L.astype(np.int64)[:, None] - 1)  # never an empty mask
         masked = np.where((rng.random(B) < suffix)[:, None], semi, masked)
-    padding = pos >= batch.answer_len[:, None]
+    padding = gen & (pos >= batch.answer_len[:, None])
     n_pad = np.maximum(1, (masked & padding).sum(axis=1))
     w = np.where(padding, np.minimum(1.0, pad_weight / n_pad)[:, None], 1.0) * masked
     w = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-9) / B
@@ -215,10 +222,33 @@ def _clock(seconds: float) -> str:
     return f"{m:d}:{s:02d}"
 
 
-def canvas_schedule(rng: np.random.Generator, steps: int, lengths=CANVAS_LENGTHS, weights=CANVAS_WEIGHTS):
-    """The canvas length of every step: drawn with `weights`, fixed by the seed."""
+def _draw(rng: np.random.Generator, values, weights, size: int) -> np.ndarray:
     p = np.asarray(weights, np.float64)
-    return rng.choice(np.asarray(lengths), size=steps, p=p / p.sum())
+    if len(values) == 0 or p.sum() == 0:  # (a form never drawn)
+        return np.zeros(size, np.int64)
+    return rng.choice(np.asarray(values), size=size, p=p / p.sum())
+
+
+JSON_PROMPT_MAX = len('{"a":9999,"b":9999}')
+
+
+def step_plan(rng: np.random.Generator, steps: int, gen_lengths=GEN_LENGTHS, gen_weights=GEN_WEIGHTS,
+              form_weights=FORM_WEIGHTS, sampler_weights=SAMPLER_WEIGHTS) -> list:
+    """(form, sampler, generated length) of every step, fixed by the seed. A json step
+    takes a length that holds its answer (and fits the context); an infill step a middle
+    of MIN_MIDDLE..MAX_MIDDLE slots."""
+    if len(gen_lengths) != len(gen_weights):
+        raise ValueError("gen_lengths and gen_weights must have the same length")
+    forms = _draw(rng, FORMS, form_weights, steps)
+    samplers = _draw(rng, SAMPLERS, sampler_weights, steps)
+    plain = [g for g in gen_lengths if g + PROMPT_MAX <= CONTEXT]
+    json = [g for g in gen_lengths if JSON_ANSWER < g and g + JSON_PROMPT_MAX <= CONTEXT]
+    gens = {
+        "plain": _draw(rng, plain, [w for g, w in zip(gen_lengths, gen_weights) if g in plain], steps),
+        "json": _draw(rng, json, [w for g, w in zip(gen_lengths, gen_weights) if g in json], steps),
+        "infill": rng.integers(MIN_MIDDLE, MAX_MIDDLE + 1, size=steps),
+    }
+    return [(str(f), str(s), int(gens[f][i])) for i, (f, s) in enumerate(zip(forms, samplers))]
 
 
 def train(
@@ -238,9 +268,10 @@ def train(
     n_heads: int = 4,
     mlp: int = 256,
     rope_theta: float = 500.0,
-    max_canvas: int = TRAIN_MAX_CANVAS,
-    canvas_lengths: Sequence[int] = CANVAS_LENGTHS,
-    canvas_weights: Sequence[float] = CANVAS_WEIGHTS,
+    gen_lengths: Sequence[int] = GEN_LENGTHS,
+    gen_weights: Sequence[float] = GEN_WEIGHTS,
+    form_weights: Sequence[float] = FORM_WEIGHTS,
+    sampler_weights: Sequence[float] = SAMPLER_WEIGHTS,
     log_every: int = 50,
     eval_every: int = 0,
     eval_size: int = 256,
@@ -249,8 +280,8 @@ def train(
 ) -> dict:
     """Train and (when `out` is given) save; returns the run's record (recipe.json).
 
-    Each step draws a canvas length T (`canvas_schedule`, lengths up to `max_canvas`) and
-    batch_tokens // T rows (at least 8)."""
+    Each step draws a form, a sampler and a generated length (`step_plan`) and
+    batch_tokens // T rows (at least 8) on canvases of T positions."""
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     config = model_config(d_model, n_layers, n_heads, mlp, rope_theta)
@@ -271,18 +302,16 @@ def train(
         optimizer.update(model, grads)
         return loss
 
-    if len(canvas_lengths) != len(canvas_weights):
-        raise ValueError("canvas_lengths and canvas_weights must have the same length")
-    keep = [i for i, n in enumerate(canvas_lengths) if n <= max_canvas]
-    lengths = canvas_schedule(rng, steps, [canvas_lengths[i] for i in keep], [canvas_weights[i] for i in keep])
+    plan = step_plan(rng, steps, gen_lengths, gen_weights, form_weights, sampler_weights)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"demo model: {n_params / 1e6:.2f}M parameters, {steps} steps of ~{batch_tokens} tokens, seed {seed}",
           file=sys.stderr, flush=True)
     progress = Progress(steps, log_every)
     losses = []
     for step in range(1, steps + 1):
-        T = int(lengths[step - 1])
-        batch = canvas_batch(rng, max(8, batch_tokens // T), T)
+        form, sampler, gen = plan[step - 1]
+        T = (JSON_PROMPT_MAX if form == "json" else PROMPT_MAX) + gen  # (about: for the row count)
+        batch = canvas_batch(rng, max(8, batch_tokens // T), gen, form, sampler)
         inputs, targets, weights = mask_batch(rng, batch, masking, suffix=suffix, pad_weight=pad_weight)
         loss = step_fn(mx.array(inputs), mx.array(targets), mx.array(weights))
         mx.eval(state, loss)
@@ -291,9 +320,10 @@ def train(
         if eval_every and step % eval_every == 0 and step < steps:
             if out is not None:  # a snapshot to look at (and to fall back on) while training runs
                 save_checkpoint(model, config, out / "snapshots" / f"step{step}")
-            for n in (GEN_LENGTH, 64, 512):  # 512: capped to the context
-                exact, slots = _accuracy(model, eval_size, n)
-                print(f"  held-out exact match ({eval_size}, max_tokens {n}): {exact:.3f}  per answer slot: "
+            for name, n in (("held-out", 5), ("held-out", GEN_LENGTH), ("held-out", 512),
+                            ("carry chains", GEN_LENGTH), ("json", 32)):  # 512: capped to the context
+                exact, slots = _accuracy(model, eval_size, n, name)
+                print(f"  {name} exact match ({eval_size}, max_tokens {n}): {exact:.3f}  per answer slot: "
                       + " ".join(f"{x:.2f}" for x in slots), file=sys.stderr, flush=True)
     wall = time.perf_counter() - progress.start
     cpu = time.process_time() - progress.cpu_start
@@ -304,8 +334,10 @@ def train(
         "seed": seed,
         "steps": steps,
         "batch_tokens": batch_tokens,
-        "canvas_lengths": [int(canvas_lengths[i]) for i in keep],
-        "canvas_weights": [float(canvas_weights[i]) for i in keep],
+        "gen_lengths": [int(g) for g in gen_lengths],
+        "gen_weights": [float(w) for w in gen_weights],
+        "form_weights": [float(w) for w in form_weights],
+        "sampler_weights": [float(w) for w in sampler_weights],
         "lr": lr,
         "warmup": warmup,
         "weight_decay": weight_decay,
@@ -323,10 +355,11 @@ def train(
     return {"record": record, "model": model, "losses": losses}
 
 
-def _accuracy(model: nn.Module, n: int, max_tokens: int = GEN_LENGTH) -> tuple:
-    """Held-out exact match and per-slot accuracy at the demo's default decoding."""
+def _accuracy(model: nn.Module, n: int, max_tokens: int = GEN_LENGTH, problems: str = "held-out") -> tuple:
+    """Exact match and per-slot accuracy on a set of `evaluate.SETS` at the demo's default decoding."""
     # EOS comes from the config; the decoding as generation_config.json will say
-    r = evaluate(model, None, held_out_problems(n), max_tokens=max_tokens,
+    pairs, form = SETS[problems](n)
+    r = evaluate(model, None, pairs, max_tokens=max_tokens, form=form,
                  block_length=GENERATION_DEFAULTS["block_length"], steps=GENERATION_DEFAULTS["steps"])
     return r.accuracy, r.slot_accuracy
 
@@ -349,11 +382,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="Share of rows masked as a block decode sees them: all from a cut on")
     p.add_argument("--pad-weight", type=int, default=32,
                    help="The EOS padding of a row counts for at most this many positions")
-    p.add_argument("--max-canvas", type=int, default=TRAIN_MAX_CANVAS, help="Longest training canvas")
-    p.add_argument("--canvas-lengths", type=int, nargs="+", default=list(CANVAS_LENGTHS),
-                   help="Training canvas lengths (prompt + generated positions)")
-    p.add_argument("--canvas-weights", type=float, nargs="+", default=list(CANVAS_WEIGHTS),
-                   help="How often each canvas length is drawn (relative)")
+    p.add_argument("--gen-lengths", type=int, nargs="+", default=list(GEN_LENGTHS),
+                   help="Generated lengths of the training canvases (after the prompt)")
+    p.add_argument("--gen-weights", type=float, nargs="+", default=list(GEN_WEIGHTS),
+                   help="How often each generated length is drawn (relative)")
+    p.add_argument("--form-weights", type=float, nargs=3, default=list(FORM_WEIGHTS),
+                   help="How often each form (plain, json, infill) is drawn (relative)")
+    p.add_argument("--sampler-weights", type=float, nargs=len(SAMPLERS), default=list(SAMPLER_WEIGHTS),
+                   help="How often each operand sampler (%s) is drawn (relative)" % ", ".join(SAMPLERS))
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=4)
@@ -376,8 +412,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = train(
         args.out, steps=args.steps, seed=args.seed, batch_tokens=args.batch_tokens, lr=args.lr,
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, masking=args.masking,
-        suffix=args.suffix, pad_weight=args.pad_weight, max_canvas=args.max_canvas,
-        canvas_lengths=args.canvas_lengths, canvas_weights=args.canvas_weights, d_model=args.d_model,
+        suffix=args.suffix, pad_weight=args.pad_weight,
+        gen_lengths=args.gen_lengths, gen_weights=args.gen_weights, form_weights=args.form_weights,
+        sampler_weights=args.sampler_weights,
+        d_model=args.d_model,
         n_layers=args.n_layers, n_heads=args.n_heads, mlp=args.mlp, rope_theta=args.rope_theta, log_every=args.log_every,
         eval_every=args.eval_every, init=args.init, command=command,
     )

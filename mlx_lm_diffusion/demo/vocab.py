@@ -1,15 +1,17 @@
 """The demo's character-level vocabulary and its Hugging Face tokenizer.
 
-One token per character of "0123456789+=", then EOS, the mask token, an unknown token
-and BLANK, a filler whose text is empty. The normalizer drops whitespace and writes
-every number with at least NUMBER_WIDTH (4) digits, zeros in front, so "357 + 468 ="
-reads as "0357+0468=": the operands of every prompt stand in the same columns (a
-fixed-width number format, as a tokenizer may choose). The model writes its answer in
-ANSWER_WIDTH (5) slots, right-aligned, BLANK in the slots before the first digit
-("825" is BLANK BLANK 8 2 5): every place value has its own slot, so the units digit is
-always the fifth generated token whatever the answer's length. The tokenizer's decoder
-turns BLANK into nothing, so the text read is "825" (a regular vocabulary token, not a
-special one, so that decoding never needs skip_special_tokens).
+One token per character of "0123456789+-={}\":,absum" (digits, the operators, and what
+the JSON prompts and answers are written with), then EOS, the mask token, an unknown
+token and BLANK, a filler whose text is empty. The normalizer only drops whitespace:
+every digit is its own token and a number is written as typed ("357+468=" is 8 tokens),
+so the text a stop string, a grammar or a suffix is compared with is the text typed.
+The model writes a sum in ANSWER_WIDTH (5) slots, right-aligned, BLANK in the slots
+before the first digit ("825" is BLANK BLANK 8 2 5): every place value has its own
+slot, so the units digit is always the fifth generated token whatever the answer's
+length. The alignment is the model's own output format, not the tokenizer's: the
+tokenizer's decoder turns BLANK into nothing, so the text read is "825" (a regular
+vocabulary token, not a special one, so that decoding never needs skip_special_tokens),
+and BLANK is never what the tokenizer makes of text.
 The tokenizer is a `tokenizers` BPE with single-character tokens and no merges, saved
 with transformers so that `AutoTokenizer` (and therefore `mlx_lm.load`) reads it offline.
 Its chat template (`CHAT_TEMPLATE`, in tokenizer_config.json) renders the last user
@@ -23,7 +25,7 @@ import json
 import re
 from pathlib import Path
 
-CHARS = "0123456789+="
+CHARS = "0123456789+-={}\":,absum"
 EOS = "<eos>"
 MASK = "<|mdm_mask|>"
 UNK = "<unk>"
@@ -35,7 +37,6 @@ MASK_ID = ID[MASK]
 UNK_ID = ID[UNK]
 BLANK_ID = ID[BLANK]
 VOCAB_SIZE = len(TOKENS)
-NUMBER_WIDTH = 4  # the normalizer pads every number to at least this many digits
 ANSWER_WIDTH = 5  # answer slots: the largest sum, 9999 + 9999 = 19998, has 5 digits
 
 # The last user message's content (a string, or OpenAI-style parts whose text is joined),
@@ -61,9 +62,8 @@ CHAT_TEMPLATE = (
 
 
 def normalize(text: str) -> str:
-    """What the tokenizer's normalizer makes of `text`: no whitespace, numbers zero-padded."""
-    text = re.sub(r"\s", "", text)
-    return re.sub(r"[0-9]+", lambda m: m.group().zfill(NUMBER_WIDTH), text)
+    """What the tokenizer's normalizer makes of `text`: the text without whitespace."""
+    return re.sub(r"\s", "", text)
 
 
 def encode(text: str) -> list[int]:
@@ -78,8 +78,15 @@ def encode_chars(text: str) -> list[int]:
 
 def encode_answer(text: str) -> list[int]:
     """The answer's ANSWER_WIDTH slots as the model writes them: BLANK, then the digits."""
+    return encode_slots(text, ANSWER_WIDTH)
+
+
+def encode_slots(text: str, width: int) -> list[int]:
+    """`text` right-aligned in `width` slots, BLANK before it (the infilled operand's form)."""
     digits = encode_chars(text)
-    return [BLANK_ID] * (ANSWER_WIDTH - len(digits)) + digits
+    if len(digits) > width:
+        raise ValueError(f"{text!r} does not fit {width} slots")
+    return [BLANK_ID] * (width - len(digits)) + digits
 
 
 def decode(ids) -> str:
@@ -101,12 +108,7 @@ def write_tokenizer(path: Path, model_max_length: int | None = None) -> None:
 
     vocab = {t: i for i, t in enumerate(TOKENS)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Replace(Regex(r"\s"), ""),
-         normalizers.Replace(Regex(r"(?<![0-9])(?=[0-9])"), "0" * (NUMBER_WIDTH - 1))]
-        # then drop the zeros in front of numbers that were already NUMBER_WIDTH long or longer
-        + [normalizers.Replace(Regex(r"(?<![0-9])0(?=[0-9]{%d})" % NUMBER_WIDTH), "")] * (NUMBER_WIDTH - 1)
-    )
+    tok.normalizer = normalizers.Replace(Regex(r"\s"), "")
     tok.decoder = decoders.Sequence([decoders.Replace(BLANK, ""), decoders.Fuse()])
     tok.add_special_tokens([EOS, MASK, UNK])
     fast = PreTrainedTokenizerFast(
