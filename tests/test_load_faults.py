@@ -12,6 +12,7 @@ from cli_run import run_main
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+from mlx_lm_diffusion.demo.vocab import MASK_ID, VOCAB_SIZE
 
 
 @pytest.fixture
@@ -19,7 +20,7 @@ def broken(tmp_path):
     path = tmp_path / "broken"
     shutil.copytree(DEMO_MODEL_PATH, path)
     config = json.loads((path / "config.json").read_text())
-    config["mask_token_id"] = 99  # the weights hold 16 tokens
+    config["mask_token_id"] = 99  # the weights hold VOCAB_SIZE tokens
     (path / "config.json").write_text(json.dumps(config))
     return path
 
@@ -73,8 +74,9 @@ BROKEN = {
     "a rope_theta that is a string": (_config({"rope_theta": "abc"}), "rope_theta must be a number"),
     "a rope_theta of zero": (_config({"rope_theta": 0}), "rope_theta must be positive"),  # (decoded NaN rotations)
     # (these two loaded: LLaDA's model is built from embedding_size, and vocab_size went unread)
-    "a vocab_size past the embedding": (_config({"vocab_size": 17}), "vocab_size (17) exceeds its embedding_size"),
-    "a mask id past the vocab_size": (_config({"vocab_size": 7}), "mask_token_id (13) lies outside its vocab_size (7)"),
+    "a vocab_size past the embedding": (_config({"vocab_size": VOCAB_SIZE + 1}),
+                                        f"vocab_size ({VOCAB_SIZE + 1}) exceeds its embedding_size"),
+    "a mask id past the vocab_size": (_config({"vocab_size": 7}), f"mask_token_id ({MASK_ID}) lies outside its vocab_size (7)"),
 }
 
 

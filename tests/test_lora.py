@@ -15,6 +15,7 @@ from serving import post_json, running_server
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+from mlx_lm_diffusion.demo.vocab import MASK_ID
 
 # The skill: "1234==" answers "11234" (the number plus 10,000). The demo only adds two numbers
 # ("a+b="), and its vocabulary has no other operator, so a new skill is a new prompt form.
@@ -111,7 +112,7 @@ def test_fuse_gives_the_adapted_model(trained, skill_data, tmp_path):
                  "--save-path", str(tmp_path / "fused"))
     assert r.returncode == 0, r.stderr
     config = json.loads((tmp_path / "fused" / "config.json").read_text())
-    assert config["model_type"] == "llada" and config["mask_token_id"] == 13
+    assert config["model_type"] == "llada" and config["mask_token_id"] == MASK_ID
     rows = _held_out(skill_data)[:24]
     prompts = [r["prompt"] for r in rows]
     fused = mld.generate_batch(*mld.load(str(tmp_path / "fused")), prompts, max_tokens=8).texts

@@ -11,9 +11,11 @@ Every rank keeps 1/N of each large weight and runs the same forward:
   every routed token with its slice of the chosen experts, and one all_sum per block
   adds the slices. The router stays replicated, so every rank routes alike, and the
   work per rank does not depend on where the tokens go.
-- embeddings and the output head: split by vocabulary rows. A lookup embeds on the
+- embeddings and the output head: split by vocabulary rows, ceil(V / N) per rank (the
+  last rank the rest: a vocabulary N does not divide shards too). A lookup embeds on the
   rank that holds the row (zeros elsewhere) and an all_sum adds them; the head's logit
-  slices are gathered (`all_gather`), so every rank holds the same full logits.
+  slices are gathered (`all_gather`, padded to one width and cut back), so every rank
+  holds the same full logits.
 
 Identical logits on every rank: an all_sum or all_gather result is the same array on
 every rank, and every forward ends in one, so the hidden states after each block and
@@ -49,19 +51,46 @@ def all_gather_last(x: mx.array, group: mx.distributed.Group) -> mx.array:
     return mx.moveaxis(mx.distributed.all_gather(moved, group=group), 0, -1)
 
 
+def vocabulary_rows(vocab: int, group: mx.distributed.Group) -> tuple:
+    """(first row, rows, rows per rank) of this rank's slice of a vocabulary of `vocab`
+    rows: ceil(vocab / N) rows per rank, the last rank the rest, so a vocabulary that N
+    does not divide (the demo's 27 tokens over 2 ranks) still shards."""
+    N = group.size()
+    per_rank = -(-vocab // N)
+    if per_rank * (N - 1) >= vocab:
+        raise ValueError(f"cannot shard over {N} ranks: the vocabulary size ({vocab}) leaves a rank no rows")
+    first = group.rank() * per_rank
+    return first, min(per_rank, vocab - first), per_rank
+
+
+def _keep_rows(module: nn.Module, first: int, rows: int) -> None:
+    """Keep rows [first, first + rows) of a layer's weight (and of a quantized layer's
+    scales and biases, and of a bias)."""
+    for name in ("weight", "scales", "biases", "bias"):
+        if name in module:
+            module[name] = mx.contiguous(module[name][first : first + rows])
+
+
+def _gather_rows(local: mx.array, rows_per_rank: int, vocab: int, group: mx.distributed.Group) -> mx.array:
+    """Every rank's logit slice (..., rows) concatenated in rank order: each padded to
+    the same width for all_gather, the padding cut off again."""
+    pad = rows_per_rank - local.shape[-1]
+    if pad:
+        local = mx.pad(local, [(0, 0)] * (local.ndim - 1) + [(0, pad)])
+    return all_gather_last(local, group)[..., :vocab]
+
+
 class VocabShardedEmbedding(nn.Module):
-    """An (optionally quantized) embedding whose rows are split over the ranks: rank r
-    holds rows [r V/N, (r+1) V/N). Lookups and `as_linear` give every rank the full,
-    exact result (a row is added to zeros, logit slices are concatenated)."""
+    """An (optionally quantized) embedding whose rows are split over the ranks
+    (`vocabulary_rows`). Lookups and `as_linear` give every rank the full, exact result
+    (a row is added to zeros, logit slices are concatenated)."""
 
     def __init__(self, embedding: nn.Module, group: mx.distributed.Group):
         super().__init__()
-        vocab = embedding.weight.shape[0]
-        check_divisible([("the vocabulary size", vocab)], group.size())
-        shard_inplace(embedding, lambda path, weight: 0, group=group)  # rows: weight, scales, biases
+        self.vocab = embedding.weight.shape[0]
+        self.offset, self.rows, self.rows_per_rank = vocabulary_rows(self.vocab, group)
+        _keep_rows(embedding, self.offset, self.rows)
         self.local = embedding
-        self.rows = vocab // group.size()
-        self.offset = group.rank() * self.rows
         self.group = group
 
     def __call__(self, ids: mx.array) -> mx.array:
@@ -72,7 +101,7 @@ class VocabShardedEmbedding(nn.Module):
         return mx.distributed.all_sum(h, group=self.group)
 
     def as_linear(self, x: mx.array) -> mx.array:
-        return all_gather_last(self.local.as_linear(x), self.group)
+        return _gather_rows(self.local.as_linear(x), self.rows_per_rank, self.vocab, self.group)
 
     def weighted_rows(self, weights: mx.array, local_product) -> mx.array:
         """sum_v weights[..., v] * row_v over the whole vocabulary: `local_product(embedding,
@@ -86,13 +115,14 @@ class VocabShardedHead(nn.Module):
 
     def __init__(self, linear: nn.Module, group: mx.distributed.Group):
         super().__init__()
-        check_divisible([("the vocabulary size", linear.weight.shape[0])], group.size())
-        shard_inplace(linear, "all-to-sharded", group=group)
+        self.vocab = linear.weight.shape[0]
+        first, rows, self.rows_per_rank = vocabulary_rows(self.vocab, group)
+        _keep_rows(linear, first, rows)
         self.local = linear
         self.group = group
 
     def __call__(self, x: mx.array) -> mx.array:
-        return all_gather_last(self.local(x), self.group)
+        return _gather_rows(self.local(x), self.rows_per_rank, self.vocab, self.group)
 
 
 class SummedOverRanks(nn.Module):
@@ -165,7 +195,8 @@ def shard_model(model: Any, group: Optional[mx.distributed.Group] = None) -> Non
     N = group.size()
     if N == 1:
         return
-    check_divisible([*model.shard_sizes(), ("the vocabulary size", model.vocab_size)], N)
+    check_divisible(model.shard_sizes(), N)
+    vocabulary_rows(model.vocab_size, group)  # (every rank must hold a row)
     check_divisible(quantization_groups(model), N)
     model.shard_layers(group)
     model.shard_vocabulary(group)
