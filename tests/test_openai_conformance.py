@@ -190,9 +190,9 @@ def test_served_model_name():
 
 @pytest.mark.parametrize("stop,text", [("2", "8"), (["25"], "8"), (["5", "x"], "82"), ("82", ""), ("9", "825")])
 def test_stop_strings_end_the_answer_whatever_the_tokenization(client, stop, text):
-    """The demo's tokenizer encodes "2" alone as [0, 0, 0, 2] (zero-padded), never what the
-    model writes: matched as token ids the stop was cut out of the text and decoding went
-    on ("825" with stop "2" gave "85")."""
+    """Stops are matched in the text, not as token ids (found on the earlier demo, whose
+    tokenizer encoded "2" alone as [0, 0, 0, 2], never what the model writes: the stop was
+    cut out of the text and decoding went on, "825" with stop "2" gave "85")."""
     full = client.chat.completions.create(model="default_model", messages=USER)
     r = client.chat.completions.create(model="default_model", messages=USER, stop=stop, logprobs=True)
     assert (r.choices[0].message.content or "") == text and r.choices[0].finish_reason == "stop"
@@ -284,9 +284,10 @@ def test_an_unsatisfiable_format_and_allowed_set_is_a_400_before_decoding(llada_
     ("1+2=", {"const": 3}, "3"),
 ])
 def test_enum_and_const_schemas_on_a_tokenizer_that_rewrites_text(server, prompt, schema, text):
-    """The demo's normalizer zero-pads numbers ("825" encodes as 0 8 2 5): llguidance,
-    handed that encoding of the text an enum forces, forced a "0" the answer never has,
-    and the decode failed mid-way (500, "token 0 breaks the grammar")."""
+    """Enums and consts of numbers force their text. (Found on the earlier demo, whose
+    normalizer zero-padded numbers: llguidance, handed that encoding of the forced text,
+    forced a "0" the answer never has, a 500 mid-decode; the spelling is tested on such a
+    tokenizer in test_forced_text_is_spelled_with_the_tokens_that_write_it.)"""
     status, body = post_json(server[0].server_address[1], "/v1/completions", {
         "prompt": prompt, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
     assert status == 200, body
@@ -294,12 +295,24 @@ def test_enum_and_const_schemas_on_a_tokenizer_that_rewrites_text(server, prompt
     assert answer == text if text is not None else int(answer) in schema["enum"]
 
 
+def _zero_padding_tokenizer():
+    """One token per digit, and a normalizer that writes a zero before the text (the old
+    demo's zero-padding, in small): "825" encodes as 0 8 2 5."""
+    from tokenizers import Tokenizer, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate("0123456789")} | {"<eos>": 10}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.normalizer = normalizers.Prepend("0")
+    tok.add_special_tokens(["<eos>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
 def test_forced_text_is_spelled_with_the_tokens_that_write_it():
-    import mlx_lm_diffusion as mld
     from mlx_lm_diffusion.output.grammar import _TokenTable
 
-    _, tok = mld.load(str(DEMO_MODEL_PATH))
-    table = _TokenTable(tok._tokenizer, 16)
-    assert tok._tokenizer.encode("825", add_special_tokens=False)[0] == tok._tokenizer.convert_tokens_to_ids("0")
+    hf = _zero_padding_tokenizer()
+    assert hf.encode("825", add_special_tokens=False) == [0, 8, 2, 5]  # (the normalizer's rewrite)
+    table = _TokenTable(hf, 12)
     ids = table("825")
-    assert b"".join(table.tokens[i] for i in ids) == b"825" and len(ids) == 3
+    assert b"".join(table.tokens[i] for i in ids) == b"825" and ids == [8, 2, 5]

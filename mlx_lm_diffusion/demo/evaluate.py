@@ -134,19 +134,22 @@ SETS = {  # name -> (problems, form)
     "carry chains": lambda n: (carry_chain_problems(n), "plain"),
     "json": lambda n: (held_out_problems(n), "json"),
 }
+# What the shipped table reports. The JSON form is measured on request (--sets json): the
+# shipped model was not trained far enough to write it (RECIPE.md).
+REPORTED_SETS = ("held-out", "carry chains")
 
 
 def metrics(path, n: int, max_tokens: Sequence[int] = MAX_TOKENS, threshold: float = 0.9,
-            stream=sys.stderr) -> dict:
+            stream=sys.stderr, sets: Sequence[str] = REPORTED_SETS) -> dict:
     """Exact match and tokens per forward of the checkpoint at `path`, at its defaults and
-    with `threshold`: held-out and carry-chain problems at every max_tokens, the JSON
-    form at 32, and the named edge cases: the record in recipe.json."""
+    with `threshold`: each of `sets` at every max_tokens (the JSON form at 32), and the
+    named edge cases: the record in recipe.json."""
     model, tokenizer = load(str(path))
     defaults = generation_defaults(path)
     rules = {"defaults": dict(defaults), f"threshold {threshold}": {**defaults, "strategy": None,
                                                                      "threshold": threshold}}
     out = {"problems": n, "default_decoding": defaults, "results": []}
-    for name in SETS:
+    for name in sets:
         pairs, form = SETS[name](n)
         for rule, options in rules.items():
             for m in ((32,) if form == "json" else max_tokens):
@@ -183,12 +186,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.evaluate",
                                                 description=__doc__.split("\n\n")[0]))
     p.add_argument("--model", type=Path, default=DEMO_MODEL_PATH, help="Checkpoint (default: the demo)")
-    p.add_argument("--problems", type=int, default=1000, help="Problems per set (held-out, carry chains, json)")
+    p.add_argument("--problems", type=int, default=1000, help="Problems per set")
+    p.add_argument("--sets", nargs="+", choices=list(SETS), default=list(REPORTED_SETS),
+                   help="Problem sets (default: held-out, carry chains)")
     p.add_argument("--max-tokens", type=int, nargs="+", default=list(MAX_TOKENS))
     p.add_argument("--threshold", type=float, default=0.9, help="Threshold of the second rule")
     p.add_argument("--json", type=Path, help="Also write the record here")
     args = p.parse_args(argv)
-    record = metrics(args.model, args.problems, args.max_tokens, args.threshold)
+    record = metrics(args.model, args.problems, args.max_tokens, args.threshold, sets=args.sets)
     print(table(record))
     if args.json:
         args.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -80,7 +80,7 @@ class _TokenTable:
     def __call__(self, text: str) -> list:
         """Ids whose bytes spell `text` (llguidance tokenizes the text a grammar forces).
         The tokenizer's own encoding when its tokens spell the text; otherwise (a
-        normalizer rewrote it: the demo's zero-padding encodes "825" as 0 8 2 5) the
+        normalizer rewrote it: a zero-padding one encodes "825" as 0 8 2 5) the
         longest tokens of the table that do: out-of-context ids made llguidance force
         tokens the text does not have ("token 0 breaks the grammar")."""
         ids = list(self._hf.encode(text, add_special_tokens=False))
@@ -160,10 +160,11 @@ def grammar_processor(tokenizer: Any, vocab_size: int, grammar: str) -> GrammarP
 def _check_can_begin(matcher: Any, tokenizer: Any, vocab_size: int) -> None:
     """ValueError, before anything runs, when no token of the vocabulary can begin text
     the grammar accepts (and it does not accept empty output): every token it allows
-    first is special or has no text (the demo model's digits cannot begin a JSON object).
+    first is special or has no text (the demo model's vocabulary cannot begin a JSON array).
     The decode would otherwise commit one and fail mid-way. Each candidate is checked by
-    `validate_tokens` too: where the vocabulary cannot spell text the grammar forces (the
-    demo's '{"sum":'), llguidance's first mask can allow tokens that it then refuses."""
+    `validate_tokens` too: where the vocabulary cannot spell text the grammar forces (an
+    earlier demo's digits, for '{"sum":'), llguidance's first mask can allow tokens that it
+    then refuses."""
     if matcher.is_accepting():
         return
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
