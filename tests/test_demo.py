@@ -154,7 +154,8 @@ def test_held_out_exact_match_at_defaults(one_per_step):
     assert np.mean(one_per_step.stopped) == 1.0  # every answer ends at EOS
 
 
-@pytest.mark.parametrize("max_tokens", [5, 6, DEMO_MAX_TOKENS, 16, 64, LONGEST])
+# (512: capped to what the context holds after each prompt, 124 positions after "1+0=")
+@pytest.mark.parametrize("max_tokens", [5, 6, DEMO_MAX_TOKENS, 16, 64, LONGEST, 512])
 @pytest.mark.parametrize("threshold", [None, 0.9])
 def test_edge_cases_are_right_at_every_max_tokens(demo, max_tokens, threshold):
     r = evaluate(*demo, EDGE_CASES, max_tokens=max_tokens, threshold=threshold,
@@ -174,7 +175,7 @@ def test_the_answer_does_not_depend_on_max_tokens(demo, pairs, one_per_step):
     """EOS padding over canvases of every length: a long canvas gives the same answers."""
     some = pairs[:128]
     answers = dict(zip(one_per_step.pairs, one_per_step.answers))  # (evaluate orders by prompt length)
-    for max_tokens in (5, 6, 16, 64, LONGEST):
+    for max_tokens in (5, 6, 16, 64, LONGEST, 512):
         other = evaluate(*demo, some, max_tokens=max_tokens)
         agree = np.mean([answers[p] == x for p, x in zip(other.pairs, other.answers)])
         assert agree >= 0.99 and other.accuracy >= 0.99, max_tokens
@@ -190,6 +191,8 @@ def test_training_answers_are_right_aligned_then_eos_padded():
         assert row[:P].tolist() == encode(f"{a}+{b}=")
         assert row[P:P + 5].tolist() == [BLANK_ID] * (5 - len(digits)) + digits  # units in slot 5
         assert (row[P + 5:] == EOS_ID).all() and len(row) == P + 14
+    full = canvas_batch(rng, 8, 0)  # FILL_CONTEXT: the rest of the context after the prompt
+    assert full.tokens.shape[1] == CONTEXT and (full.gen_len == CONTEXT - full.prompt_len).all()
     short = canvas_batch(rng, 8, 5)  # 5 generated positions: the slots, no room for EOS
     assert (short.tokens[:, -5:] != EOS_ID).all()
     json_rows = canvas_batch(rng, 8, 20, "json")

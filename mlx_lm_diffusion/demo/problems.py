@@ -38,6 +38,7 @@ ANSWER_MAX = 2 * (10**MAX_DIGITS - 1)  # 19998: at most 5 digits
 PROMPT_MAX = 2 * MAX_DIGITS + 2  # "9999+9999=": 10 tokens
 GEN_LENGTH = 8  # a small canvas that holds every answer (5 slots) and its EOS
 CONTEXT = 128  # the model's context (max_sequence_length): prompt and generated tokens
+FILL_CONTEXT = 0  # a generated length (--gen-lengths 0): the rest of the context after the prompt
 JSON_OPEN, JSON_CLOSE = '{"sum":', "}"
 JSON_ANSWER = len(JSON_OPEN) + ANSWER_WIDTH + len(JSON_CLOSE)  # 13 tokens, then EOS
 MIN_MIDDLE, MAX_MIDDLE = MAX_DIGITS, 16  # infill middles the model is trained on
@@ -179,12 +180,17 @@ def canvas_batch(rng: np.random.Generator, size: int, gen: int, form: str = "pla
                  sampler: str = "uniform") -> CanvasBatch:
     """`size` training rows (never a held-out pair) of `form` with `gen` generated
     positions (an infill's middle slots): the rows share the prompt length of the first
-    pair drawn (and an infill's suffix length), so that they share one canvas length."""
+    pair drawn (and an infill's suffix length), so that they share one canvas length.
+    `gen` FILL_CONTEXT (0): as many as the context holds after that prompt, what a decode
+    at a max_tokens past the context is capped to (124 after "1+2=")."""
     rows: list = []
     key = None
+    fill = gen == FILL_CONTEXT and form != "infill"
     while len(rows) < size:
         a, b = sample_pairs(rng, 4 * size, sampler)
         for x, y in zip(a.tolist(), b.tolist()):
+            if fill and key is None:
+                gen = CONTEXT - len(_row(form, x, y, 0)[0])
             parts = _row(form, x, y, gen)
             shape = (len(parts[0]), len(parts[2]))
             key = shape if key is None else key

@@ -41,6 +41,7 @@ from mlx.utils import tree_flatten
 from mlx_lm_diffusion.demo.evaluate import SETS, evaluate, metrics
 from mlx_lm_diffusion.demo.problems import (
     CONTEXT,
+    FILL_CONTEXT,
     FORM_WEIGHTS,
     FORMS,
     GEN_LENGTH,
@@ -310,7 +311,8 @@ def train(
     losses = []
     for step in range(1, steps + 1):
         form, sampler, gen = plan[step - 1]
-        T = (JSON_PROMPT_MAX if form == "json" else PROMPT_MAX) + gen  # (about: for the row count)
+        # (about: for the row count; FILL_CONTEXT fills the context)
+        T = CONTEXT if gen == FILL_CONTEXT else (JSON_PROMPT_MAX if form == "json" else PROMPT_MAX) + gen
         batch = canvas_batch(rng, max(8, batch_tokens // T), gen, form, sampler)
         inputs, targets, weights = mask_batch(rng, batch, masking, suffix=suffix, pad_weight=pad_weight)
         loss = step_fn(mx.array(inputs), mx.array(targets), mx.array(weights))
@@ -383,7 +385,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--pad-weight", type=int, default=32,
                    help="The EOS padding of a row counts for at most this many positions")
     p.add_argument("--gen-lengths", type=int, nargs="+", default=list(GEN_LENGTHS),
-                   help="Generated lengths of the training canvases (after the prompt)")
+                   help="Generated lengths of the training canvases (after the prompt; 0: the rest of "
+                        "the context)")
     p.add_argument("--gen-weights", type=float, nargs="+", default=list(GEN_WEIGHTS),
                    help="How often each generated length is drawn (relative)")
     p.add_argument("--form-weights", type=float, nargs=3, default=list(FORM_WEIGHTS),
