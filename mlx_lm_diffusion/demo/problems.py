@@ -36,6 +36,7 @@ from mlx_lm_diffusion.demo.vocab import ANSWER_WIDTH, EOS_ID, encode, encode_ans
 MIN_DIGITS, MAX_DIGITS = 1, 4  # operand digit counts are drawn from this range
 ANSWER_MAX = 2 * (10**MAX_DIGITS - 1)  # 19998: at most 5 digits
 PROMPT_MAX = 2 * MAX_DIGITS + 2  # "9999+9999=": 10 tokens
+JSON_PROMPT_MAX = 2 * MAX_DIGITS + 11  # '{"a":9999,"b":9999}': 19 tokens
 GEN_LENGTH = 8  # a small canvas that holds every answer (5 slots) and its EOS
 CONTEXT = 128  # the model's context (max_sequence_length): prompt and generated tokens
 FILL_CONTEXT = 0  # a generated length (--gen-lengths 0): the rest of the context after the prompt

@@ -48,6 +48,7 @@ from mlx_lm_diffusion.demo.problems import (
     GEN_LENGTHS,
     GEN_WEIGHTS,
     JSON_ANSWER,
+    JSON_PROMPT_MAX,
     MAX_MIDDLE,
     MIN_MIDDLE,
     PROMPT_MAX,
@@ -228,9 +229,6 @@ def _draw(rng: np.random.Generator, values, weights, size: int) -> np.ndarray:
     if len(values) == 0 or p.sum() == 0:  # (a form never drawn)
         return np.zeros(size, np.int64)
     return rng.choice(np.asarray(values), size=size, p=p / p.sum())
-
-
-JSON_PROMPT_MAX = len('{"a":9999,"b":9999}')
 
 
 def step_plan(rng: np.random.Generator, steps: int, gen_lengths=GEN_LENGTHS, gen_weights=GEN_WEIGHTS,
