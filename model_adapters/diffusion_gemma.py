@@ -17,7 +17,6 @@ logits back as self-conditioning and encodes each finished canvas causally.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
@@ -28,7 +27,7 @@ from mlx_lm.models import gemma4_text
 from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from model_adapters import gemma_vision
+from model_adapters import gemma_vision, gemma_weights
 from model_adapters.base import Adapter as _BaseAdapter
 from model_adapters.base import DiffusionModel, FamilyDefaults, _stop_ids
 from model_adapters.option import Option
@@ -377,28 +376,7 @@ class Model(DiffusionModel):
         return lambda path, module: not skip_multimodal_module(path)
 
     def sanitize(self, weights: dict) -> dict:
-        out = {}
-        for key, value in _stack_experts(weights).items():
-            if key == "lm_head.weight" or "rotary_emb" in key:
-                continue  # tied to the decoder's embeddings
-            if key.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.")):
-                if self.has_vision and not _unused_clip_bound(key, self.args.vision):
-                    out[key] = value
-                continue
-            if key.startswith("model.encoder.language_model.") and not key.endswith(".layer_scalar"):
-                continue  # tied to the decoder's
-            m = _EXPERTS.match(key)
-            if m is None:
-                out[key] = value
-                continue
-            base, name, suffix = m.group(1), m.group(2), m.group(3) or ".weight"
-            if name == "down_proj":
-                out[f"{base}.switch_glu.down_proj{suffix}"] = value
-            else:  # gate and up stacked along the output rows
-                gate, up = mx.split(value, 2, axis=-2)
-                out[f"{base}.switch_glu.gate_proj{suffix}"] = mx.contiguous(gate)
-                out[f"{base}.switch_glu.up_proj{suffix}"] = mx.contiguous(up)
-        return out
+        return gemma_weights.sanitize(weights, self.has_vision, self.args.vision)
 
 
 def _top_k_soft_embeddings(table: nn.Module, logits: mx.array, k: int) -> mx.array:
@@ -425,12 +403,6 @@ def _materialize_buffers(model: nn.Module) -> None:
     mx.eval(buffers)
 
 
-def _unused_clip_bound(key: str, vision: Any) -> bool:
-    """Clipping calibration tensors, which only clipped linears read (mlx-vlm drops them too)."""
-    bound = key.rsplit(".", 1)[-1] in ("input_max", "input_min", "output_max", "output_min")
-    return bound and not getattr(vision, "use_clipped_linears", False)
-
-
 def _weighted_rows(table: nn.Module, weights: mx.array) -> mx.array:
     """weights @ table's rows (an Embedding or a QuantizedEmbedding)."""
     if isinstance(table, nn.QuantizedEmbedding):
@@ -439,28 +411,6 @@ def _weighted_rows(table: nn.Module, weights: mx.array) -> mx.array:
             group_size=table.group_size, bits=table.bits, mode=getattr(table, "mode", "affine"),
         )
     return weights.astype(table.weight.dtype) @ table.weight
-
-
-# transformers' fused expert tensors (no suffix) and mlx-vlm's SwitchLinear names
-_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(\.weight|\.scales|\.biases)?$")
-# one tensor per expert, as some exports store them
-_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
-
-
-def _stack_experts(weights: dict) -> dict:
-    """experts.<i>.<proj>.<suffix> tensors stacked into experts.switch_glu.<proj>.<suffix>."""
-    groups: dict = {}
-    out = {}
-    for key, value in weights.items():
-        m = _PER_EXPERT.match(key)
-        if m is None:
-            out[key] = value
-        else:
-            base, i, proj, suffix = m.groups()
-            groups.setdefault(f"{base}.switch_glu.{proj}.{suffix}", {})[int(i)] = value
-    for key, experts in groups.items():
-        out[key] = mx.stack([experts[i] for i in range(len(experts))])
-    return out
 
 
 @dataclass
