@@ -195,12 +195,13 @@ def test_training_answers_are_right_aligned_then_eos_padded():
     assert full.tokens.shape[1] == CONTEXT and (full.gen_len == CONTEXT - full.prompt_len).all()
     short = canvas_batch(rng, 8, 5)  # 5 generated positions: the slots, no room for EOS
     assert (short.tokens[:, -5:] != EOS_ID).all()
-    json_rows = canvas_batch(rng, 8, 20, "json")
-    for a, b, row in zip(json_rows.a.tolist(), json_rows.b.tolist(), json_rows.tokens):
+    json_rows = canvas_batch(rng, 8, 20, "json")  # the "{" a grammar forces is the prompt's last token
+    for a, b, row, P in zip(json_rows.a.tolist(), json_rows.b.tolist(), json_rows.tokens, json_rows.prompt_len):
         text = "".join("_" if t == BLANK_ID else "E" if t == EOS_ID else str(t) if t < 10 else
                        "+-={}\":,absum"[t - 10] for t in row)
-        assert text.startswith('{"a":%d,"b":%d}{"sum":' % (a, b)) and text.endswith("}" + "E" * 7)
-        assert text.replace("_", "").rstrip("E").endswith('{"sum":%d}' % (a + b))
+        assert P == len(f"{a}+{b}={{") and len(text) == P + 20
+        assert text.startswith(f'{a}+{b}={{"sum":') and text.endswith("}" + "E" * 8)
+        assert text.replace("_", "").rstrip("E").endswith('={"sum":%d}' % (a + b))
     infill = canvas_batch(rng, 8, 6, "infill")
     for a, b, row, P in zip(infill.a.tolist(), infill.b.tolist(), infill.tokens, infill.prompt_len):
         assert row[:P].tolist() == encode(f"{a}+")
@@ -282,7 +283,8 @@ def test_training_mix_is_an_option_and_recorded():
                                                                                        [1.0, 1.0, 0.0])
     with pytest.raises(ValueError, match="same length"):
         train(None, gen_lengths=(16, 24), gen_weights=(1,), **kwargs)
-    plan = step_plan(np.random.default_rng(0), 300, (5, 24, 118), (1, 1, 1))
+    plan = step_plan(np.random.default_rng(0), 300, (5, 24, 118, 0), (1, 1, 1, 1))
     assert {f for f, _, _ in plan} == {"plain", "json", "infill"}
-    assert all(g in (24, 118) for f, _, g in plan if f == "json")  # lengths that hold the JSON answer
-    assert {g for f, _, g in plan if f == "plain"} == {5, 24, 118}
+    # lengths that hold the JSON answer and fit the context after "9999+9999={"; 0 fills it
+    assert {g for f, _, g in plan if f == "json"} == {24, 0}
+    assert {g for f, _, g in plan if f == "plain"} == {5, 24, 118, 0}

@@ -25,12 +25,15 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_lm_diffusion.api.loading import load
+from mlx_lm_diffusion.decoding.decoders.base import FREE
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.demo.problems import (
     EDGE_CASES,
     GEN_LENGTH,
+    JSON_CLOSE,
+    JSON_OPEN,
     answer_text,
     carry_chain_problems,
     group_by_prompt_length,
@@ -58,8 +61,7 @@ class Evaluation:
 
     @property
     def correct(self) -> np.ndarray:
-        truth = json_answer_text if self.form == "json" else answer_text
-        return np.array([ans == truth(a, b) for (a, b), ans in zip(self.pairs, self.answers)])
+        return np.array([ans == right_answer(self.form, a, b) for (a, b), ans in zip(self.pairs, self.answers)])
 
     @property
     def accuracy(self) -> float:
@@ -70,9 +72,11 @@ class Evaluation:
         """Per answer slot (most significant first), the share of problems whose decoded
         answer, right-aligned, has the right character there (blank or digit)."""
         def slots(text: str) -> str:
+            if self.form == "json":  # the number inside {"sum":...}
+                text = text[len(JSON_OPEN):].removesuffix(JSON_CLOSE)
             return text[-ANSWER_WIDTH:].rjust(ANSWER_WIDTH)
 
-        truth = [slots(answer_text(a, b)) for a, b in self.pairs]
+        truth = [slots(right_answer(self.form, a, b)) for a, b in self.pairs]
         got = [slots(ans) for ans in self.answers]
         return [float(np.mean([t[i] == g[i] for t, g in zip(truth, got)])) for i in range(ANSWER_WIDTH)]
 
@@ -83,6 +87,14 @@ class Evaluation:
     @property
     def tokens_per_second(self) -> float:
         return float(np.sum(self.emitted) / max(self.seconds, 1e-9))
+
+
+def right_answer(form: str, a: int, b: int) -> str:
+    """The text a right answer reads: the sum; '{"sum":825}' (json); the operand b (infill)."""
+    if form == "infill":
+        return str(b)
+    return json_answer_text(a, b) if form == "json" else answer_text(a, b)
+
 
 
 def generation_defaults(path) -> dict:
@@ -103,21 +115,28 @@ def evaluate(model, tokenizer, pairs, max_tokens: int = GEN_LENGTH, batch_size: 
     result = Evaluation(form=form)
     tic = time.perf_counter()
     for group in group_by_prompt_length(list(pairs), form):
-        rows = batch_size or max(8, min(512, 2**15 // (group.prompts.shape[1] + max_tokens)))
+        P, S = group.prompts.shape[1], group.suffixes.shape[1]
+        rows = batch_size or max(8, min(512, 2**15 // (P + S + max_tokens)))
         for lo in range(0, len(group.a), rows):
             prompts = group.prompts[lo : lo + rows]
-            resolved = resolve(DecodeOptions(max_tokens=max_tokens, **options), adapter, prompts.shape[1])
-            _decode(Engine(adapter, resolved, keep_logprobs=False), prompts, result, adapter.eos_ids)
+            resolved = resolve(DecodeOptions(max_tokens=max_tokens, **options), adapter, P, S)
+            seed = None
+            if S:  # an infill: the middle free, each row's suffix pinned after it
+                seed = np.full((len(prompts), resolved.max_tokens + S), FREE, dtype=np.int64)
+                seed[:, resolved.max_tokens:] = group.suffixes[lo : lo + rows]
+            _decode(Engine(adapter, resolved, keep_logprobs=False), prompts, result, adapter.eos_ids, seed)
             result.pairs += list(zip(group.a[lo : lo + rows].tolist(), group.b[lo : lo + rows].tolist()))
+    if form == "json":  # the "{" a grammar forces is the json prompt's last token
+        result.answers = [JSON_OPEN[0] + text for text in result.answers]
     result.seconds = time.perf_counter() - tic
     return result
 
 
-def _decode(engine: Engine, prompts: np.ndarray, result: Evaluation, eos_ids) -> None:
+def _decode(engine: Engine, prompts: np.ndarray, result: Evaluation, eos_ids, seed=None) -> None:
     B, P = prompts.shape
     forwards = np.zeros(B, dtype=np.int64)
     last = None
-    for last in engine.run(mx.array(prompts)):
+    for last in engine.run(mx.array(prompts), seed):
         forwards[(forwards == 0) & last.done] = last.forwards
     forwards[forwards == 0] = last.forwards
     eos = set(int(e) for e in eos_ids)
@@ -133,6 +152,7 @@ SETS = {  # name -> (problems, form)
     "held-out": lambda n: (held_out_problems(n), "plain"),
     "carry chains": lambda n: (carry_chain_problems(n), "plain"),
     "json": lambda n: (held_out_problems(n), "json"),
+    "infill": lambda n: (held_out_problems(n), "infill"),
 }
 # What the shipped table reports. The JSON form is measured on request (--sets json): the
 # shipped model was not trained far enough to write it (RECIPE.md).

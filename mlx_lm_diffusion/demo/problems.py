@@ -6,8 +6,11 @@ Three forms of the task, each a prompt and what the model writes after it:
   nothing) before its first digit (`vocab.encode_answer`; the text read is "825"), then
   EOS, and EOS padding to the end of the canvas: LLaDA's SFT practice, so that a decode
   of any length stops after the answer.
-- json: '{"a":357,"b":468}' -> '{"sum":' the 5 slots '}' EOS...: the text '{"sum":825}',
-  what a JSON schema {"sum": integer} allows (compact JSON, as the grammar writes it).
+- json: "357+468=" and a JSON answer, '{"sum":' the 5 slots '}' EOS...: the text
+  '{"sum":825}', what a JSON schema {"sum": integer} allows (compact JSON, as the grammar
+  writes it). Its "{" is trained as part of the prompt, never masked: unconstrained, the
+  model writes the plain answer, and only once a grammar has forced the "{" (the first
+  token its walk commits) does the model go on in JSON.
 - infill: "357+" | middle | "=825": the second operand right-aligned in the middle's
   slots (BLANK before it), whatever their number (4 to MAX_MIDDLE), so that an infill
   of any max_tokens reads "468".
@@ -36,12 +39,12 @@ from mlx_lm_diffusion.demo.vocab import ANSWER_WIDTH, EOS_ID, encode, encode_ans
 MIN_DIGITS, MAX_DIGITS = 1, 4  # operand digit counts are drawn from this range
 ANSWER_MAX = 2 * (10**MAX_DIGITS - 1)  # 19998: at most 5 digits
 PROMPT_MAX = 2 * MAX_DIGITS + 2  # "9999+9999=": 10 tokens
-JSON_PROMPT_MAX = 2 * MAX_DIGITS + 11  # '{"a":9999,"b":9999}': 19 tokens
+JSON_PROMPT_MAX = PROMPT_MAX + 1  # "9999+9999={": 11 tokens
 GEN_LENGTH = 8  # a small canvas that holds every answer (5 slots) and its EOS
 CONTEXT = 128  # the model's context (max_sequence_length): prompt and generated tokens
 FILL_CONTEXT = 0  # a generated length (--gen-lengths 0): the rest of the context after the prompt
-JSON_OPEN, JSON_CLOSE = '{"sum":', "}"
-JSON_ANSWER = len(JSON_OPEN) + ANSWER_WIDTH + len(JSON_CLOSE)  # 13 tokens, then EOS
+JSON_OPEN, JSON_CLOSE = '{"sum":', "}"  # (the "{" a grammar forces ends the json prompt)
+JSON_ANSWER = len(JSON_OPEN) - 1 + ANSWER_WIDTH + len(JSON_CLOSE)  # 12 tokens after the "{", then EOS
 MIN_MIDDLE, MAX_MIDDLE = MAX_DIGITS, 16  # infill middles the model is trained on
 # The generated length of a training step (prompt + this = the canvas), and how often each
 # is drawn: every length from 5 (the answer's slots and nothing else) to the context,
@@ -137,7 +140,8 @@ def prompt_text(a: int, b: int) -> str:
 
 
 def json_prompt_text(a: int, b: int) -> str:
-    return '{"a":%d,"b":%d}' % (a, b)
+    """The json form's prompt: what the model sees once a grammar has forced the "{"."""
+    return prompt_text(a, b) + JSON_OPEN[0]
 
 
 def answer_text(a: int, b: int) -> str:
@@ -170,7 +174,8 @@ def _row(form: str, a: int, b: int, gen: int) -> tuple:
     if form == "infill":
         return encode(f"{a}+"), encode_slots(str(b), gen), encode(f"={a + b}")
     if form == "json":
-        prompt, answer = encode(json_prompt_text(a, b)), encode(JSON_OPEN) + encode_answer(str(a + b)) + encode(JSON_CLOSE)
+        prompt = encode(json_prompt_text(a, b))
+        answer = encode(JSON_OPEN[1:]) + encode_answer(str(a + b)) + encode(JSON_CLOSE)
     else:
         prompt, answer = encode(prompt_text(a, b)), encode_answer(str(a + b))
     answer = (answer + [EOS_ID])[:gen]
@@ -237,23 +242,38 @@ def carry_chain_problems(n: int, seed: int = 4321) -> list[tuple[int, int]]:
     return out
 
 
+def infill_texts(a: int, b: int) -> tuple[str, str]:
+    """The infill form's prompt and suffix: "357+" | middle | "=825"."""
+    return f"{a}+", f"={a + b}"
+
+
 @dataclass
 class Batch:
-    """Problems of one prompt length: prompts (B, P)."""
+    """Problems of one prompt length (and, for infills, one suffix length): prompts (B, P),
+    suffixes (B, S) (S = 0 but for infills)."""
 
     a: np.ndarray
     b: np.ndarray
     prompts: np.ndarray
+    suffixes: np.ndarray
+
+
+def _texts(form: str, a: int, b: int) -> tuple[str, str]:
+    if form == "infill":
+        return infill_texts(a, b)
+    return (json_prompt_text if form == "json" else prompt_text)(a, b), ""
 
 
 def group_by_prompt_length(pairs: list[tuple[int, int]], form: str = "plain") -> list[Batch]:
-    """Batches of equal prompt length (what `generate_batch` needs), in length order."""
-    text = json_prompt_text if form == "json" else prompt_text
-    by_len: dict[int, list[tuple[int, int]]] = {}
+    """Batches of equal prompt (and suffix) length (what `generate_batch` needs), in length order."""
+    groups: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for a, b in pairs:
-        by_len.setdefault(len(encode(text(a, b))), []).append((a, b))
-    return [
-        Batch(np.array([p[0] for p in g]), np.array([p[1] for p in g]),
-              np.array([encode(text(a, b)) for a, b in g], np.int32))
-        for _, g in sorted(by_len.items())
-    ]
+        prompt, suffix = _texts(form, a, b)
+        groups.setdefault((len(encode(prompt)), len(encode(suffix))), []).append((a, b))
+    batches = []
+    for (_, S), g in sorted(groups.items()):
+        texts = [_texts(form, a, b) for a, b in g]
+        batches.append(Batch(np.array([p[0] for p in g]), np.array([p[1] for p in g]),
+                             np.array([encode(t[0]) for t in texts], np.int32),
+                             np.array([encode(t[1]) for t in texts], np.int32).reshape(len(g), S)))
+    return batches

@@ -241,7 +241,7 @@ def step_plan(rng: np.random.Generator, steps: int, gen_lengths=GEN_LENGTHS, gen
     forms = _draw(rng, FORMS, form_weights, steps)
     samplers = _draw(rng, SAMPLERS, sampler_weights, steps)
     plain = [g for g in gen_lengths if g + PROMPT_MAX <= CONTEXT]
-    json = [g for g in gen_lengths if JSON_ANSWER < g and g + JSON_PROMPT_MAX <= CONTEXT]
+    json = [g for g in gen_lengths if g == FILL_CONTEXT or (JSON_ANSWER < g and g + JSON_PROMPT_MAX <= CONTEXT)]
     gens = {
         "plain": _draw(rng, plain, [w for g, w in zip(gen_lengths, gen_weights) if g in plain], steps),
         "json": _draw(rng, json, [w for g, w in zip(gen_lengths, gen_weights) if g in json], steps),
@@ -320,8 +320,8 @@ def train(
         if eval_every and step % eval_every == 0 and step < steps:
             if out is not None:  # a snapshot to look at (and to fall back on) while training runs
                 save_checkpoint(model, config, out / "snapshots" / f"step{step}")
-            for name, n in (("held-out", 5), ("held-out", GEN_LENGTH), ("held-out", 512),
-                            ("carry chains", GEN_LENGTH), ("json", 32)):  # 512: capped to the context
+            for name, n in (("held-out", 5), ("held-out", GEN_LENGTH), ("held-out", 512), ("carry chains", GEN_LENGTH),
+                            ("json", 16), ("json", 512), ("infill", 4), ("infill", 8)):  # 512: capped to the context
                 exact, slots = _accuracy(model, eval_size, n, name)
                 print(f"  {name} exact match ({eval_size}, max_tokens {n}): {exact:.3f}  per answer slot: "
                       + " ".join(f"{x:.2f}" for x in slots), file=sys.stderr, flush=True)
