@@ -224,6 +224,35 @@ def test_json_on_the_demo_model():
             assert mld.generate(model, tok, prompt, max_tokens=5, logits_processors=[proc], **options) == answer
 
 
+def test_tokens_without_text_never_skip_forced_text():
+    """The demo's <blank> has no text, so a grammar lets it through where it leaves a
+    choice (blanks before an integer's digits); where the grammar forces one token (the
+    '{"sum":' of an object), that token comes first: a blank there let the demo, whose
+    plain answer begins with blanks, commit one and write its plain answer after it."""
+    import mlx.core as mx
+
+    from mlx_lm_diffusion.output.grammar import json_schema_processor
+
+    model, tok = mld.load(str(Path(mld.__file__).parent / "demo" / "model"))
+    prompt = mx.array(tok.encode("357+468=", add_special_tokens=False))
+    logits = mx.zeros((1, model.vocab_size))
+
+    def allowed(schema, text=""):
+        proc = json_schema_processor(tok, model.vocab_size, schema)
+        ids = prompt.tolist()
+        out = proc(mx.array(ids), logits)
+        for token in tok.encode(text, add_special_tokens=False):
+            ids.append(token)
+            out = proc(mx.array(ids), logits)
+        return {tok.convert_ids_to_tokens(i) for i in range(model.vocab_size) if out[0, i].item() > -1e9}
+
+    assert allowed({"type": "integer"}) == set("-0123456789") | {"<blank>"}
+    obj = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"],
+           "additionalProperties": False}
+    assert allowed(obj) == {"{"} and allowed(obj, '{"su') == {"m"}  # forced: no blank
+    assert "<blank>" in allowed(obj, '{"sum":')  # a choice: digits, "-" (and padding)
+
+
 def test_response_formats():
     from mlx_lm_diffusion.output.grammar import response_format_processor
 

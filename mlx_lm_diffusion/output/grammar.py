@@ -112,7 +112,10 @@ class GrammarProcessor:
         self.matcher = matcher
         self.vocab_size = vocab_size
         # tokens without text (the demo's <blank> padding): they add nothing a grammar reads,
-        # so they are allowed everywhere and not fed to the matcher
+        # so they are not fed to the matcher, and allowed wherever the grammar leaves a
+        # choice; where it forces one token, that token comes first (padding there would let
+        # a model skip the grammar's lead: the demo, whose plain answer starts with blanks,
+        # must begin a JSON object with its '{')
         self.textless = frozenset(textless)
         self.start: Optional[int] = None  # the prompt's length (the first call's tokens)
         self.consumed = 0
@@ -130,7 +133,7 @@ class GrammarProcessor:
                 raise RuntimeError(f"token {token} breaks the grammar: {error[0] if error else 'rejected'}")
             self.consumed += 1
         allowed = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)[: self.vocab_size] > 0
-        if self.textless:
+        if self.textless and np.count_nonzero(allowed) > 1:
             allowed[list(self.textless)] = True
         if allowed.shape[0] < logits.shape[-1]:
             allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))
