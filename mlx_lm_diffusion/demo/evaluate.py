@@ -99,7 +99,6 @@ def right_answer(form: str, a: int, b: int) -> str:
     return json_answer_text(a, b) if form == "json" else answer_text(a, b)
 
 
-
 def generation_defaults(path) -> dict:
     """The decoding defaults in a checkpoint's generation_config.json (DECODING_KEYS)."""
     file = Path(path) / "generation_config.json"
