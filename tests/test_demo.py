@@ -15,7 +15,15 @@ import pytest
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.demo import DEMO_MAX_TOKENS, DEMO_MODEL_PATH, held_out_problems, is_held_out
 from mlx_lm_diffusion.demo.evaluate import JSON_MAX_TOKENS, MAX_TOKENS, evaluate, generation_defaults
-from mlx_lm_diffusion.demo.problems import CONTEXT, EDGE_CASES, SAMPLERS, canvas_batch, carry_chain_problems
+from mlx_lm_diffusion.demo.problems import (
+    CONTEXT,
+    EDGE_CASES,
+    MAX_MIDDLE,
+    MIN_MIDDLE,
+    SAMPLERS,
+    canvas_batch,
+    carry_chain_problems,
+)
 from mlx_lm_diffusion.demo.vocab import BLANK_ID, EOS_ID, MASK_ID, encode
 
 HELD_OUT = 400
@@ -336,3 +344,24 @@ def test_training_mix_is_an_option_and_recorded():
     # lengths that hold the JSON answer and fit the context after "9999+9999={"; 0 fills it
     assert {g for f, _, g in plan if f == "json"} == {24, 0}
     assert {g for f, _, g in plan if f == "plain"} == {5, 24, 118, 0}
+    assert {g for f, _, g in plan if f == "infill"} == set(range(MIN_MIDDLE, MAX_MIDDLE + 1))
+    # the default middles draw what step_plan drew before --middles (9adb89c), so the
+    # stages RECIPE.md lists rerun as they ran: the same lengths, the stream left as it was
+    rng = np.random.default_rng(0)
+    plan = step_plan(rng, 300, (5, 24, 118, 0), (1, 1, 1, 1))
+    assert [g for f, _, g in plan if f == "infill"][:8] == [13, 10, 12, 15, 10, 11, 16, 7]
+    assert rng.integers(0, 10**9) == 97090601
+    some = step_plan(np.random.default_rng(0), 300, (8,), (1,), (0, 0, 1), middles=(4, 16))
+    assert {g for _, _, g in some} == {4, 16}
+    record = train(None, form_weights=(0, 0, 1), middles=(5,), **kwargs)["record"]
+    assert record["middles"] == [5]
+
+
+def test_the_infill_aligned_sampler_fixes_every_distance():
+    """With the infill form, `aligned` draws sums of 4 digits: with a fixed middle every digit
+    of a and of the sum then stands at a fixed distance from its place's slot."""
+    infill = canvas_batch(np.random.default_rng(1), 64, 4, "infill", "aligned")
+    assert all(1000 <= a + b <= 9999 for a, b in zip(infill.a.tolist(), infill.b.tolist()))
+    assert len({len(str(a)) for a in infill.a.tolist()}) == 1  # (one prompt length per batch)
+    plain = canvas_batch(np.random.default_rng(1), 64, 8, "plain", "aligned")
+    assert all(len(str(b)) == 4 for b in plain.b.tolist())  # the plain form's aligned: b of 4 digits

@@ -108,6 +108,15 @@ def _aligned(rng: np.random.Generator, n: int) -> tuple:
     return _numbers(rng, rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n)), _numbers(rng, np.full(n, MAX_DIGITS))
 
 
+def _sum_aligned(rng: np.random.Generator, n: int) -> tuple:
+    """a of 1-4 digits and a sum of 4 digits: the infill form's `aligned` (with a fixed
+    middle, every digit of a and of the sum stands at a fixed distance from the middle's
+    slot of its place value, which a sum of any length does not give)."""
+    a = _numbers(rng, rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n))
+    total = rng.integers(np.maximum(a, 10 ** (MAX_DIGITS - 1)), 10**MAX_DIGITS)
+    return a, total - a
+
+
 def _zeros(rng: np.random.Generator, n: int) -> tuple:
     """Operands whose digits are mostly zeros (0, 5000, 3005), nines some of the time."""
     def one() -> np.ndarray:
@@ -121,7 +130,8 @@ def _zeros(rng: np.random.Generator, n: int) -> tuple:
     return one(), one()
 
 
-_SAMPLE = {"uniform": _uniform, "carrying": _carrying, "zeros": _zeros, "aligned": _aligned}
+_SAMPLE = {"uniform": _uniform, "carrying": _carrying, "zeros": _zeros, "aligned": _aligned,
+           "sum_aligned": _sum_aligned}
 
 
 def sample_pairs(rng: np.random.Generator, n: int, sampler: str = "uniform", held_out: bool = False) -> tuple:
@@ -189,6 +199,8 @@ def canvas_batch(rng: np.random.Generator, size: int, gen: int, form: str = "pla
     pair drawn (and an infill's suffix length), so that they share one canvas length.
     `gen` FILL_CONTEXT (0): as many as the context holds after that prompt, what a decode
     at a max_tokens past the context is capped to (124 after "1+2=")."""
+    if form == "infill" and sampler == "aligned":  # the infill's own fixed distances
+        sampler = "sum_aligned"
     rows: list = []
     key = None
     fill = gen == FILL_CONTEXT and form != "infill"

@@ -232,10 +232,11 @@ def _draw(rng: np.random.Generator, values, weights, size: int) -> np.ndarray:
 
 
 def step_plan(rng: np.random.Generator, steps: int, gen_lengths=GEN_LENGTHS, gen_weights=GEN_WEIGHTS,
-              form_weights=FORM_WEIGHTS, sampler_weights=SAMPLER_WEIGHTS) -> list:
+              form_weights=FORM_WEIGHTS, sampler_weights=SAMPLER_WEIGHTS,
+              middles: Sequence[int] = tuple(range(MIN_MIDDLE, MAX_MIDDLE + 1))) -> list:
     """(form, sampler, generated length) of every step, fixed by the seed. A json step
     takes a length that holds its answer (and fits the context); an infill step a middle
-    of MIN_MIDDLE..MAX_MIDDLE slots."""
+    of one of `middles` slots (default MIN_MIDDLE..MAX_MIDDLE), uniformly."""
     if len(gen_lengths) != len(gen_weights):
         raise ValueError("gen_lengths and gen_weights must have the same length")
     forms = _draw(rng, FORMS, form_weights, steps)
@@ -245,7 +246,8 @@ def step_plan(rng: np.random.Generator, steps: int, gen_lengths=GEN_LENGTHS, gen
     gens = {
         "plain": _draw(rng, plain, [w for g, w in zip(gen_lengths, gen_weights) if g in plain], steps),
         "json": _draw(rng, json, [w for g, w in zip(gen_lengths, gen_weights) if g in json], steps),
-        "infill": rng.integers(MIN_MIDDLE, MAX_MIDDLE + 1, size=steps),
+        # (an index draw: the default gives the very stream the stages before --middles drew)
+        "infill": np.asarray(middles)[rng.integers(0, len(middles), size=steps)],
     }
     return [(str(f), str(s), int(gens[f][i])) for i, (f, s) in enumerate(zip(forms, samplers))]
 
@@ -271,6 +273,7 @@ def train(
     gen_weights: Sequence[float] = GEN_WEIGHTS,
     form_weights: Sequence[float] = FORM_WEIGHTS,
     sampler_weights: Sequence[float] = SAMPLER_WEIGHTS,
+    middles: Sequence[int] = tuple(range(MIN_MIDDLE, MAX_MIDDLE + 1)),
     log_every: int = 50,
     eval_every: int = 0,
     eval_size: int = 256,
@@ -301,7 +304,7 @@ def train(
         optimizer.update(model, grads)
         return loss
 
-    plan = step_plan(rng, steps, gen_lengths, gen_weights, form_weights, sampler_weights)
+    plan = step_plan(rng, steps, gen_lengths, gen_weights, form_weights, sampler_weights, middles)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     print(f"demo model: {n_params / 1e6:.2f}M parameters, {steps} steps of ~{batch_tokens} tokens, seed {seed}",
           file=sys.stderr, flush=True)
@@ -338,6 +341,7 @@ def train(
         "gen_weights": [float(w) for w in gen_weights],
         "form_weights": [float(w) for w in form_weights],
         "sampler_weights": [float(w) for w in sampler_weights],
+        "middles": [int(m) for m in middles],
         "lr": lr,
         "warmup": warmup,
         "weight_decay": weight_decay,
@@ -391,6 +395,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="How often each form (plain, json, infill) is drawn (relative)")
     p.add_argument("--sampler-weights", type=float, nargs=len(SAMPLERS), default=list(SAMPLER_WEIGHTS),
                    help="How often each operand sampler (%s) is drawn (relative)" % ", ".join(SAMPLERS))
+    p.add_argument("--middles", type=int, nargs="+", default=list(range(MIN_MIDDLE, MAX_MIDDLE + 1)),
+                   help="Middle lengths of the infill form's canvases, drawn uniformly")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=4)
@@ -415,7 +421,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, masking=args.masking,
         suffix=args.suffix, pad_weight=args.pad_weight,
         gen_lengths=args.gen_lengths, gen_weights=args.gen_weights, form_weights=args.form_weights,
-        sampler_weights=args.sampler_weights,
+        sampler_weights=args.sampler_weights, middles=args.middles,
         d_model=args.d_model,
         n_layers=args.n_layers, n_heads=args.n_heads, mlp=args.mlp, rope_theta=args.rope_theta, log_every=args.log_every,
         eval_every=args.eval_every, init=args.init, command=command,
