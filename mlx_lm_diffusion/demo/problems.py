@@ -19,7 +19,8 @@ Operands: per operand a digit count drawn uniformly from 1-4, then a number of t
 digits (`uniform`), or one built to carry far (`carrying`: b completes a's last k digits
 to a power of ten, so 1 to 4 carries ripple; 9999+1, 5000+5000, 4999+5001) or with zeros
 (`zeros`: 0, 5000, 3005), so that the sums of five digits and long carry chains, which
-uniform operands rarely give, are in the training mix.
+uniform operands rarely give, are in the training mix. `aligned` fixes distances for a curriculum's
+first stage: b of 4 digits, or with the infill form a sum of 4 digits (`_sum_aligned`).
 
 Held-out split: an unordered pair {a, b} is held out when a fixed integer hash of
 (min(a, b), max(a, b)) falls in the lowest 1/16 of its range (`is_held_out`). Training
