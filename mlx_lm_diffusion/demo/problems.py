@@ -47,6 +47,7 @@ FILL_CONTEXT = 0  # a generated length (--gen-lengths 0): the rest of the contex
 JSON_OPEN, JSON_CLOSE = '{"sum":', "}"  # (the "{" a grammar forces ends the json prompt)
 JSON_ANSWER = len(JSON_OPEN) - 1 + ANSWER_WIDTH + len(JSON_CLOSE)  # 12 tokens after the "{", then EOS
 MIN_MIDDLE, MAX_MIDDLE = MAX_DIGITS, 16  # infill middles the model is trained on
+MIDDLES = tuple(range(MIN_MIDDLE, MAX_MIDDLE + 1))  # the middle lengths a training stage draws by default
 # The generated length of a training step (prompt + this = the canvas), and how often each
 # is drawn: every length from 5 (the answer's slots and nothing else) to the context,
 # mostly short ones (cheap, where the digits are learned), some long (where the model

@@ -49,8 +49,7 @@ from mlx_lm_diffusion.demo.problems import (
     GEN_WEIGHTS,
     JSON_ANSWER,
     JSON_PROMPT_MAX,
-    MAX_MIDDLE,
-    MIN_MIDDLE,
+    MIDDLES,
     PROMPT_MAX,
     SAMPLER_WEIGHTS,
     SAMPLERS,
@@ -233,10 +232,10 @@ def _draw(rng: np.random.Generator, values, weights, size: int) -> np.ndarray:
 
 def step_plan(rng: np.random.Generator, steps: int, gen_lengths=GEN_LENGTHS, gen_weights=GEN_WEIGHTS,
               form_weights=FORM_WEIGHTS, sampler_weights=SAMPLER_WEIGHTS,
-              middles: Sequence[int] = tuple(range(MIN_MIDDLE, MAX_MIDDLE + 1))) -> list:
+              middles: Sequence[int] = MIDDLES) -> list:
     """(form, sampler, generated length) of every step, fixed by the seed. A json step
     takes a length that holds its answer (and fits the context); an infill step a middle
-    of one of `middles` slots (default MIN_MIDDLE..MAX_MIDDLE), uniformly."""
+    of one of `middles` slots (default MIDDLES: 4 to 16), uniformly."""
     if len(gen_lengths) != len(gen_weights):
         raise ValueError("gen_lengths and gen_weights must have the same length")
     forms = _draw(rng, FORMS, form_weights, steps)
@@ -273,7 +272,7 @@ def train(
     gen_weights: Sequence[float] = GEN_WEIGHTS,
     form_weights: Sequence[float] = FORM_WEIGHTS,
     sampler_weights: Sequence[float] = SAMPLER_WEIGHTS,
-    middles: Sequence[int] = tuple(range(MIN_MIDDLE, MAX_MIDDLE + 1)),
+    middles: Sequence[int] = MIDDLES,
     log_every: int = 50,
     eval_every: int = 0,
     eval_size: int = 256,
@@ -395,7 +394,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="How often each form (plain, json, infill) is drawn (relative)")
     p.add_argument("--sampler-weights", type=float, nargs=len(SAMPLERS), default=list(SAMPLER_WEIGHTS),
                    help="How often each operand sampler (%s) is drawn (relative)" % ", ".join(SAMPLERS))
-    p.add_argument("--middles", type=int, nargs="+", default=list(range(MIN_MIDDLE, MAX_MIDDLE + 1)),
+    p.add_argument("--middles", type=int, nargs="+", default=list(MIDDLES),
                    help="Middle lengths of the infill form's canvases, drawn uniformly")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=4)
