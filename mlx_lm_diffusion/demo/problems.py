@@ -19,8 +19,9 @@ Operands: per operand a digit count drawn uniformly from 1-4, then a number of t
 digits (`uniform`), or one built to carry far (`carrying`: b completes a's last k digits
 to a power of ten, so 1 to 4 carries ripple; 9999+1, 5000+5000, 4999+5001) or with zeros
 (`zeros`: 0, 5000, 3005), so that the sums of five digits and long carry chains, which
-uniform operands rarely give, are in the training mix. `aligned` fixes distances for a curriculum's
-first stage: b of 4 digits, or with the infill form a sum of 4 digits (`_sum_aligned`).
+uniform operands rarely give, are in the training mix. `aligned` fixes distances for a
+curriculum's first stage: b of 4 digits, or with the infill form a sum of 4 digits
+(`_sum_aligned`).
 
 Held-out split: an unordered pair {a, b} is held out when a fixed integer hash of
 (min(a, b), max(a, b)) falls in the lowest 1/16 of its range (`is_held_out`). Training
@@ -86,6 +87,11 @@ def _numbers(rng: np.random.Generator, digits: np.ndarray) -> np.ndarray:
     return rng.integers(low, 10**digits)
 
 
+def _operand(rng: np.random.Generator, n: int) -> np.ndarray:
+    """`n` numbers, each of a digit count drawn uniformly from 1-4."""
+    return _numbers(rng, rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n))
+
+
 def _uniform(rng: np.random.Generator, n: int) -> tuple:
     da, db = rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=(2, n))
     return _numbers(rng, da), _numbers(rng, db)
@@ -94,7 +100,7 @@ def _uniform(rng: np.random.Generator, n: int) -> tuple:
 def _carrying(rng: np.random.Generator, n: int) -> tuple:
     """b completes a's last k digits to 10**k (then, half the time, a little more or less,
     and random higher digits): a carry ripples through k places."""
-    a = _numbers(rng, rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n))
+    a = _operand(rng, n)
     k = rng.integers(1, MAX_DIGITS + 1, size=n)
     low = (10**k - a % 10**k) % 10**k
     high = rng.integers(0, 10 ** (MAX_DIGITS - k)) * 10**k * (rng.random(n) < 0.5)
@@ -107,14 +113,14 @@ def _carrying(rng: np.random.Generator, n: int) -> tuple:
 def _aligned(rng: np.random.Generator, n: int) -> tuple:
     """b of 4 digits: every digit of a stands at a fixed distance from the answer slot of
     its place value (the curriculum's first stage: RECIPE.md)."""
-    return _numbers(rng, rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n)), _numbers(rng, np.full(n, MAX_DIGITS))
+    return _operand(rng, n), _numbers(rng, np.full(n, MAX_DIGITS))
 
 
 def _sum_aligned(rng: np.random.Generator, n: int) -> tuple:
     """a of 1-4 digits and a sum of 4 digits: the infill form's `aligned` (with a fixed
     middle, every digit of a and of the sum stands at a fixed distance from the middle's
     slot of its place value, which a sum of any length does not give)."""
-    a = _numbers(rng, rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n))
+    a = _operand(rng, n)
     total = rng.integers(np.maximum(a, 10 ** (MAX_DIGITS - 1)), 10**MAX_DIGITS)
     return a, total - a
 
