@@ -23,6 +23,7 @@ from mlx_lm_diffusion.demo.problems import (
     SAMPLERS,
     canvas_batch,
     carry_chain_problems,
+    sample_pairs,
 )
 from mlx_lm_diffusion.demo.vocab import BLANK_ID, EOS_ID, MASK_ID, encode
 
@@ -355,6 +356,23 @@ def test_training_mix_is_an_option_and_recorded():
     assert {g for _, _, g in some} == {4, 16}
     record = train(None, form_weights=(0, 0, 1), middles=(5,), **kwargs)["record"]
     assert record["middles"] == [5]
+    # the samplers a command leaves out weigh 0: the four weights of the stages before
+    # sum_lengths draw the plan and the stream that five with a trailing 0 draw
+    plans = []
+    for weights in ((1, 0.3, 0.1, 2), (1, 0.3, 0.1, 2, 0)):
+        rng = np.random.default_rng(3)
+        plans.append((step_plan(rng, 500, sampler_weights=weights), rng.integers(0, 10**9)))
+    assert plans[0] == plans[1] and {s for _, s, _ in plans[0][0]} == {"uniform", "carrying", "zeros", "aligned"}
+    with pytest.raises(ValueError, match="sampler_weights"):
+        step_plan(np.random.default_rng(0), 5, sampler_weights=(1,) * (len(SAMPLERS) + 1))
+
+
+def test_the_sum_lengths_sampler_draws_every_length_of_the_sum():
+    a, b = sample_pairs(np.random.default_rng(0), 5000, "sum_lengths")
+    counts = np.bincount([len(str(s)) for s in (a + b).tolist()], minlength=6)[1:]
+    assert counts.min() > 900  # 1 to 5 digits, each about 1000 times (uniform operands: 5 digits 4 %)
+    assert a.min() >= 0 and b.min() >= 0 and max(a.max(), b.max()) <= 9999
+    assert not is_held_out(a, b).any()
 
 
 def test_the_infill_aligned_sampler_fixes_every_distance():

@@ -21,7 +21,7 @@ to a power of ten, so 1 to 4 carries ripple; 9999+1, 5000+5000, 4999+5001) or wi
 (`zeros`: 0, 5000, 3005), so that the sums of five digits and long carry chains, which
 uniform operands rarely give, are in the training mix. `aligned` fixes distances for a
 curriculum's first stage: b of 4 digits, or with the infill form a sum of 4 digits
-(`_sum_aligned`).
+(`_sum_aligned`). `sum_lengths` draws the sum's digit count uniformly from 1-5, then splits it.
 
 Held-out split: an unordered pair {a, b} is held out when a fixed integer hash of
 (min(a, b), max(a, b)) falls in the lowest 1/16 of its range (`is_held_out`). Training
@@ -58,8 +58,8 @@ GEN_WEIGHTS = (2, 2, 1, 4, 1, 1, 3, 1, 1.5, 1.5, 1.5, 1.5, 1, 1.5)
 # The forms and the operand samplers of a training step, and how often each is drawn.
 FORMS = ("plain", "json", "infill")
 FORM_WEIGHTS = (0.7, 0.15, 0.15)
-SAMPLERS = ("uniform", "carrying", "zeros", "aligned")
-SAMPLER_WEIGHTS = (0.55, 0.3, 0.15, 0.0)
+SAMPLERS = ("uniform", "carrying", "zeros", "aligned", "sum_lengths")
+SAMPLER_WEIGHTS = (0.55, 0.3, 0.15, 0.0, 0.0)
 HELD_OUT_BITS = 4  # 1 pair in 2**4 is held out
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -125,6 +125,19 @@ def _sum_aligned(rng: np.random.Generator, n: int) -> tuple:
     return a, total - a
 
 
+def _sum_lengths(rng: np.random.Generator, n: int) -> tuple:
+    """A sum whose digit count is drawn uniformly from 1-5, split into a and b of at most 4
+    digits: every length of the sum equally often (uniform operands give sums of 5 digits 4 %
+    of the time, of 1 digit 1 %), what the infill form needs, whose suffix "=825" places each
+    digit of the sum by its distance from the end."""
+    length = rng.integers(1, MAX_DIGITS + 2, size=n)
+    low = np.where(length == 1, 0, 10 ** (length - 1))
+    total = rng.integers(low, np.minimum(10**length, ANSWER_MAX + 1))
+    top = 10**MAX_DIGITS - 1
+    a = rng.integers(np.maximum(0, total - top), np.minimum(total, top) + 1)
+    return a, total - a
+
+
 def _zeros(rng: np.random.Generator, n: int) -> tuple:
     """Operands whose digits are mostly zeros (0, 5000, 3005), nines some of the time."""
     def one() -> np.ndarray:
@@ -139,7 +152,7 @@ def _zeros(rng: np.random.Generator, n: int) -> tuple:
 
 
 _SAMPLE = {"uniform": _uniform, "carrying": _carrying, "zeros": _zeros, "aligned": _aligned,
-           "sum_aligned": _sum_aligned}
+           "sum_aligned": _sum_aligned, "sum_lengths": _sum_lengths}
 
 
 def sample_pairs(rng: np.random.Generator, n: int, sampler: str = "uniform", held_out: bool = False) -> tuple:

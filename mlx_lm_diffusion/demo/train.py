@@ -238,6 +238,11 @@ def step_plan(rng: np.random.Generator, steps: int, gen_lengths=GEN_LENGTHS, gen
     of one of `middles` slots (default MIDDLES: 4 to 16), uniformly."""
     if len(gen_lengths) != len(gen_weights):
         raise ValueError("gen_lengths and gen_weights must have the same length")
+    if not 0 < len(sampler_weights) <= len(SAMPLERS):
+        raise ValueError(f"sampler_weights: 1 to {len(SAMPLERS)} weights ({', '.join(SAMPLERS)})")
+    # (the samplers left out weigh 0: the four-weight commands of the stages before
+    # sum_lengths draw the very stream they drew)
+    sampler_weights = [*sampler_weights, *[0.0] * (len(SAMPLERS) - len(sampler_weights))]
     forms = _draw(rng, FORMS, form_weights, steps)
     samplers = _draw(rng, SAMPLERS, sampler_weights, steps)
     plain = [g for g in gen_lengths if g + PROMPT_MAX <= CONTEXT]
@@ -392,8 +397,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="How often each generated length is drawn (relative)")
     p.add_argument("--form-weights", type=float, nargs=3, default=list(FORM_WEIGHTS),
                    help="How often each form (plain, json, infill) is drawn (relative)")
-    p.add_argument("--sampler-weights", type=float, nargs=len(SAMPLERS), default=list(SAMPLER_WEIGHTS),
-                   help="How often each operand sampler (%s) is drawn (relative)" % ", ".join(SAMPLERS))
+    p.add_argument("--sampler-weights", type=float, nargs="+", default=list(SAMPLER_WEIGHTS),
+                   help="How often each operand sampler (%s) is drawn (relative; those left out: 0)"
+                   % ", ".join(SAMPLERS))
     p.add_argument("--middles", type=int, nargs="+", default=list(MIDDLES),
                    help="Middle lengths of the infill form's canvases, drawn uniformly")
     p.add_argument("--d-model", type=int, default=64)
