@@ -48,7 +48,8 @@ from model_adapters import adapter_for
 MAX_TOKENS = (5, 6, 8, 16, 64, 512)
 # and the json form's: '{"sum":' + 5 slots + '}' and EOS take 14; 32 is the demo's default
 JSON_MAX_TOKENS = (16, 32, 512)
-INFILL_MAX_TOKENS = (4, 8)
+# and the infill's, the middle's slots (b has at most 4 digits; 32 is the demo's default length)
+INFILL_MAX_TOKENS = (4, 8, 16, 32)
 DECODING_KEYS = ("block_length", "steps", "strategy")  # generation_config.json keys read here
 
 
