@@ -1,6 +1,18 @@
+import os
+
 import pytest
 
 from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada
+
+
+def pytest_configure(config):
+    """Under xdist (addopts: -n auto), one BLAS thread per worker process: the workers
+    already fill the cores, and OpenBLAS's extra threads spin against each other (on 2
+    cores serially its threads cost 70 s of system time in the demo and parity tests, one
+    thread 3 s). The workers start after this hook and read the variable at their start;
+    an operator's own setting is kept."""
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
