@@ -184,6 +184,35 @@ def save_checkpoint(model: nn.Module, config: dict, out: Path) -> None:
     write_tokenizer(out, model_max_length=config["max_sequence_length"])
 
 
+def expanded_weights(weights: dict, after: Sequence[int], fresh: nn.Module) -> dict:
+    """A checkpoint's weights (Hugging Face names) with a new block inserted after each of
+    the blocks `after` names (LLaMA Pro's block expansion, Wu et al. 2024): the new blocks
+    take `fresh`'s random weights with their residual outputs (attn_out, ff_out) zeroed,
+    so the grown model computes exactly what the checkpoint computes, and training starts
+    from it with more depth."""
+    prefix = "model.transformer.blocks."
+    old = sorted({int(k[len(prefix):].split(".")[0]) for k in weights if k.startswith(prefix)})
+    if not set(after) <= set(old):
+        raise ValueError(f"--insert-blocks {list(after)}: the checkpoint has blocks {old[0]}-{old[-1]}")
+    source: list = []  # per block of the grown model: the checkpoint's block, or None (new)
+    for i in old:
+        source += [i] + [None] * list(after).count(i)
+    new = hf_weights(fresh)
+    if len(source) != len({k.split(".")[3] for k in new if k.startswith(prefix)}):
+        raise ValueError(f"--n-layers must be the checkpoint's {len(old)} blocks plus the {len(after)} inserted")
+    out = {k: v for k, v in weights.items() if not k.startswith(prefix)}
+    for j, i in enumerate(source):
+        for k, v in new.items():
+            if not k.startswith(f"{prefix}{j}."):
+                continue
+            name = k[len(f"{prefix}{j}."):]
+            if i is not None:
+                out[k] = weights[f"{prefix}{i}.{name}"]
+            else:
+                out[k] = mx.zeros_like(v) if name in ("attn_out.weight", "ff_out.weight") else v
+    return out
+
+
 def lr_schedule(lr: float, steps: int, warmup: int):
     warmup = max(1, min(warmup, steps // 2))
     return optim.join_schedules(
@@ -282,18 +311,23 @@ def train(
     eval_every: int = 0,
     eval_size: int = 256,
     init: Optional[Path] = None,
+    insert_blocks: Sequence[int] = (),
     command: Optional[str] = None,
 ) -> dict:
     """Train and (when `out` is given) save; returns the run's record (recipe.json).
 
     Each step draws a form, a sampler and a generated length (`step_plan`) and
     batch_tokens // T rows (at least 8) on canvases of T positions."""
+    if insert_blocks and init is None:
+        raise ValueError("--insert-blocks grows the --init checkpoint: give --init")
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     config = model_config(d_model, n_layers, n_heads, mlp, rope_theta)
     model = build_model(config)
     if init is not None:  # continue from a checkpoint of the same shape (a second stage)
         weights = mx.load(str(Path(init) / "model.safetensors"))
+        if insert_blocks:  # a deeper model that starts as the checkpoint's function
+            weights = expanded_weights(weights, insert_blocks, model)
         model.load_weights(list(model.sanitize(weights).items()))
         mx.eval(model.parameters())
     optimizer = optim.AdamW(learning_rate=lr_schedule(lr, steps, warmup), weight_decay=weight_decay)
@@ -338,6 +372,7 @@ def train(
     record = {
         "command": command,
         "init": None if init is None else str(init),
+        "insert_blocks": [int(i) for i in insert_blocks],
         "seed": seed,
         "steps": steps,
         "batch_tokens": batch_tokens,
@@ -356,7 +391,7 @@ def train(
         "parameters": n_params,
         "train_wall_seconds": round(wall, 1),
         "train_cpu_seconds": round(cpu, 1),  # all threads; > wall when both cores work
-        "final_loss": float(np.mean(losses[-log_every:])),
+        "final_loss": float(np.mean(losses[-log_every:])) if losses else None,  # (--steps 0: none)
     }
     if out is not None:
         save_checkpoint(model, config, out)
@@ -376,7 +411,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.train",
                                                 description=__doc__.split("\n\n")[0]))
     p.add_argument("--out", type=Path, required=True, help="Checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=3000, help="Training steps (0: write the --init checkpoint, "
+                   "grown by --insert-blocks, untrained)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-tokens", type=int, default=2048,
                    help="Tokens per step: batch_tokens // canvas length rows (at least 8)")
@@ -413,6 +449,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=0, help="Held-out check every N steps (0: off)")
     p.add_argument("--eval-size", type=int, default=512, help="Held-out problems for the final metrics")
     p.add_argument("--init", type=Path, help="Start from this checkpoint's weights (same shape)")
+    p.add_argument("--insert-blocks", type=int, nargs="+", default=[], metavar="AFTER",
+                   help="With --init: a new block after each of these blocks of the checkpoint, its residual "
+                        "output zeroed (the same function, more depth); --n-layers counts them")
     p.add_argument("--no-final-metrics", action="store_true", help="Skip the final held-out evaluation")
     return p.parse_args(argv)
 
@@ -429,7 +468,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sampler_weights=args.sampler_weights, middles=args.middles,
         d_model=args.d_model,
         n_layers=args.n_layers, n_heads=args.n_heads, mlp=args.mlp, rope_theta=args.rope_theta, log_every=args.log_every,
-        eval_every=args.eval_every, init=args.init, command=command,
+        eval_every=args.eval_every, init=args.init, insert_blocks=args.insert_blocks, command=command,
     )
     record = run["record"]
     if not args.no_final_metrics:
