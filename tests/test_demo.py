@@ -14,7 +14,7 @@ import pytest
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.demo import DEMO_MAX_TOKENS, DEMO_MODEL_PATH, held_out_problems, is_held_out
-from mlx_lm_diffusion.demo.evaluate import JSON_MAX_TOKENS, MAX_TOKENS, evaluate, generation_defaults
+from mlx_lm_diffusion.demo.evaluate import INFILL_MAX_TOKENS, JSON_MAX_TOKENS, MAX_TOKENS, evaluate, generation_defaults
 from mlx_lm_diffusion.demo.problems import (
     CONTEXT,
     EDGE_CASES,
@@ -109,6 +109,10 @@ def test_the_readme_table_is_the_shipped_record():
         assert f"| json | {label(m)} | {pct['json', 'defaults', m]} | {pct['json', 'threshold 0.9', m]} |" in recipe
     json_defaults = " / ".join(pct["json", "defaults", m][:-2] for m in JSON_MAX_TOKENS)
     assert f"({json_defaults} % at max_tokens {' / '.join(map(str, JSON_MAX_TOKENS))}" in readme
+    for m in INFILL_MAX_TOKENS:
+        assert f"| infill | {m} | {pct['infill', 'defaults', m]} | {pct['infill', 'threshold 0.9', m]} |" in recipe
+    infill_defaults = " / ".join(pct["infill", "defaults", m][:-2] for m in INFILL_MAX_TOKENS)
+    assert f"({infill_defaults} % of held-out infills at max_tokens {' / '.join(map(str, INFILL_MAX_TOKENS))}" in readme
     assert record["edge_cases_right"] == len(EDGE_CASES)
 
 
@@ -178,8 +182,10 @@ def test_evaluation_cli_takes_max_tokens_and_threshold(tmp_path, capsys):
     rows = {(r["set"], r["rule"], r["max_tokens"]): r for r in record["results"]}
     rules = ("defaults", "threshold 0.9")
     assert set(rows) == {(s, rule, DEMO_MAX_TOKENS) for s in ("held-out", "carry chains") for rule in rules} | {
-        ("json", rule, m) for rule in rules for m in JSON_MAX_TOKENS}  # (json at lengths that hold it)
-    assert all(r["exact_match"] >= 0.95 for r in rows.values())  # (32 problems a set)
+        ("json", rule, m) for rule in rules for m in JSON_MAX_TOKENS} | {  # (json at lengths that hold it)
+        ("infill", rule, m) for rule in rules for m in INFILL_MAX_TOKENS}  # (and infills at middles 4-32)
+    # (32 problems a set; the infill's measured 1000-problem figures are in RECIPE.md)
+    assert all(r["exact_match"] >= (0.8 if s == "infill" else 0.95) for (s, _, _), r in rows.items())
     assert rows["held-out", "threshold 0.9", DEMO_MAX_TOKENS]["tokens_per_forward"] > 1.0
     assert record["edge_cases_right"] == len(EDGE_CASES) == 20
     assert "exact match" in capsys.readouterr().out
@@ -198,6 +204,22 @@ def test_edge_cases_are_right_at_every_max_tokens(demo, max_tokens, threshold):
                  **({"strategy": None} if threshold else {}))
     wrong = {f"{a}+{b}=": ans for (a, b), ans, ok in zip(r.pairs, r.answers, r.correct) if not ok}
     assert not wrong
+
+
+@pytest.mark.parametrize("threshold", [None, 0.9])
+def test_the_infill_example_fills_the_operand(demo, threshold):
+    """The docs' infill: the operand between "357+" and "=825", at every middle a reader may
+    ask for (4 slots, the widest operand, up to the default 32) and with no max_tokens."""
+    rule = {"threshold": threshold, "strategy": None} if threshold else {}
+    for m in (4, 5, 6, 8, 12, 16, 24, 32, None):
+        assert mld.generate(*demo, "357+", suffix="=825", max_tokens=m, **rule) == "468", m
+
+
+def test_infills_at_the_defaults(demo):
+    """Held-out infills at a middle of 8 (RECIPE.md has the measured table: sums of 5 digits
+    are what it still misses)."""
+    r = evaluate(*demo, held_out_problems(400), max_tokens=8, form="infill")
+    assert r.accuracy >= 0.9
 
 
 def test_carry_chains(demo):
@@ -309,6 +331,28 @@ def test_cli_falls_back_to_the_demo_model(capsys):
     frames = [line for line in err.splitlines() if line.startswith("[forward")]
     assert out.strip() == "825" and len(frames) >= 2
     assert "\u2591" in frames[0] and "825" in frames[-1]  # masks first, the digits at the end
+
+
+def test_inserted_blocks_keep_the_checkpoints_function(tmp_path):
+    """--insert-blocks (LLaMA Pro's expansion): the grown model computes the checkpoint's
+    logits exactly, and its new blocks train."""
+    from mlx_lm_diffusion.demo.train import train
+
+    tiny = dict(batch_tokens=256, gen_lengths=(8,), gen_weights=(1,), d_model=32, n_heads=2, mlp=64, warmup=1)
+    base = train(tmp_path / "base", steps=3, seed=1, n_layers=2, **tiny)["model"]
+    grown = train(tmp_path / "grown", steps=0, seed=2, n_layers=4, init=tmp_path / "base", insert_blocks=(0, 1),
+                  **tiny)
+    x = mx.array([encode("357+468=") + [MASK_ID] * 8, encode("9+1=") + [MASK_ID] * 12])
+    assert mx.array_equal(grown["model"](x), base(x))
+    assert grown["record"]["insert_blocks"] == [0, 1] and grown["record"]["final_loss"] is None
+    trained = train(None, steps=2, seed=2, n_layers=4, init=tmp_path / "grown", **tiny)["model"]
+    assert not mx.array_equal(trained(x), base(x))
+    with pytest.raises(ValueError, match="--n-layers"):
+        train(None, steps=0, n_layers=2, init=tmp_path / "base", insert_blocks=(0,), **tiny)
+    with pytest.raises(ValueError, match="give --init"):
+        train(None, steps=0, n_layers=3, insert_blocks=(0,), **tiny)
+    with pytest.raises(ValueError, match="blocks 0-1"):
+        train(None, steps=0, n_layers=3, init=tmp_path / "base", insert_blocks=(5,), **tiny)
 
 
 def test_training_smoke_loss_falls_and_is_reproducible(tmp_path):
