@@ -201,15 +201,15 @@ def expanded_weights(weights: dict, after: Sequence[int], fresh: nn.Module) -> d
     if len(source) != len({k.split(".")[3] for k in new if k.startswith(prefix)}):
         raise ValueError(f"--n-layers must be the checkpoint's {len(old)} blocks plus the {len(after)} inserted")
     out = {k: v for k, v in weights.items() if not k.startswith(prefix)}
-    for j, i in enumerate(source):
-        for k, v in new.items():
-            if not k.startswith(f"{prefix}{j}."):
-                continue
-            name = k[len(f"{prefix}{j}."):]
-            if i is not None:
-                out[k] = weights[f"{prefix}{i}.{name}"]
-            else:
-                out[k] = mx.zeros_like(v) if name in ("attn_out.weight", "ff_out.weight") else v
+    for k, v in new.items():
+        if not k.startswith(prefix):
+            continue
+        j, name = k[len(prefix):].split(".", 1)
+        i = source[int(j)]
+        if i is not None:
+            out[k] = weights[f"{prefix}{i}.{name}"]
+        else:
+            out[k] = mx.zeros_like(v) if name in ("attn_out.weight", "ff_out.weight") else v
     return out
 
 
@@ -324,7 +324,7 @@ def train(
     rng = np.random.default_rng(seed)
     config = model_config(d_model, n_layers, n_heads, mlp, rope_theta)
     model = build_model(config)
-    if init is not None:  # continue from a checkpoint of the same shape (a second stage)
+    if init is not None:  # continue from a checkpoint of the same shape, or grown (a next stage)
         weights = mx.load(str(Path(init) / "model.safetensors"))
         if insert_blocks:  # a deeper model that starts as the checkpoint's function
             weights = expanded_weights(weights, insert_blocks, model)
