@@ -15,7 +15,7 @@ hard-coded.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,7 +41,10 @@ class ModelArgs(DiffusionArgs):
         "partial_rotary_factor": 0.5, "use_qk_norm": True, "tie_word_embeddings": False,
     }
     norm_head: bool = False
-    block_size: int = BLOCK_SIZE
+    block_size: int = BLOCK_SIZE  # the attention block, and LLaDA2.2's routing window
+    expert_capacity: int = 0  # > 0: LLaDA2.2's block routing (the group fields are then unused)
+    delete_token_id: Optional[int] = None  # LLaDA2.2's structural edit tokens
+    split_token_id: Optional[int] = None
 
     def __post_init__(self):
         if self.norm_head:
@@ -54,6 +57,14 @@ class ModelArgs(DiffusionArgs):
                 f"LLaDA2 with head_dim {config['head_dim']} != hidden_size / num_attention_heads "
                 "is not supported"
             )
+        top_k = config.get("num_experts_per_tok") or 1
+        if self.expert_capacity > 0 and not top_k <= self.expert_capacity:
+            raise ValueError(
+                f"config.json's expert_capacity ({self.expert_capacity}) must be at least "
+                f"num_experts_per_tok ({top_k})"
+            )
+        if self.block_size < 1:
+            raise ValueError(f"config.json's block_size must be positive, got {self.block_size}")
         return config
 
 
@@ -80,17 +91,90 @@ class Router(bailing_moe.BailingMoeGate):
         return inds, (weights * self.routed_scaling_factor).astype(x.dtype)
 
 
+class BlockRouter(Router):
+    """LLaDA2.2's block routing (the released `modeling_llada2_moe.py`,
+    `LLaDA2MoeGate.block_routing`; FLX-OSS/FluxServe
+    `dev-notes/llada2.2-model-support-development-guide.md` section 4): the tokens of each
+    window of `block_size` absolute positions share `expert_capacity` experts, those with
+    the highest max over the window of the biased scores; each token then takes its top-k
+    of the biased scores among them, weighted by its bias-free scores (normalized, scaled).
+
+    Windows are per row at absolute positions: the backbone sets `window_start`, the
+    absolute position of the input's first column (an int, or a (B,) array for a batch
+    whose rows start at different positions), before each forward. A window the input
+    covers only in part (the prompt-only forward of a likelihood or a training step, a
+    batch row's left padding, which lies wholly in windows before the row's first real
+    window) is routed over the tokens the input has."""
+
+    def __init__(self, args: bailing_moe.ModelArgs, window: int, capacity: int):
+        super().__init__(args)
+        self.window, self.capacity = window, capacity
+        self.window_start: Any = 0
+
+    def __call__(self, x: mx.array):
+        logits = self.gate_proj(x).astype(mx.float32)
+        scores = mx.sigmoid(logits) if self.score_function == "sigmoid" else mx.softmax(logits, axis=-1)
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.capacity < choice.shape[-1]:
+            allowed = window_experts(choice, self.window_start, self.window, self.capacity)
+            choice = mx.where(mx.stop_gradient(allowed), choice, -mx.inf)
+        inds = mx.stop_gradient(mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., : self.top_k])
+        weights = mx.take_along_axis(scores, inds, axis=-1)
+        if self.top_k > 1 and self.norm_topk_prob:
+            weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+        return inds, (weights * self.routed_scaling_factor).astype(x.dtype)
+
+
+def window_experts(choice: mx.array, start: Any, window: int, capacity: int) -> mx.array:
+    """(B, L, E) bool: the experts each token's routing window allows. `choice` (B, L, E)
+    holds the biased scores of L consecutive positions whose first is `start` (an int or
+    (B,) ints); windows are [k * window, (k + 1) * window) in absolute positions. The rows
+    are laid on a grid of whole windows (the columns before `start`'s window and after the
+    input are -inf), the max taken per window, its `capacity` best experts kept."""
+    B, L, E = choice.shape
+    lead = (mx.array(start) % window).reshape(-1, 1)  # columns of the first window before the input
+    windows = -(-L // window) + 1
+    column = mx.arange(windows * window)[None, :] - lead  # (B or 1, G): the input column of each grid slot
+    inside = (column >= 0) & (column < L)
+    index = mx.broadcast_to(mx.clip(column, 0, L - 1)[..., None], (B, windows * window, 1))
+    grid = mx.where(inside[..., None], mx.take_along_axis(choice, index, axis=1), -mx.inf)
+    best = grid.reshape(B, windows, window, E).max(axis=2)  # (B, windows, E)
+    kept = mx.argpartition(-best, kth=capacity - 1, axis=-1)[..., :capacity]
+    allowed = mx.put_along_axis(mx.zeros(best.shape, mx.bool_), kept, mx.array(True), axis=-1)
+    token_window = mx.broadcast_to(((mx.arange(L)[None, :] + lead) // window)[..., None], (B, L, 1))
+    return mx.take_along_axis(allowed, token_window, axis=1)
+
+
+def routing_start(cache: Optional[list]) -> Any:
+    """The absolute position of a forward's first input column: the cache's offset (a
+    KVCache's int, a batched view's (B,) array), 0 without a cache."""
+    first = cache[0] if cache else None
+    return 0 if first is None else getattr(first, "offset", 0)
+
+
 class Backbone(LayerStack):
     """Embeddings, Bailing MoE blocks with LLaDA2's router and the final norm; attention
     mask owned by the caller."""
 
     embedding_name = "word_embeddings"
 
+    def __init__(self, args: bailing_moe.ModelArgs, block: type, window: int, capacity: int):
+        self.window, self.capacity = window, capacity  # (plain ints: not parameters)
+        super().__init__(args, block)
+
     def layer(self, block: type, args: bailing_moe.ModelArgs, index: int) -> nn.Module:
         layer = block(args, index)
         if isinstance(layer.mlp, bailing_moe.BailingMoeSparseMoeBlock):
-            layer.mlp.gate = Router(args)
+            layer.mlp.gate = BlockRouter(args, self.window, self.capacity) if self.capacity > 0 else Router(args)
         return layer
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
+        start = routing_start(cache)  # block routing's windows sit on absolute positions
+        for layer in self.layers:
+            mlp = getattr(layer.mlp, "inner", layer.mlp)  # (tensor parallel: SummedOverRanks)
+            if isinstance(getattr(mlp, "gate", None), BlockRouter):
+                mlp.gate.window_start = start
+        return super().__call__(inputs, mask, cache)
 
 
 class Model(BlockCausalModel):
@@ -99,7 +183,8 @@ class Model(BlockCausalModel):
     embedding_name = "word_embeddings"
 
     def __init__(self, args: ModelArgs):
-        super().__init__(args, Backbone(args.text, bailing_moe.BailingMoeDecoderLayer))
+        backbone = Backbone(args.text, bailing_moe.BailingMoeDecoderLayer, args.block_size, args.expert_capacity)
+        super().__init__(args, backbone)
 
     def sanitize(self, weights: dict) -> dict:
         """Per-expert weights stacked into `switch_mlp`, the router's weight renamed, and a
@@ -171,6 +256,9 @@ class Model(BlockCausalModel):
 
 
 EDIT_OPS = ("substitute", "insert", "delete")
+# LLaDA2.2's `generate` defaults (the released modeling_llada2_moe.py; FluxServe's guide, 3.4)
+LLADA2_2_DEFAULTS = {"threshold": 0.5, "editing_threshold": 0.0, "max_post_steps": 16}
+MAX_STEPS_PER_BLOCK = 1000  # the reference's hard cap on steps per block
 
 
 class Adapter(BlockCausalAdapter):
@@ -178,7 +266,14 @@ class Adapter(BlockCausalAdapter):
     first starts at floor(P / 32) * 32 and holds the prompt's tail), threshold 0.95
     strict with the even quota's top-k as fallback, early stop once a committed EOS
     has no mask before it. LLaDA2.1's token editing comes with `editing_threshold` /
-    `max_post_steps`, or the model card's presets (`preset="speed"` or `"quality"`)."""
+    `max_post_steps`, or the model card's presets (`preset="speed"` or `"quality"`).
+
+    LLaDA2.2 (a checkpoint with `delete_token_id` and `split_token_id`): its joint decoder
+    with DELETE / SPLIT edits (mlx_lm_diffusion.decoding.decoders.block_edits) at the
+    reference's defaults (threshold 0.5, editing_threshold 0.0, max_post_steps 16, steps =
+    the block length, at most 1000 steps a block); `edit_ops` without insert and delete
+    decodes with the masked-block decoder instead (any commit rule; substitution edits with
+    an editing_threshold)."""
 
     family = "LLaDA2.x"
     defaults = FamilyDefaults(block_length=BLOCK_SIZE, strategy="low_confidence_dynamic", threshold=0.95)
@@ -188,27 +283,78 @@ class Adapter(BlockCausalAdapter):
         "quality": {"threshold": 0.7, "editing_threshold": 0.5},
     }
     options = (
-        Option("edit_ops", tuple, f"Token edits: {', '.join(EDIT_OPS)} (insert and delete, LLaDA2.2's, "
-               "are refused)", item=str),
+        Option("edit_ops", tuple, f"Token edits: {', '.join(EDIT_OPS)} (insert and delete: LLaDA2.2's DELETE / "
+               "SPLIT tokens, on by default on a LLaDA2.2 checkpoint; [] turns every edit off)", item=str),
+        Option("max_steps_per_block", int, "LLaDA2.2's edit decoding: the most steps a block may take "
+               f"(default {MAX_STEPS_PER_BLOCK}, the reference's cap)", low=1, high=100000),
     )
-
-    def check_options(self, family: dict, values: dict) -> None:
-        """Substitution edits are LLaDA2.1/2.2's editing_threshold; LLaDA2.2's insert and
-        delete edits change the canvas length, which a fixed canvas cannot do."""
-        ops = set(family.get("edit_ops") or ())
-        if ops - set(EDIT_OPS):
-            raise ValueError(f"Unknown edit_ops {sorted(ops - set(EDIT_OPS))}; choose from {EDIT_OPS}")
-        if ops & {"insert", "delete"}:
-            raise ValueError(
-                "insert and delete edits (LLaDA2.2) change the canvas length and are not supported; "
-                "only substitution edits are: edit_ops=('substitute',) with editing_threshold"
-            )
-        if ops and values.get("editing_threshold") is None and self.defaults.editing_threshold is None:
-            raise ValueError("substitution edits need an editing_threshold (or a preset that sets one)")
 
     def __init__(self, model: Any, tokenizer: Any = None, use_cache: bool = True):
         super().__init__(model, tokenizer, use_cache)
         self.attention_block = model.block_size
-        self.defaults = FamilyDefaults(
-            block_length=model.block_size, strategy="low_confidence_dynamic", threshold=0.95
-        )
+        args = model.args
+        # (DELETE, SPLIT): LLaDA2.2's structural edit tokens, from config.json; None before 2.2
+        ids = (args.delete_token_id, args.split_token_id)
+        self.edit_ids: Optional[tuple] = ids if None not in ids else None
+        self.routing_window: Optional[int] = model.block_size if args.expert_capacity > 0 else None
+        if self.edit_ids is None:
+            self.defaults = FamilyDefaults(
+                block_length=model.block_size, strategy="low_confidence_dynamic", threshold=0.95
+            )
+        else:  # (editing_threshold stays unset: the edit decoder's own default is the reference's 0.0)
+            self.defaults = FamilyDefaults(
+                block_length=model.block_size, strategy="low_confidence_dynamic",
+                threshold=LLADA2_2_DEFAULTS["threshold"], max_post_steps=LLADA2_2_DEFAULTS["max_post_steps"],
+            )
+            self.eos_ids = self.eos_ids - set(self.edit_ids)
+
+    @property
+    def suppress_ids(self) -> frozenset:
+        """The mask token and, on LLaDA2.2, DELETE and SPLIT: a decoder that does not consume
+        them (the masked-block decoder, the step-schedule protocol) never proposes them."""
+        return super().suppress_ids | frozenset(self.edit_ids or ())
+
+    def decoder_for(self, family: Any) -> str:
+        """LLaDA2.2's joint decoder with structural edits where the checkpoint has them and
+        `edit_ops` leaves insert or delete on (unset: on)."""
+        ops = family.get("edit_ops")
+        structural = ops is None or bool(set(ops) & {"insert", "delete"})
+        return "block_edits" if self.edit_ids is not None and structural else "masked_block"
+
+    def check_options(self, family: dict, values: dict) -> None:
+        """Substitution edits are LLaDA2.1/2.2's editing_threshold; insert and delete are
+        LLaDA2.2's DELETE and SPLIT tokens, which come together (a SPLIT's mask is refilled,
+        a DELETE's gap padded: the block keeps its length)."""
+        ops = set(family.get("edit_ops") or ())
+        if ops - set(EDIT_OPS):
+            raise ValueError(f"Unknown edit_ops {sorted(ops - set(EDIT_OPS))}; choose from {EDIT_OPS}")
+        structural = ops & {"insert", "delete"}
+        if structural and self.edit_ids is None:
+            raise ValueError(
+                "insert and delete edits are LLaDA2.2's DELETE and SPLIT tokens, which this checkpoint lacks "
+                "(config.json's delete_token_id and split_token_id); only substitution edits apply: "
+                "edit_ops=('substitute',) with editing_threshold"
+            )
+        if structural and structural != {"insert", "delete"}:
+            raise ValueError("insert and delete edits come together (LLaDA2.2's decoder writes both); "
+                             "give edit_ops=['substitute', 'insert', 'delete'] or neither")
+        if structural and "substitute" not in ops:
+            raise ValueError("LLaDA2.2's insert and delete edits are written by its token edits; "
+                             "add 'substitute' to edit_ops")
+        if ops == {"substitute"} and values.get("editing_threshold") is None and self.defaults.editing_threshold is None:
+            raise ValueError("substitution edits need an editing_threshold (or a preset that sets one)")
+
+    def check_resolved(self, options: Any) -> None:
+        """LLaDA2.2 routes experts per window of `block_size` positions: a decoding block
+        covers whole windows (the step-schedule protocol's one block, which its schedule
+        decides, is routed over the windows it has)."""
+        window = self.routing_window
+        scheduled = not getattr(options.rule, "seeds_blocks", True)
+        if window and not scheduled and options.block_length % window:
+            raise ValueError(
+                f"block_length must be a multiple of this checkpoint's routing window ({window} tokens, "
+                f"config.json's block_size: LLaDA2.2 routes experts per window); got {options.block_length}"
+            )
+        if options.family.get("max_steps_per_block") is not None and self.decoder_for(options.family) != "block_edits":
+            raise ValueError("max_steps_per_block bounds LLaDA2.2's edit decoding (a LLaDA2.2 checkpoint with "
+                             "insert and delete edits on); drop it")

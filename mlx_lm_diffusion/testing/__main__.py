@@ -25,6 +25,7 @@ def writers() -> Dict[str, Callable[[Path], Path]]:
         "dream": checkpoints.write_dream,
         "sdar": block_checkpoints.write_sdar,
         "llada2": block_checkpoints.write_llada2,
+        "llada2_2": block_checkpoints.write_llada2_2,
         "nemotron_labs_diffusion": nemotron_gemma_checkpoints.write_nemotron,
         "diffusion_gemma": nemotron_gemma_checkpoints.write_diffusion_gemma,
         "diffusion_gemma_vision": gemma_vision,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from safetensors.numpy import save_file
@@ -110,13 +111,17 @@ def write_sdar(path: Path, seed: int = 2, hidden=64, n_layers=2, n_heads=4, n_kv
 
 def write_llada2(path: Path, seed: int = 3, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
                  inter=128, moe_inter=32, n_experts=8, top_k=2, n_group=2, topk_group=1,
-                 max_len=1024) -> Path:
-    """LLaDA2 (llada2_moe) layout: layer 0 dense, later layers MoE with a shared expert."""
+                 max_len=1024, extra_config: Optional[dict] = None, head_scales: Optional[dict] = None) -> Path:
+    """LLaDA2 (llada2_moe) layout: layer 0 dense, later layers MoE with a shared expert.
+    `extra_config`: keys added to config.json; `head_scales`: {token id: factor} applied to
+    those lm_head rows (a token proposed more or less often)."""
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     hd = hidden // n_heads
     head = _linear(rng, VOCAB, hidden, 4.0)
     head[LLADA2_MASK] = 0.0
+    for token, factor in (head_scales or {}).items():
+        head[token] *= factor
     w = {
         "model.word_embeddings.weight": rng.standard_normal((VOCAB, hidden)).astype(np.float32),
         "model.norm.weight": _norm(rng, hidden),
@@ -177,7 +182,34 @@ def write_llada2(path: Path, seed: int = 3, hidden=64, n_layers=2, n_heads=4, n_
         "use_qk_norm": True,
         "use_qkv_bias": False,
         "vocab_size": VOCAB,
+        **(extra_config or {}),
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(path, LLADA2_SPECIALS, "<|endoftext|>", "<|mask|>", LLADA2_TEMPLATE)
+    return path
+
+
+# LLaDA2.2's DELETE and SPLIT live in the base vocabulary, outside the tokenizer's added
+# tokens (released: 156930 / 156931 of 157184); here two unused rows past the specials.
+LLADA2_2_DELETE, LLADA2_2_SPLIT = 300, 301
+LLADA2_2_EOS = [LLADA2_EOS, 259]  # <|endoftext|> and <|role_end|>, as generation_config.json lists them
+
+
+def write_llada2_2(path: Path, seed: int = 5, block_size: int = 8, expert_capacity: int = 3,
+                   edit_scale: float = 1.6, **sizes) -> Path:
+    """LLaDA2.2 layout (inclusionAI/LLaDA2.2-flash's config.json and generation_config.json):
+    LLaDA2's tensors, plus `expert_capacity` and `block_size` (block routing: each window of
+    `block_size` positions keeps `expert_capacity` of the experts; released 48 of 256 over 32),
+    the group fields still present (unused), `delete_token_id` / `split_token_id`, and an EOS
+    list. The DELETE and SPLIT rows of lm_head are scaled by `edit_scale` so that random
+    weights propose them often (the edit scan then has work to do)."""
+    extra = {
+        "block_size": block_size, "expert_capacity": expert_capacity,
+        "delete_token_id": LLADA2_2_DELETE, "split_token_id": LLADA2_2_SPLIT,
+        "rope_theta": 3000000,
+    }
+    write_llada2(path, seed=seed, extra_config=extra,
+                 head_scales={LLADA2_2_DELETE: edit_scale, LLADA2_2_SPLIT: edit_scale}, **sizes)
+    generation = {"eos_token_id": LLADA2_2_EOS, "pad_token_id": LLADA2_EOS}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path

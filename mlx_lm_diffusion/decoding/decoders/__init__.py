@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from mlx_lm_diffusion.decoding.decoders.base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack
+from mlx_lm_diffusion.decoding.decoders.block_edits import BlockEditsDecoder
 from mlx_lm_diffusion.decoding.decoders.masked_block import MaskedBlockDecoder
 from mlx_lm_diffusion.decoding.decoders.speculative import SpeculativeDecoder
 from mlx_lm_diffusion.decoding.decoders.uniform_canvas import UniformCanvasDecoder
 
 DECODERS: dict[str, type[Decoder]] = {
-    d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SpeculativeDecoder)
+    d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SpeculativeDecoder, BlockEditsDecoder)
 }
 
 

@@ -147,6 +147,16 @@ class ReadBack:
     arrays: tuple
 
 
+def aligned_canvas_length(adapter: Any, options: Any, prompt_len: int) -> int:
+    """The positions a masked canvas covers after the prompt: max_tokens, or, where blocks
+    sit on absolute positions, up to the end of the last block (block-diffusion references
+    decode whole blocks), within the model's context."""
+    if not adapter.align_blocks:
+        return options.max_tokens
+    whole = -(-(prompt_len + options.max_tokens) // options.block_length) * options.block_length
+    return max(options.max_tokens, min(whole, adapter.max_length or whole) - prompt_len)
+
+
 def queue(canvas: Canvas, block: BlockState, kept: Any, block_over: bool,
           ran_forward: bool = True) -> Queued:
     return Queued(canvas.tokens, kept, block.confidence, canvas.forwards, (block.start, block.end),

@@ -27,6 +27,7 @@ from mlx_lm_diffusion.decoding.decoders.base import (
     Forward,
     Queued,
     ReadBack,
+    aligned_canvas_length,
     greedy_proposal,
     log_softmax,
     normalized_entropy,
@@ -87,12 +88,7 @@ class MaskedBlockDecoder(Decoder):
             self.ordered = LeftToRight(options.logits_processors, adapter.eos_ids, greedy)
 
     def canvas_length(self, prompt_len: int) -> int:
-        a, o = self.adapter, self.options
-        if not a.align_blocks:
-            return o.max_tokens
-        # block-diffusion references decode whole blocks (within the model's context)
-        whole = -(-(prompt_len + o.max_tokens) // o.block_length) * o.block_length
-        return max(o.max_tokens, min(whole, a.max_length or whole) - prompt_len)
+        return aligned_canvas_length(self.adapter, self.options, prompt_len)
 
     @property
     def fill(self) -> int:
