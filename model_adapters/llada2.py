@@ -261,6 +261,11 @@ LLADA2_2_DEFAULTS = {"threshold": 0.5, "editing_threshold": 0.0, "max_post_steps
 MAX_STEPS_PER_BLOCK = 1000  # the reference's hard cap on steps per block
 
 
+def edit_ops(family: Any) -> set:
+    """The edits a decode's `edit_ops` asks for ('none' and [] alike: none)."""
+    return set(family.get("edit_ops") or ()) - {"none"}
+
+
 class Adapter(BlockCausalAdapter):
     """LLaDA2.0/2.1 `generate`: 32-token blocks aligned on absolute positions (the
     first starts at floor(P / 32) * 32 and holds the prompt's tail), threshold 0.95
@@ -284,7 +289,7 @@ class Adapter(BlockCausalAdapter):
     }
     options = (
         Option("edit_ops", tuple, f"Token edits: {', '.join(EDIT_OPS)} (insert and delete: LLaDA2.2's DELETE / "
-               "SPLIT tokens, on by default on a LLaDA2.2 checkpoint; [] turns every edit off)", item=str),
+               "SPLIT tokens, on by default on a LLaDA2.2 checkpoint; none (or []) turns every edit off)", item=str),
         Option("max_steps_per_block", int, "LLaDA2.2's edit decoding: the most steps a block may take "
                f"(default {MAX_STEPS_PER_BLOCK}, the reference's cap)", low=1, high=100000),
     )
@@ -318,16 +323,20 @@ class Adapter(BlockCausalAdapter):
         """LLaDA2.2's joint decoder with structural edits where the checkpoint has them and
         `edit_ops` leaves insert or delete on (unset: on)."""
         ops = family.get("edit_ops")
-        structural = ops is None or bool(set(ops) & {"insert", "delete"})
+        structural = ops is None or bool(edit_ops(family) & {"insert", "delete"})
         return "block_edits" if self.edit_ids is not None and structural else "masked_block"
 
     def check_options(self, family: dict, values: dict) -> None:
         """Substitution edits are LLaDA2.1/2.2's editing_threshold; insert and delete are
         LLaDA2.2's DELETE and SPLIT tokens, which come together (a SPLIT's mask is refilled,
         a DELETE's gap padded: the block keeps its length)."""
-        ops = set(family.get("edit_ops") or ())
-        if ops - set(EDIT_OPS):
-            raise ValueError(f"Unknown edit_ops {sorted(ops - set(EDIT_OPS))}; choose from {EDIT_OPS}")
+        given = set(family.get("edit_ops") or ())
+        if given - {*EDIT_OPS, "none"}:
+            raise ValueError(f"Unknown edit_ops {sorted(given - {*EDIT_OPS, 'none'})}; choose from {EDIT_OPS} "
+                             "(or none)")
+        if "none" in given and len(given) > 1:
+            raise ValueError("edit_ops 'none' turns every edit off; give it alone")
+        ops = edit_ops(family)
         structural = ops & {"insert", "delete"}
         if structural and self.edit_ids is None:
             raise ValueError(

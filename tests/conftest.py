@@ -70,6 +70,13 @@ def llada2(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def llada2_2(tmp_path_factory):
+    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2_2
+
+    return _load(tmp_path_factory, "llada2_2", write_llada2_2)
+
+
+@pytest.fixture(scope="module")
 def nemotron(tmp_path_factory):
     from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 

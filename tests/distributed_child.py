@@ -39,7 +39,9 @@ def decode_cases(group, cases: list) -> dict:
         check_agreement(group, tokens)  # raises if the ranks' greedy decodes differ
         # sampled without a seed: the ranks draw from the random state they share
         sampler = make_sampler(0.8)
-        sampled, _ = engine_decode(model, tokenizer, case["prompt"], **{**case["options"], "sampler": sampler})
+        # (a greedy-only decoder, LLaDA2.2's edit decoding, samples with its edits off)
+        sampled_options = {**case["options"], **case.get("sampled_options", {}), "sampler": sampler}
+        sampled, _ = engine_decode(model, tokenizer, case["prompt"], **sampled_options)
         check_agreement(group, sampled)  # ... or their draws
         out[case["name"]] = {"tokens": tokens, "forwards": forwards, "bytes": parameter_bytes(model, vision=False),
                              "sampled": sampled}

@@ -25,7 +25,7 @@ from decoding import engine_decode
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.cli.convert import convert
 from mlx_lm_diffusion.parallel.distributed import parameter_bytes
-from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_llada2_2, write_sdar
 from mlx_lm_diffusion.testing.checkpoints import VOCAB, write_dream, write_llada
 from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma, write_nemotron
 from model_adapters.runtime.sharding import check_divisible, quantization_groups
@@ -73,6 +73,7 @@ CASES = {
     "dream": dict(max_tokens=16),
     "sdar": dict(max_tokens=8),
     "llada2": dict(max_tokens=16, threshold=0.5),
+    "llada2_2": dict(max_tokens=16),  # block routing and the DELETE / SPLIT decoder
     "nemotron": dict(max_tokens=16, block_length=8, threshold=0.5),
     "diffusion_gemma": dict(max_tokens=16, seed=3),
     "ar_llama": dict(max_tokens=8),
@@ -95,6 +96,7 @@ def checkpoints(tmp_path_factory) -> dict:
         "dream": write_dream(root / "dream"),
         "sdar": write_sdar(root / "sdar"),
         "llada2": write_llada2(root / "llada2"),
+        "llada2_2": write_llada2_2(root / "llada2_2"),
         "nemotron": write_nemotron(root / "nemotron"),
         # two global KV heads: the full-attention layers split over two ranks
         "diffusion_gemma": write_diffusion_gemma(root / "gemma", num_global_key_value_heads=2),
@@ -102,9 +104,13 @@ def checkpoints(tmp_path_factory) -> dict:
     }
 
 
+SAMPLED_OPTIONS = {"llada2_2": dict(edit_ops=())}  # (LLaDA2.2's edit decoding is greedy only)
+
+
 def _cases(checkpoints: dict) -> list:
     return [{"name": name, "path": str(checkpoints[name]), "prompt": PROMPT, "options": options,
-             "autoregressive": name.startswith("ar_")} for name, options in CASES.items()]
+             "sampled_options": SAMPLED_OPTIONS.get(name, {}), "autoregressive": name.startswith("ar_")}
+            for name, options in CASES.items()]
 
 
 def _cli_args(checkpoints: dict, max_tokens: int) -> list:

@@ -360,3 +360,61 @@ def test_defaults_and_errors(llada22):
         assert not set(out[0]) & {MASK, DELETE, SPLIT}
     with pytest.raises(ValueError, match="max_steps_per_block"):
         resolve(DecodeOptions(max_tokens=8, edit_ops=(), max_steps_per_block=3), adapter, 5)
+
+
+# -- the doors -----------------------------------------------------------------------------
+
+
+def test_server_batches_edit_decodes_with_the_rows_alone(llada22, path22):
+    """OpenAI completions on a LLaDA2.2 checkpoint, several at once (one running batch):
+    each answer is what the Python API gives for its prompt alone; a protocol request on
+    the same server keeps its schedule (no edits)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serving import post_json, running_server
+
+    model, tokenizer = llada22
+    prompts = ["Hello", "The sky is", "1, 2, 3,", "abc"]
+    alone = [mld.generate(model, tokenizer, p, max_tokens=12) for p in prompts]
+    with running_server(["--model", str(path22), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
+        port = httpd.server_address[1]
+
+        def complete(prompt):
+            return post_json(port, "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0})
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(complete, prompts))
+        assert [status for status, _ in answers] == [200] * len(prompts)
+        assert [body["choices"][0]["text"] for _, body in answers] == alone
+        status, body = post_json(port, "/v1/completions", {"prompt": "Hello", "max_tokens": 12, "block_length": 12})
+        assert status == 400 and "routing window" in body["error"]["message"]
+
+
+def test_stock_mlx_lm_doors_after_install(llada22, path22, installed):
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(str(path22))
+    assert type(model.model.layers[1].mlp.gate) is BlockRouter
+    ours = mld.generate(*llada22, "Hello", max_tokens=12)
+    assert mlx_lm.generate(model, tokenizer, "Hello", max_tokens=12) == ours
+    assert "".join(r.text for r in mlx_lm.stream_generate(model, tokenizer, "Hello", max_tokens=12)) == ours
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_convert_and_quantize_keep_block_routing(llada22, path22, tmp_path, bits):
+    from mlx_lm_diffusion.cli.convert import convert
+
+    out = tmp_path / f"q{bits}"
+    convert(str(path22), str(out), quantize=bits is not None, q_bits=bits or 4)
+    model, tokenizer = mld.load(str(out))
+    assert type(model.model.layers[1].mlp.gate) is BlockRouter
+    assert (model.args.expert_capacity, model.args.delete_token_id) == (CAPACITY, DELETE)
+    ids = mx.array([list(range(40, 61))])
+    if bits is None:
+        assert float(mx.abs(model(ids) - llada22[0](ids)).max()) == 0.0
+        assert mld.generate(model, tokenizer, "Hello", max_tokens=12) == mld.generate(*llada22, "Hello", max_tokens=12)
+    else:
+        q, f = np.array(model(ids)).ravel(), np.array(llada22[0](ids)).ravel()
+        assert np.corrcoef(q, f)[0, 1] > 0.95
+        out_text = mld.generate(model, tokenizer, "Hello", max_tokens=12)
+        assert isinstance(out_text, str)

@@ -143,7 +143,7 @@ def _val_losses(output: str) -> list:
     return [float(x) for x in re.findall(r"val\S*\s+\S*?(\d+\.\d+)", output)]
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "nemotron_labs_diffusion"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "llada2_2", "nemotron_labs_diffusion"])
 def test_full_fine_tuning_lowers_the_validation_loss(family, tmp_path):
     model = _write(family, tmp_path / "model")
     r = run_main("mlx_lm_diffusion.lora", "--model", str(model), "--train", "--data", str(_text_data(tmp_path / "d")),

@@ -165,11 +165,12 @@ def test_generate_accepts_schedule(llada):
 # -- oracles of the spec's loop: one block, the whole generated region
 
 
-@pytest.fixture(scope="module", params=["sdar", "llada2"])
+@pytest.fixture(scope="module", params=["sdar", "llada2", "llada2_2"])
 def block_causal(request, tmp_path_factory):
-    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+    """LLaDA2.2 too: its schedule decides the commits (no edits), over the block-routed forward."""
+    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_llada2_2, write_sdar
 
-    writer = {"sdar": write_sdar, "llada2": write_llada2}[request.param]
+    writer = {"sdar": write_sdar, "llada2": write_llada2, "llada2_2": write_llada2_2}[request.param]
     return mld.load(str(writer(tmp_path_factory.mktemp(request.param))))
 
 

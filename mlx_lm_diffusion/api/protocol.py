@@ -291,6 +291,9 @@ def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int]
         top_p=request["top_p"],
         seed=request.get("seed"),
         cache=request.get("cache"),
+        # the protocol's contract: its schedule decides every commit and no token is edited
+        # (a family with token edits on by default, LLaDA2.2's, is asked for none)
+        **({"edit_ops": ()} if any(o.name == "edit_ops" for o in adapter.options) else {}),
     )
     start = np.array([request.get("seed_canvas") or prompt + [adapter.mask_id] * (total - P)])
     seed = check_seed(adapter, start[:, P:], adapter.mask_id) if "seed_canvas" in request else None
