@@ -418,3 +418,34 @@ def test_convert_and_quantize_keep_block_routing(llada22, path22, tmp_path, bits
         assert np.corrcoef(q, f)[0, 1] > 0.95
         out_text = mld.generate(model, tokenizer, "Hello", max_tokens=12)
         assert isinstance(out_text, str)
+
+
+def test_draft_callback_sees_inserts_and_deletes(llada22):
+    """Every step's draft carries the DELETEs it applied and the masks its SPLITs inserted;
+    an inserted mark sits on a mask of the block after the scan."""
+    model, tokenizer = llada22
+    drafts = []
+    for seed in range(3):
+        prompt = np.random.default_rng(seed).integers(0, 256, 9).tolist()
+        mld.generate(model, tokenizer, prompt, max_tokens=16, draft_callback=drafts.append)
+    marked = [s for s in drafts if s.edits is not None]
+    assert marked and len(marked) == len(drafts)
+    assert sum(int(s.edits.deleted.sum()) for s in marked) > 0 and sum(int(s.edits.inserted.sum()) for s in marked) > 0
+    for step in marked:
+        start, end = step.block
+        block = step.canvas[:, start:end]
+        assert (block[step.edits.inserted] == MASK).all()
+
+
+def test_draft_frames_carry_the_edits_for_the_studio(llada22):
+    from mlx_lm_diffusion.serving.responses import draft_frame
+
+    model, tokenizer = llada22
+    frames, texts = [], {}
+    prompt = np.random.default_rng(1).integers(0, 256, 9).tolist()
+    mld.generate(model, tokenizer, prompt, max_tokens=16,
+                 draft_callback=lambda step: frames.append(draft_frame(tokenizer, step, MASK, texts)))
+    assert all("inserted" in f and "deleted" in f for f in frames)
+    assert any(f["deleted"] for f in frames) and any(f["inserted"] for f in frames)
+    for frame in frames:
+        assert all(frame["states"][i] == "m" for i in frame["inserted"])

@@ -51,6 +51,7 @@ class Step:
     kept: Any = None
     ran_forward: bool = True  # False: a block-over event without a model forward
     block_confidence: Optional[mx.array] = None  # (B, block) each token's confidence at commit
+    edits: Any = None  # LLaDA2.2: the step's DELETE / SPLIT edits (decoders.base.BlockEdits)
 
     @property
     def block_logprobs(self) -> Optional[mx.array]:
@@ -213,7 +214,7 @@ class Engine:
         horizon = end if (q.block_over or not self.decoder.changing()) else start
         self._finality(canvas, host, horizon)
         return Step(self.decoder.draft(host, end), canvas.prompt_len, canvas.final, canvas.done.copy(),
-                    q.forwards, q.block, q.step, q.kept, q.ran_forward, q.confidence)
+                    q.forwards, q.block, q.step, q.kept, q.ran_forward, q.confidence, q.edits)
 
     def _finality(self, canvas: Canvas, host: np.ndarray, horizon: int) -> None:
         """Final = the committed prefix of the generation before `horizon`, up to and

@@ -49,8 +49,10 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
     generated position its token's text (`tokens`, null: still masked) and `states`, one
     letter each: m masked, d draft (a uniform canvas's argmax, not committed), c committed;
     `block`: the current block's [start, end) among the generated positions, and
-    `confidence`: each of its positions' confidence at commit (0: not yet). `texts` caches
-    each token id's text across a decode's frames."""
+    `confidence`: each of its positions' confidence at commit (0: not yet). With LLaDA2.2's
+    structural edits, `inserted` (the generated positions of the masks a SPLIT put in) and
+    `deleted` (how many positions a DELETE dropped) this forward. `texts` caches each token
+    id's text across a decode's frames."""
     row = step.canvas[0, step.prompt_len :].tolist()
     final = int(step.final[0])
     tokens, states = [], []
@@ -65,7 +67,7 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
         states.append("c" if mask_id is not None or i < final else "d")
     start, end = (b - step.prompt_len for b in step.block)
     confidence = [] if step.block_confidence is None else np.asarray(step.block_confidence[0], dtype=np.float64)
-    return {
+    frame = {
         "forwards": int(step.forwards),
         "committed": final,
         "text": render_draft(tokenizer, step, mask_id),
@@ -74,3 +76,8 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
         "block": [max(start, 0), max(end, 0)],
         "confidence": [round(float(c), 4) for c in np.clip(confidence, 0.0, 1.0)],
     }
+    if step.edits is not None:
+        offset = step.block[0] - step.prompt_len
+        frame["inserted"] = [int(i) + offset for i in np.flatnonzero(step.edits.inserted[0])]
+        frame["deleted"] = int(step.edits.deleted[0].sum())
+    return frame

@@ -108,6 +108,17 @@ class Queued:
     step: int
     block_over: bool
     ran_forward: bool
+    edits: Any = None  # a step's structural edits (BlockEdits), from a decoder that makes them
+
+
+@dataclass
+class BlockEdits:
+    """What a step's DELETE / SPLIT edits did to its block (LLaDA2.2): `deleted` (B, W) the
+    positions dropped, in the block before the scan; `inserted` (B, W) the masks SPLIT put
+    in, in the block after it. For drafts (draft_callback, the studio), never for text."""
+
+    deleted: np.ndarray
+    inserted: np.ndarray
 
 
 @dataclass

@@ -42,6 +42,7 @@ import numpy as np
 from mlx_arsenal.diffusion import apply_block_edits, edit_transfer, threshold_transfer, topk_transfer
 
 from mlx_lm_diffusion.decoding.decoders.base import (
+    BlockEdits,
     Canvas,
     Decoder,
     Forward,
@@ -161,7 +162,9 @@ class BlockEditsDecoder(Decoder):
             rows.live = live & ~ended
             over = not rows.live.any()
             kept = self._kept(last_logprobs, W) if over and self.keep_logprobs else None
-            yield Queued(canvas.tokens, kept, mx.array(confidence), canvas.forwards, (start, end), step, over, True)
+            edits = self._marks(written, generated)
+            yield Queued(canvas.tokens, kept, mx.array(confidence), canvas.forwards, (start, end), step, over, True,
+                         edits)
             step += 1
         if step == 0:  # (no row decoded this block: an event releases it)
             yield Queued(canvas.tokens, None, mx.array(confidence), canvas.forwards, (start, end), 0, True, False)
@@ -195,6 +198,18 @@ class BlockEditsDecoder(Decoder):
             rows.seen[b].add(row.tobytes())
             written[b] = row
         return written, final
+
+    def _marks(self, written: np.ndarray, generated: np.ndarray) -> BlockEdits:
+        """Where the step's DELETEs were (before the scan) and its SPLITs' masks landed
+        (after it: each position moves by the widths before it, 0 a DELETE, 2 a SPLIT)."""
+        deleted = (written == self.delete_id) & generated
+        split = (written == self.split_id) & generated
+        first_slot = np.cumsum(np.where(deleted, 0, np.where(split, 2, 1)), axis=1) - np.where(split, 2, 1)
+        inserted = np.zeros_like(split)
+        for b, i in zip(*np.nonzero(split)):
+            if first_slot[b, i] < written.shape[1]:
+                inserted[b, first_slot[b, i]] = True
+        return BlockEdits(deleted, inserted)
 
     def _mask_commits(self, rows: EditRows, masks: np.ndarray, prob: np.ndarray) -> np.ndarray:
         """M2T per row: the masks above the threshold if at least `need` pass, else the

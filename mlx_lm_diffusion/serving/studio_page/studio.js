@@ -187,15 +187,21 @@ function showFrame(pane, k, live = false) {
     const cell = el("span", { className: `cell ${s}`, textContent: token === null ? MASK : (token || "∅") });
     if (i >= frame.block[0] && i < frame.block[1]) cell.classList.add("block");
     if (edited[i]) cell.classList.add("edited");
+    const inserted = (frame.inserted || []).includes(i);  // LLaDA2.2: a mask a SPLIT put in
+    if (inserted) cell.classList.add("inserted");
     if (s === "c") {
       const c = confidence[i] ?? 1;
       cell.style.background = `hsl(${hue(commit[i])} 70% ${Math.round(88 - 30 * c)}%)`;
       cell.title = `position ${i}: committed at forward ${commit[i]}, confidence ${c.toFixed(3)}`;
     } else {
-      cell.title = `position ${i}: ${s === "m" ? "masked" : "draft"}`;
+      cell.title = `position ${i}: ${s === "m" ? (inserted ? "masked (inserted by a SPLIT)" : "masked") : "draft"}`;
     }
     canvas.append(cell);
   });
+  if (frame.deleted) {  // LLaDA2.2: positions a DELETE dropped this forward (the block shifted left)
+    canvas.append(el("span", { className: "cell deleted", textContent: `−${frame.deleted}`,
+                               title: `${frame.deleted} position(s) deleted at forward ${frame.forwards}` }));
+  }
   const slider = $(".replay", pane.root);
   slider.max = String(frames.length - 1);
   slider.disabled = false;
