@@ -449,3 +449,35 @@ def test_draft_frames_carry_the_edits_for_the_studio(llada22):
     assert any(f["deleted"] for f in frames) and any(f["inserted"] for f in frames)
     for frame in frames:
         assert all(frame["states"][i] == "m" for i in frame["inserted"])
+
+
+def test_either_eos_of_the_list_ends_the_decode_in_a_final_block(tmp_path):
+    """A checkpoint whose two EOS rows are proposed often: decodes end at <|endoftext|> and
+    at <|role_end|> as the reference loop does (only once their block is final), and the
+    stream ends there with finish_reason "stop"."""
+    eos, role_end = LLADA2_2_EOS
+    model, tokenizer = mld.load(str(write_llada2_2(tmp_path / "eos", head_scales={eos: 1.45, role_end: 1.45})))
+    ended = set()
+    for seed in range(8):
+        prompt = np.random.default_rng(seed).integers(0, 256, 5 + seed).tolist()
+        want, forwards, _ = oracle(model, prompt, 24)
+        got, got_forwards, _, _ = engine(model, tokenizer, [prompt], max_tokens=24)
+        assert (got[0], got_forwards) == (want, forwards)
+        if want[-1] in LLADA2_2_EOS:
+            ended.add(want[-1])
+            streamed = list(mld.stream_generate(model, tokenizer, prompt, max_tokens=24))
+            assert [r.token for r in streamed] == want and streamed[-1].finish_reason == "stop"
+    assert ended == {eos, role_end}
+
+
+def test_the_generate_cli_takes_edit_ops(path22):
+    from cli_run import run_main
+
+    base = ["--model", str(path22), "--prompt", "Hello", "--max-tokens", "8", "--ignore-chat-template",
+            "--verbose", "False"]
+    for ops in (["none"], ["substitute", "insert", "delete"]):
+        done = run_main("mlx_lm_diffusion.generate", *base, "--edit-ops", *ops)
+        assert done.returncode == 0, done.stderr
+    bad = run_main("mlx_lm_diffusion.generate", *base, "--edit-ops", "insert", "delete")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: LLaDA2.2's insert and delete edits are written by its token edits; add 'substitute' to edit_ops"]

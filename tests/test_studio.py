@@ -2,7 +2,7 @@
 demo, one frame per forward and the answer; a threshold that takes fewer forwards; a bad
 option shows the server's own message; two settings side by side; the replay slider; the
 unmask-order picture as PNG and SVG; the page's policy (its own files only, CSP, same
-origin). Then LLaDA2.1's edits and DiffusionGemma's uniform canvas with an image. And the
+origin). Then LLaDA2.1's edits, LLaDA2.2's inserts and deletes, and DiffusionGemma's uniform canvas with an image. And the
 same picture from the CLI (--trace-png) and from a protocol response.
 
 .ci/run installs Debian's chromium; Playwright's Python package drives it
@@ -251,6 +251,28 @@ def test_llada2_1_edits_show_as_edits(browser, tmp_path):
                   enumerate(zip(frames[k - 1]["tokens"], frames[k]["tokens"])) if a is not None and a != b]
         assert edited, "the tiny LLaDA2.1 checkpoint edits under editing_threshold 0.5"
         assert page.page.locator("#pane-a .canvas .cell.edited").count() > 0
+        assert not page.problems
+        page.close()
+
+
+def test_llada2_2_inserts_and_deletes_show_on_the_canvas(browser, tmp_path):
+    """LLaDA2.2's SPLITs (an inserted mask, outlined) and DELETEs (a -N chip) on the frames
+    where they happened, found with the replay slider."""
+    from mlx_lm_diffusion.testing.block_checkpoints import write_llada2_2
+
+    with serve(write_llada2_2(tmp_path / "llada2_2")) as (httpd, _):
+        page = Studio(browser, f"http://127.0.0.1:{httpd.server_address[1]}")
+        page.set("a", max_tokens=16, temperature=0)
+        page.ask("hello")
+        frames = page.frames()
+        inserted = [k for k, f in enumerate(frames) if f.get("inserted")]
+        deleted = [k for k, f in enumerate(frames) if f.get("deleted")]
+        assert inserted and deleted, "the tiny LLaDA2.2 checkpoint proposes SPLIT and DELETE"
+        slider = page.page.locator("#pane-a .replay")
+        slider.fill(str(inserted[0]))
+        assert page.page.locator("#pane-a .canvas .cell.inserted").count() == len(frames[inserted[0]]["inserted"])
+        slider.fill(str(deleted[0]))
+        assert page.page.locator("#pane-a .canvas .cell.deleted").inner_text() == f"−{frames[deleted[0]]['deleted']}"
         assert not page.problems
         page.close()
 

@@ -196,20 +196,22 @@ LLADA2_2_EOS = [LLADA2_EOS, 259]  # <|endoftext|> and <|role_end|>, as generatio
 
 
 def write_llada2_2(path: Path, seed: int = 5, block_size: int = 8, expert_capacity: int = 3,
-                   edit_scale: float = 1.6, **sizes) -> Path:
+                   edit_scale: float = 1.6, head_scales: Optional[dict] = None, **sizes) -> Path:
     """LLaDA2.2 layout (inclusionAI/LLaDA2.2-flash's config.json and generation_config.json):
     LLaDA2's tensors, plus `expert_capacity` and `block_size` (block routing: each window of
     `block_size` positions keeps `expert_capacity` of the experts; released 48 of 256 over 32),
     the group fields still present (unused), `delete_token_id` / `split_token_id`, and an EOS
     list. The DELETE and SPLIT rows of lm_head are scaled by `edit_scale` so that random
-    weights propose them often (the edit scan then has work to do)."""
+    weights propose them often (the edit scan then has work to do); `head_scales` scales other
+    rows (an EOS proposed more often)."""
     extra = {
         "block_size": block_size, "expert_capacity": expert_capacity,
         "delete_token_id": LLADA2_2_DELETE, "split_token_id": LLADA2_2_SPLIT,
         "rope_theta": 3000000,
     }
     write_llada2(path, seed=seed, extra_config=extra,
-                 head_scales={LLADA2_2_DELETE: edit_scale, LLADA2_2_SPLIT: edit_scale}, **sizes)
+                 head_scales={LLADA2_2_DELETE: edit_scale, LLADA2_2_SPLIT: edit_scale, **(head_scales or {})},
+                 **sizes)
     generation = {"eos_token_id": LLADA2_2_EOS, "pad_token_id": LLADA2_EOS}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path
