@@ -146,3 +146,88 @@ def test_an_autoregressive_model_refuses_the_fields(tmp_path):
                     client.completions.create(model="default_model", prompt="Hello", max_tokens=4, extra_body=fields)
                 assert "diffusion models only" in e.value.body["message"]
             assert client.completions.create(model="default_model", prompt="Hello", max_tokens=4).choices
+
+
+# Schemas a client may send: keys and constants the demo's dozen characters can or cannot
+# spell, enums, consts, nesting, patterns, numbers, and the types the demo has no token for.
+SCHEMAS = [
+    {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
+    {"type": "object", "properties": {"total": {"type": "integer"}}, "required": ["total"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"const": "abc"},
+    {"enum": ["x"]},
+    {"type": "string", "enum": ["yes", "no"]},
+    {"type": "string", "enum": ["a", "b"]},
+    {"type": "string", "enum": ["sum", "no"]},
+    {"const": "sum"},
+    {"const": 825},
+    {"enum": [1, 2, 3]},
+    {"type": "integer"},
+    {"type": "number"},
+    {"type": "integer", "minimum": 100, "maximum": 999},
+    {"type": "string"},
+    {"type": "string", "pattern": "^[ab]+$"},
+    {"type": "string", "pattern": "^x+$"},
+    {"type": "string", "maxLength": 3},
+    {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]},
+    {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}},
+                                                 "required": ["b"]}}, "required": ["a"]},
+    {"type": "object", "properties": {"mass": {"type": "number"}, "bus": {"const": "ab"}}, "required": ["mass", "bus"]},
+    {"type": "object", "properties": {"sum": {"type": "integer"}, "name": {"type": "string"}},
+     "required": ["sum", "name"]},
+    {"type": "object", "properties": {"sum": {"type": "integer"}, "note": {"type": "string"}}, "required": ["sum"]},
+    {"type": "object", "properties": {"s": {"enum": ["a", "zz"]}}, "required": ["s"]},
+    {"type": "object", "properties": {"s": {"enum": ["zz", "yy"]}}, "required": ["s"]},
+    {"type": "object"},
+    {"type": "object", "additionalProperties": {"type": "integer"}},
+    {"type": "array", "items": {"type": "integer"}},
+    {"type": "boolean"},
+    {"type": "null"},
+    {"anyOf": [{"type": "integer"}, {"const": "zz"}]},
+    {"anyOf": [{"const": "zz"}, {"const": "yy"}]},
+    {"type": "object", "properties": {"sum": {"type": "integer", "minimum": 0}, "a": {"type": "string",
+                                                                                         "pattern": "^[0-9]+$"}},
+     "required": ["sum", "a"]},
+]
+
+
+@pytest.mark.parametrize("checkpoint", ["demo", "byte_level"])
+def test_every_schema_is_a_400_or_valid_json(checkpoint, llada_path):
+    """Issue 54: a schema is a 400 before any output, or a 200 whose content validates
+    against it (or was cut by max_tokens: finish_reason "length"); never a 500, never
+    invalid JSON with "stop". The demo's vocabulary cannot spell most keys; the byte-level
+    checkpoint can spell anything (its random weights write noise inside the grammar)."""
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+    path = DEMO_MODEL_PATH if checkpoint == "demo" else llada_path
+    outcomes = {"400": 0, "valid": 0, "length": 0}
+    with running_server(["--model", str(path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
+                               max_retries=0, timeout=TIMEOUT)
+        for i, schema in enumerate(SCHEMAS):
+            response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+            try:
+                out = client.chat.completions.create(model="default_model", max_tokens=24, temperature=0,
+                                                     messages=[{"role": "user", "content": "357+468="}],
+                                                     response_format=response_format, stream=i % 4 == 3)
+            except openai.BadRequestError as e:
+                assert "\n" not in e.body["message"]
+                outcomes["400"] += 1
+                continue
+            if i % 4 == 3:  # streamed
+                chunks = list(out)
+                content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+            else:
+                content, finish = out.choices[0].message.content, out.choices[0].finish_reason
+            if finish == "length":
+                outcomes["length"] += 1
+                continue
+            assert finish == "stop", (schema, content, finish)
+            jsonschema.validate(json.loads(content), schema)
+            outcomes["valid"] += 1
+    print(checkpoint, outcomes)
+    assert outcomes["valid"] >= 5
+    if checkpoint == "demo":
+        assert outcomes["400"] >= 10

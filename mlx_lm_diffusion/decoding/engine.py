@@ -51,7 +51,7 @@ class Step:
     kept: Any = None
     ran_forward: bool = True  # False: a block-over event without a model forward
     block_confidence: Optional[mx.array] = None  # (B, block) each token's confidence at commit
-    edits: Any = None  # LLaDA2.2: the step's DELETE / SPLIT edits (decoders.base.BlockEdits)
+    edits: Any = None  # a step's structural edits (DELETE / SPLIT), from a decoder that makes them: BlockEdits
 
     @property
     def block_logprobs(self) -> Optional[mx.array]:

@@ -18,12 +18,17 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlx_lm_diffusion.output.grammar_reach import Reach, json_spellable
+
 INSTALL_HINT = 'the constraints extra: pip install -e ".[constraints]" in a clone of mlx-lm-diffusion (llguidance)'
 # Compact JSON: one way to write each value, so a constrained decode spends no tokens
 # on optional whitespace (a schema's own "x-guidance" settings still apply).
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
-_tokenizers: dict = {}  # id(hf tokenizer) -> (hf tokenizer, vocab size, llguidance tokenizer)
+UNSPELLABLE = ("the model's vocabulary cannot spell output that matches this grammar (text it requires, a key, "
+               "a constant or an enum value, has characters no token has)")
+
+_tokenizers: dict = {}  # (id(hf tokenizer), vocab size) -> (hf tokenizer, llguidance tokenizer, textless ids, Reach)
 
 
 def _llguidance():
@@ -37,20 +42,22 @@ def _llguidance():
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int):
     """(llguidance's view of a Hugging Face tokenizer over the model's vocabulary (ids
-    past the tokenizer's are never allowed), the ids of tokens without text); built once
-    per tokenizer (~1 s). A tokenizer whose decoder llguidance cannot read (a character
-    vocabulary with a Fuse decoder) is described token by token instead, which is also
-    where tokens without text occur (the demo model's <blank> padding)."""
+    past the tokenizer's are never allowed), the ids of tokens without text, a Reach where
+    the vocabulary cannot spell every byte, else None); built once per tokenizer (~1 s). A
+    tokenizer whose decoder llguidance cannot read (a character vocabulary with a Fuse
+    decoder) is described token by token instead, which is also where tokens without text
+    and unspellable bytes occur (the demo model's <blank> padding, its dozen characters)."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)  # (mlx-lm's TokenizerWrapper wraps it)
     key = (id(hf), vocab_size)
     if key not in _tokenizers:
         ll = _llguidance()
         try:
-            built, textless = ll.hf.from_tokenizer(hf, n_vocab=vocab_size), ()
+            built, textless, reach = ll.hf.from_tokenizer(hf, n_vocab=vocab_size), (), None
         except ValueError:
             table = _TokenTable(hf, vocab_size)
             built, textless = ll.LLTokenizer(ll.TokenizerWrapper(table), n_vocab=vocab_size), table.textless
-        _tokenizers[key] = (hf, built, textless)  # (keeps hf alive: its id stays unique)
+            reach = None if table.spells_every_byte else Reach(table.texts, vocab_size)
+        _tokenizers[key] = (hf, built, textless, reach)  # (keeps hf alive: its id stays unique)
     return _tokenizers[key][1:]
 
 
@@ -70,6 +77,9 @@ class _TokenTable:
         self.special_token_ids = sorted(t for t in special if t < vocab_size) + list(range(known, vocab_size))
         self.special_token_ids = sorted(set(self.special_token_ids) | set(self.textless))
         self.tokens = [b"\xff" + f"<[{i}]>".encode() if not t else t for i, t in enumerate(text)]
+        # each id's text where it has some (a Reach reads it), and whether every byte is a token
+        self.texts = [None if not t else t.decode("utf-8", "replace") for t in text]
+        self.spells_every_byte = len({t for t in text if t and len(t) == 1}) == 256
         self._hf = hf
         self._ids_of: dict = {}  # each text token's bytes -> its (lowest) id
         for i, t in enumerate(self.tokens):
@@ -108,9 +118,12 @@ class GrammarProcessor:
     mlx-lm does, with the prompt plus the tokens generated so far (one more each call)
     and the next position's logits (1, V)."""
 
-    def __init__(self, matcher: Any, vocab_size: int, textless: Sequence[int] = ()):
+    def __init__(self, matcher: Any, vocab_size: int, textless: Sequence[int] = (), reach: Optional[Reach] = None):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        # a vocabulary that cannot spell every byte: tokens after which the grammar cannot be
+        # completed are masked out too (grammar_reach)
+        self.reach = reach
         # tokens without text (the demo's <blank> padding): they add nothing a grammar reads,
         # so they are not fed to the matcher, and allowed wherever the grammar leaves a
         # choice; where it forces one token, that token comes first (padding there would let
@@ -133,6 +146,8 @@ class GrammarProcessor:
                 raise RuntimeError(f"token {token} breaks the grammar: {error[0] if error else 'rejected'}")
             self.consumed += 1
         allowed = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)[: self.vocab_size] > 0
+        if self.reach is not None:
+            allowed = self.reach.viable(self.matcher, allowed)
         if self.textless and np.count_nonzero(allowed) > 1:
             allowed[list(self.textless)] = True
         if allowed.shape[0] < logits.shape[-1]:
@@ -148,16 +163,19 @@ class GrammarProcessor:
             0 <= int(t) < self.vocab_size and (allowed[int(t)] or int(t) in self.textless) for t in ids)
 
 
-def grammar_processor(tokenizer: Any, vocab_size: int, grammar: str) -> GrammarProcessor:
+def grammar_processor(tokenizer: Any, vocab_size: int, grammar: str, schema: Any = None) -> GrammarProcessor:
     """A processor for an llguidance grammar (LLMatcher.grammar_from_*); ValueError when
-    the grammar does not compile."""
+    the grammar does not compile, or the vocabulary cannot begin or complete output it
+    accepts (`schema`: the JSON schema it was compiled from, read for the text it requires)."""
     ll = _llguidance()
-    built, textless = _ll_tokenizer(tokenizer, vocab_size)
+    built, textless, reach = _ll_tokenizer(tokenizer, vocab_size)
     matcher = ll.LLMatcher(built, grammar, log_level=0)
     if matcher.is_error():
         raise ValueError(f"the grammar does not compile: {matcher.get_error()}")
     _check_can_begin(matcher, tokenizer, vocab_size)
-    return GrammarProcessor(matcher, vocab_size, textless)
+    if reach is not None and not (json_spellable(schema, reach.characters) and reach.completes(matcher)):
+        raise ValueError(UNSPELLABLE)
+    return GrammarProcessor(matcher, vocab_size, textless, reach)
 
 
 def _check_can_begin(matcher: Any, tokenizer: Any, vocab_size: int) -> None:
@@ -193,7 +211,7 @@ def json_schema_processor(tokenizer: Any, vocab_size: int, schema: Any) -> Gramm
         grammar = ll.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     except ValueError as e:
         raise ValueError(f"the JSON schema cannot be compiled: {e}") from e
-    return grammar_processor(tokenizer, vocab_size, grammar)
+    return grammar_processor(tokenizer, vocab_size, grammar, schema)
 
 
 def response_format_processor(tokenizer: Any, vocab_size: int, response_format: Any) -> Optional[GrammarProcessor]:

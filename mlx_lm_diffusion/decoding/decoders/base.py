@@ -113,7 +113,7 @@ class Queued:
 
 @dataclass
 class BlockEdits:
-    """What a step's DELETE / SPLIT edits did to its block (LLaDA2.2): `deleted` (B, W) the
+    """What a step's DELETE / SPLIT edits did to its block: `deleted` (B, W) the
     positions dropped, in the block before the scan; `inserted` (B, W) the masks SPLIT put
     in, in the block after it. For drafts (draft_callback, the studio), never for text."""
 
