@@ -69,6 +69,12 @@ def text_of(responses):
     return "".join(r.text for r in keep)
 
 
+def answer_tokens(tok, responses):
+    """usage.completion_tokens: the answer's tokens, not its EOS nor tokens without text."""
+    keep = responses[:-1] if responses[-1].finish_reason == "stop" else responses
+    return sum(tok.decode([r.token]) != "" for r in keep)
+
+
 def raw(port, method, path, body=None, headers=None):
     """(status, parsed JSON body) of one plain HTTP request."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
@@ -94,7 +100,7 @@ def test_chat_completion_equals_library(client, llada):
     assert choice.message.content == text_of(responses)
     assert choice.finish_reason == responses[-1].finish_reason
     assert r.usage.prompt_tokens == len(ids)
-    assert r.usage.completion_tokens == len(tokens)
+    assert r.usage.completion_tokens == answer_tokens(llada[1], responses)
     assert r.object == "chat.completion"
 
 
@@ -111,7 +117,7 @@ def test_streaming_chat_sends_committed_tokens(client, llada):
     assert "".join(content) == text_of(responses)
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == [responses[-1].finish_reason]
-    assert chunks[-1].usage.completion_tokens == len(responses)
+    assert chunks[-1].usage.completion_tokens == answer_tokens(llada[1], responses)
 
 
 def test_text_completion_equals_library(client, llada):
@@ -188,12 +194,14 @@ def test_temperature_top_p_and_seed(client, llada):
 
 def test_max_tokens_past_the_context_is_fitted(client, llada):
     r = client.chat.completions.create(
-        model="default_model", messages=USER, max_tokens=100_000,
+        model="default_model", messages=USER, max_tokens=100_000, logprobs=True,
         extra_body={"block_length": 64, "steps": 1},
         logit_bias={str(EOS_ID): -1e9, str(EOT_ID): -1e9},
     )
     ids = chat_ids(llada[1], USER)
-    assert r.usage.completion_tokens == llada[0].max_length - len(ids)
+    entries = r.choices[0].logprobs.content  # (one per generated token, those without text too)
+    assert len(entries) == llada[0].max_length - len(ids)
+    assert r.usage.completion_tokens == sum(llada[1].decode([e.model_extra.get("id", 0)]) != "" for e in entries)
     assert r.choices[0].finish_reason == "length"
 
 

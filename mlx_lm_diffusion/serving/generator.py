@@ -155,6 +155,15 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                                processor=images.served_processor(self.model_provider) if pictures else None,
                                image_policy=images.server_policy(self.cli_args), validated=True)
 
+    def textless(self, token: int) -> bool:
+        """Whether `token` has no text of its own (a canvas's padding: the demo's <blank>;
+        special tokens such as EOS): usage does not count it. Cached per tokenizer."""
+        tokenizer = self.model_provider.tokenizer
+        cache = self.__dict__.setdefault("_textless", {}).setdefault(id(tokenizer), {})
+        if token not in cache:
+            cache[token] = tokenizer.decode([int(token)]) == ""
+        return cache[token]
+
     def health_problem(self) -> Optional[str]:
         """Why generation cannot run now (GET /health answers 503 with it), or None. MLX
         writes the kernels it compiles under the temporary directory: where it cannot,

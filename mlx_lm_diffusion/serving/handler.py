@@ -269,6 +269,9 @@ class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
 
     def _send_bytes(self, status: int, body: bytes) -> None:
         self._set_completion_headers(status)
+        for name, value in (getattr(self, "_extra_headers", None) or {}).items():
+            self.send_header(name, value)
+        self._extra_headers = None
         self.send_header("Content-Length", str(len(body)))
         if self.close_connection:
             self.send_header("Connection", "close")

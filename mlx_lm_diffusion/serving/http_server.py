@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import socket
@@ -10,12 +11,10 @@ import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Dict, List, Optional, Tuple
 
-from mlx_lm.server import (
-    ResponseGenerator,
-    get_system_fingerprint,
-)
+from mlx_lm.server import ResponseGenerator
 
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, Cancelled, RequestError, error_body
 from mlx_lm_diffusion.serving.handler import DiffusionAPIHandler
@@ -236,6 +235,20 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
         return len(remaining)
 
 
+def build_fingerprint() -> str:
+    """OpenAI's `system_fingerprint`: which build answered (a hash of mlx-lm-diffusion's, mlx-lm's
+    and MLX's versions), nothing of the host (mlx_lm.server's names the kernel and libc)."""
+
+    def named(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "?"
+
+    build = "/".join(named(p) for p in ("mlx-lm-diffusion", "mlx-lm", "mlx"))
+    return "fp_" + hashlib.sha256(build.encode()).hexdigest()[:12]
+
+
 def _shut(sock) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -262,7 +275,7 @@ def make_http_server(
     family, _, _, _, address = infos[0]
     server_class = type("DiffusionHTTPServer", (DiffusionHTTPServer,), {"address_family": family})
     handler = functools.partial(
-        handler_class, response_generator, system_fingerprint=get_system_fingerprint()
+        handler_class, response_generator, system_fingerprint=build_fingerprint()
     )
     return server_class(address, handler, read_timeout=read_timeout or None, max_connections=max_connections,
                         max_client_connections=max_client_connections)

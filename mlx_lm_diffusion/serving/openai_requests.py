@@ -138,7 +138,7 @@ _BODY_FIELDS = (
 
 # finite-number fields and their ranges (low, high), checked before mlx_lm.server's own
 _NUMBER_RANGES = {
-    "temperature": (0.0, 100.0),
+    "temperature": (0.0, 2.0),  # OpenAI's range
     "top_p": (0.0, 1.0),
     "min_p": (0.0, 1.0),
     "repetition_penalty": (0.0, 100.0),
@@ -148,6 +148,8 @@ _NUMBER_RANGES = {
     "xtc_threshold": (0.0, 1.0),
 }
 
+
+TOP_LOGPROBS_MAX = 20  # OpenAI's bound (mlx_lm.server's is 11)
 
 _INTEGER_RANGES = {
     "max_tokens": (1, None),
@@ -280,6 +282,9 @@ class RequestFields:
                 raise RequestError(f"{name} must be an integer {span}, got {value!r}", param=name)
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
             raise RequestError("top_logprobs must be an integer", param="top_logprobs")
+        if self.top_logprobs != -1 and not 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
+            raise RequestError(f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}",
+                               param="top_logprobs")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX
         ):
@@ -301,7 +306,9 @@ class RequestFields:
             raise RequestError("a client-supplied chat_template is refused (a template is code this "
                                "server would run); start it with --allow-client-chat-templates",
                                param="chat_template_kwargs")
+        top_logprobs, self.top_logprobs = self.top_logprobs, -1  # (mlx_lm.server stops at 11; OpenAI at 20)
         super().validate_model_parameters()
+        self.top_logprobs = top_logprobs
         self.decode_options, self.drafts = parse_request_options(self.body)
         if self.drafts and not self.stream:
             raise ValueError("drafts are sent as SSE comments of a stream; set stream to true")

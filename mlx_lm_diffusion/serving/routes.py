@@ -29,6 +29,7 @@ from mlx_lm_diffusion.serving.responses import json_safe
 PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/seeds/004)
 STATS_PATH = "/v1/stats"  # running decodes, queued requests, prompt cache occupancy
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
+GET_PATHS = ("/v1/models", "/health", STATS_PATH)  # (the studio's files too, which no client POSTs to)
 # every field a body may carry by name (the decoding options' are added per request)
 KNOWN_FIELDS = _BODY_FIELDS + ("suffix", "response_format") + IGNORED_OPENAI_FIELDS
 NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
@@ -87,6 +88,7 @@ class _Guarded:
         def release(limit: float) -> None:  # their log-probabilities go out with the text they made
             while pending and pending[0][2] <= limit:
                 handler._generated.append(pending.pop(0)[:2])
+                handler._count_answer_token(handler._generated[-1][0].token)
 
         try:
             for run in stream_batching.runs(responses):  # (the scheduler's tokens come in mailboxes)
@@ -138,6 +140,8 @@ class Routes:
         if path == studio.OPTIONS_PATH:
             provider = self.response_generator.model_provider
             return self._send_json(200, studio.options_listing(provider.model, provider.tokenizer))
+        if path in POST_PATHS or path == PROTOCOL_PATH:
+            return self._method_not_allowed("POST")
         if not (self.path.startswith("/v1/models") or self.path == "/health"):
             return self._send_error(404, f"no such endpoint: GET {self.path[:200]}")
         if self.path == "/health":
@@ -145,6 +149,12 @@ class Routes:
             if problem is not None:
                 return self._send_json(503, {"status": "unavailable", "reason": problem})
         super().do_GET()
+
+    def _method_not_allowed(self, allowed: str) -> None:
+        """405 with Allow (RFC 9110), for a route that answers another method."""
+        self._extra_headers = {"Allow": allowed}
+        self._send_error(405, f"{self.command} is not allowed on {self.path.split('?', 1)[0][:200]}; use {allowed}",
+                         code="method_not_allowed")
 
     # -- POST
 
@@ -154,6 +164,9 @@ class Routes:
             return
         if self.path != PROTOCOL_PATH and self.path not in POST_PATHS:
             self.close_connection = True
+            path = self.path.split("?", 1)[0]
+            if path in GET_PATHS or path.startswith("/v1/models/"):
+                return self._method_not_allowed("GET")
             return self._send_error(404, f"no such endpoint: POST {self.path[:200]}")
         body = self._read_body()
         if body is NO_BODY:
@@ -264,6 +277,8 @@ class Routes:
         self._finish = None
         self._made_tool_call = False
         self._text_offset = 0  # (legacy log-probs: where the next token starts in the text)
+        self._answer_tokens = 0  # usage.completion_tokens: the answer's tokens (_count_answer_token)
+        self._role_sent = False  # a stream's role goes in its first delta only, as OpenAI's
         real = self.response_generator
         self.response_generator = _Guarded(real, self)
         try:
@@ -317,7 +332,7 @@ class Routes:
         defines them (mlx_lm.server's entries were the first of an unsorted top-k, often
         not the generated token, and streams carried none): one entry per token the
         response or chunk adds."""
-        response = super().generate_response(*args, **kwargs)
+        response = self._as_openai(super().generate_response(*args, **kwargs))
         self._made_tool_call = self._made_tool_call or bool(kwargs.get("tool_calls"))
         if response.get("choices"):
             choice = response["choices"][0]
@@ -327,6 +342,13 @@ class Routes:
             choice["logprobs"] = None  # (OpenAI's answers carry the field, null when not asked)
             if isinstance(choice.get("message"), dict):
                 choice["message"].setdefault("refusal", None)  # (required by OpenAI's schema; never one here)
+                if choice["message"].get("content") is None and not choice["message"].get("tool_calls"):
+                    choice["message"]["content"] = ""  # (a stop at the first character: empty, not null)
+            delta = choice.get("delta")
+            if isinstance(delta, dict) and "role" in delta:
+                if self._role_sent:
+                    del delta["role"]
+                self._role_sent = True
             if self.object_type.startswith("chat.completion") and (self.logprobs or self.top_logprobs > 0):
                 choice["logprobs"] = {"content": self._logprob_entries(), "refusal": None}
             elif self.object_type == "text_completion" and getattr(self, "legacy_logprobs", None) is not None:
@@ -354,10 +376,25 @@ class Routes:
 
     def completion_usage_response(self, *args, **kwargs) -> dict:
         """A stream's usage chunk is a chunk (mlx_lm.server names it "chat.completion")."""
-        response = super().completion_usage_response(*args, **kwargs)
+        response = self._as_openai(super().completion_usage_response(*args, **kwargs))
         if response.get("object") == "chat.completion":
             response["object"] = "chat.completion.chunk"
         return json_safe(response)
+
+    def _as_openai(self, response: dict) -> dict:
+        """The served model's id where the client named none ("default_model" is this
+        server's alias), and usage.completion_tokens the answer's tokens: not its EOS, nor
+        tokens without text (a diffusion canvas's padding, the demo's <blank>)."""
+        if response.get("model") == "default_model":
+            response["model"] = self.response_generator.listed.get("default_model", "default_model")
+        usage = response.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            usage["completion_tokens"] = self._answer_tokens
+            usage["total_tokens"] = usage["prompt_tokens"] + self._answer_tokens
+        return response
+
+    def _count_answer_token(self, token: int) -> None:
+        self._answer_tokens += not self.response_generator.textless(token)
 
     def _logprob_entries(self) -> list:
         """The pending generated tokens as OpenAI's log-probability entries: `token` the
