@@ -84,3 +84,14 @@ def test_a_route_of_another_method_is_a_405_with_allow(demo):
         assert (status, headers.get("Allow")) == (405, allowed), (method, path, body)
         assert body["error"]["code"] == "method_not_allowed"
     assert raw(demo, "GET", "/nope")[0] == 404
+
+
+def test_a_bad_template_argument_names_no_path_or_repr(llada_path):
+    with running_server(["--model", str(llada_path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
+        port = httpd.server_address[1]
+        for kwargs in ({"tokenizer_kwargs": 3}, {"tokenize": True}, {"tools": 5}):
+            status, body = post_json(port, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4,
+                                                                    "chat_template_kwargs": kwargs})
+            message = body["error"]["message"]
+            assert status == 400 and "cannot build a prompt" in message
+            assert str(llada_path) not in message and "name_or_path" not in message, message

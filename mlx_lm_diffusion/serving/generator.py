@@ -4,6 +4,7 @@ options, drafts, the served-model allow-list, continuous batching and the protoc
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +69,21 @@ def _model_id(name: str) -> str:
 # what MLX's and the system's allocation failures say (besides Python's MemoryError)
 OUT_OF_MEMORY_WORDS = ("out of memory", "unable to allocate", "failed to allocate", "[malloc]")
 
+
+
+def scrubbed(error: BaseException, tokenizer: Any) -> str:
+    """An error's message as a client may read it: a tokenizer's repr (it names the
+    checkpoint's absolute path and its settings) becomes "the tokenizer", and any path of the
+    served model's directory its base name."""
+    text = str(error)
+    for tok in (tokenizer, getattr(tokenizer, "_tokenizer", None)):
+        if tok is not None:
+            text = text.replace(repr(tok), "the tokenizer")
+    text = re.sub(r"\b[A-Za-z_]\w*\(name_or_path=.*", "the tokenizer", text)  # (a repr cut or nested)
+    path = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "name_or_path", None)
+    if isinstance(path, str) and path.startswith("/"):
+        text = text.replace(path, Path(path).name)
+    return text
 
 class DiffusionResponseGenerator(distributed_server.DistributedGeneration, ResponseGenerator):
     """mlx_lm.server's generation loop, with decoding options, drafts, up-front checks,
@@ -308,7 +324,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         except template_sandbox.TemplateError as e:
             raise RequestError(str(e), param="chat_template_kwargs") from e
         except Exception as e:
-            raise RequestError(f"cannot build a prompt from this request: {e}") from e
+            raise RequestError(f"cannot build a prompt from this request: {scrubbed(e, tokenizer)}") from e
         model = self.model_provider.model
         check_sampling_against_vocabulary(args, adapter_for(model, tokenizer).vocab_size)
         if is_diffusion_model(model):
