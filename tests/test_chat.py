@@ -228,3 +228,33 @@ def test_repl_bad_model_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0], r.stderr
+
+
+def test_piped_chat_is_plain_text_under_its_own_name():
+    """Issue 54.4: into a pipe the REPL writes no ANSI codes (a plain '> ' prompt), and its
+    banner names this door, not mlx_lm.chat; NO_COLOR is honoured the same way."""
+    from cli_run import run
+
+    done = run("mlx_lm_diffusion.chat", stdin="357+468=\nq\n")
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "mlx_lm_diffusion.chat" in done.stdout and "mlx_lm.chat" not in done.stdout
+    assert "> 357+468=\n825" in done.stdout
+
+
+def test_plain_output_drops_ansi_unless_a_terminal_without_no_color(monkeypatch):
+    import sys
+
+    from mlx_lm_diffusion.cli.plain_output import plain_unless_terminal
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for no_color, expect_colour in (("", True), ("1", False)):
+        monkeypatch.setenv("NO_COLOR", no_color)
+        out = Terminal()
+        monkeypatch.setattr(sys, "stdout", out)
+        with plain_unless_terminal() as colour:
+            print("\x1b[1;35m›\x1b[0m hi")
+        assert colour is expect_colour
+        assert ("\x1b" in out.getvalue()) is expect_colour

@@ -151,6 +151,7 @@ def test_full_fine_tuning_lowers_the_validation_loss(family, tmp_path):
                  "--learning-rate", "3e-3", "--steps-per-eval", "100", "--val-batches", "1",
                  "--adapter-path", str(tmp_path / "full"))
     assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout + r.stderr  # (mlx-lm's coloured table, not into a pipe: issue 54.4)
     losses = _val_losses(r.stdout + r.stderr)
     print(family, "validation loss before and after:", losses)
     assert len(losses) == 2 and losses[1] < losses[0]
@@ -213,6 +214,7 @@ def test_test_resume_and_config_file(trained, skill_data, tmp_path):
     r = run_main("mlx_lm_diffusion.lora", "-c", str(config), "--resume-adapter-file",
                  str(adapters / "adapters.safetensors"))
     assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout + r.stderr  # (mlx-lm's coloured table, not into a pipe: issue 54.4)
     losses = _val_losses(r.stdout + r.stderr)
     assert losses and losses[0] < 0.5  # the first validation is already the trained adapter's
     saved = json.loads((tmp_path / "resumed" / "adapter_config.json").read_text())

@@ -28,12 +28,13 @@ from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import mlx.core as mx
 import mlx_lm.chat as mlx_chat
-from mlx_lm.cli_ui import ChatUI
+from mlx_lm.cli_ui import ChatUI, print_chat_help, print_header_panel
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.cli.canvas_view import CanvasView
 from mlx_lm_diffusion.cli.generate import load_for_cli
+from mlx_lm_diffusion.cli.plain_output import plain_unless_terminal
 from mlx_lm_diffusion.decoding.options import default_max_tokens
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import one_line_errors, refuse_flags, refused_flag
@@ -191,6 +192,36 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+
+class DiffusionChatUI(ChatUI):
+    """mlx_lm.chat's screen under this door's name; where output is not a terminal (or
+    NO_COLOR is set), a plain '> ' prompt instead of the corridor's cursor moves (a piped
+    query echoed after it, so the answer starts a line of its own)."""
+
+    def __init__(self, args, colour: bool = True):
+        super().__init__(args)
+        self._colour = colour
+
+    def __enter__(self):
+        args = self._args
+        rows = [("model", str(args.model))]
+        if args.adapter_path:
+            rows.append(("adapter", str(args.adapter_path)))
+        rows.append(("max tokens", f"{args.max_tokens:,}"))
+        if args.system_prompt:
+            rows.append(("system", args.system_prompt if len(args.system_prompt) <= 60 else args.system_prompt[:57] + "..."))
+        print_header_panel(self._console, "mlx_lm_diffusion.chat", rows)
+        print_chat_help(self._console)
+        return self
+
+    def prompt(self) -> str:
+        if self._colour:
+            return super().prompt()
+        query = input("> ")
+        if not sys.stdin.isatty():  # (a piped query is not echoed: the transcript shows it)
+            print(query)
+        return query
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
@@ -219,7 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     view, text = None, images.text_tokenizer(tokenizer)  # (a processor's tokenizer, for the text)
     if args.show_canvas:
         view = CanvasView(text, adapter_for(model, text).mask_id)
-    with ChatUI(args) as ui:
+    with plain_unless_terminal() as colour, DiffusionChatUI(args, colour) as ui:
         if not text.has_chat_template:
             print(NO_TEMPLATE_NOTICE, flush=True)
         try:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from mlx_lm_diffusion.api.loading import load, read_config
+from mlx_lm_diffusion.cli.plain_output import plain_unless_terminal
 from mlx_lm_diffusion.demo import model_or_demo
 from mlx_lm_diffusion.flags import exit_status, one_line_errors
 from mlx_lm_diffusion.training.batches import iterate_batches
@@ -180,4 +181,5 @@ def run(args: types.SimpleNamespace) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")  # (as mlx_lm.lora)
     args = build_parser().parse_args(argv)
-    return exit_status(lambda: run(resolve_args(args)))
+    with plain_unless_terminal():  # (mlx-lm's training table is coloured: not into a pipe or a file)
+        return exit_status(lambda: run(resolve_args(args)))
