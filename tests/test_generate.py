@@ -329,3 +329,16 @@ def test_a_prompt_of_other_than_text_or_ids_is_a_clear_error(llada, prompt):
     model, tok = llada
     with pytest.raises(ValueError, match="prompt must be text or a list of token ids"):
         mld.generate(model, tok, prompt, max_tokens=4)
+
+
+def test_a_misspelt_option_says_what_was_meant_and_editing_is_documented_for_llada():
+    """Issue 54.5: the Python API suggests the option meant (as the server does); token
+    editing applies to every masked family, as docs/options-and-commit-rules.md says (on
+    the demo, not trained for it, 0.5 turns 825 into 824)."""
+    from mlx_lm_diffusion.demo import load_demo
+
+    model, tokenizer = load_demo()
+    with pytest.raises(TypeError, match="did you mean 'threshold'"):
+        mld.generate(model, tokenizer, "357+468=", treshold=0.5)
+    assert mld.generate(model, tokenizer, "357+468=", max_tokens=8, editing_threshold=0.5) == "824"
+    assert mld.generate(model, tokenizer, "357+468=", max_tokens=8) == "825"

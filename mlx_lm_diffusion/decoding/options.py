@@ -8,6 +8,7 @@ defaults and checks what applies to the family and its decoder.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
@@ -41,7 +42,9 @@ class DecodeOptions:
         known = schema()
         unknown = sorted(set(values) - set(known))
         if unknown:
-            raise TypeError(f"unexpected options {unknown}; known: {sorted(known)}")
+            near = [m for name in unknown for m in difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)]
+            hint = f"did you mean {' / '.join(repr(m) for m in near)}? " if near else ""
+            raise TypeError(f"unexpected options {unknown}; {hint}known: {sorted(known)}")
         values = {"max_tokens": max_tokens, **values}
         self.values = {k: v for k, v in values.items() if v is not None}
 
