@@ -30,7 +30,7 @@ HELD_OUT = 100
 # collapsed on the other.
 LORA_FLAGS = ["--iters", "400", "--batch-size", "32", "--num-layers", "-1", "--learning-rate", "5e-4",
               "--max-seq-length", "16", "--steps-per-eval", "200", "--steps-per-report", "50", "--val-batches", "2",
-              "--mask-prompt", "--save-every", "100000"]
+              "--save-every", "100000"]  # (no --mask-prompt: completions data is supervised fine-tuning anyway)
 
 
 def _skill_rows(numbers):
@@ -197,6 +197,40 @@ def test_faults_exit_2_with_one_line(tmp_path):
     assert "--train, --test" in _one_line_error(run_main("mlx_lm_diffusion.lora", "--model", str(sdar)))
     assert "adapter_config.json" in _one_line_error(run_main("mlx_lm_diffusion.fuse", "--model", str(sdar),
                                                              "--adapter-path", str(tmp_path / "none")))
+
+
+def test_data_faults_name_the_file_and_line(tmp_path):
+    """Issue 54.3: an empty train file, mixed formats, malformed JSON and a missing
+    --resume-adapter-file are one line naming the file (and line) and exit 2; characters
+    the vocabulary lacks are counted in a warning; completions data without --mask-prompt
+    trains as supervised fine-tuning, said on stderr."""
+
+    def data(name: str, train: str, valid: str = '{"prompt": "1==", "completion": "10001"}\n') -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "train.jsonl").write_text(train)
+        (folder / "valid.jsonl").write_text(valid)
+        return str(folder)
+
+    def lora(folder: str, *extra: str):
+        return run_main("mlx_lm_diffusion.lora", "--train", "--data", folder, "--iters", "1", "--batch-size", "1",
+                        "--num-layers", "-1", "--val-batches", "1", "--steps-per-eval", "100",
+                        "--adapter-path", str(tmp_path / "out"), *extra)
+
+    row = '{"prompt": "12==", "completion": "10012"}\n'
+    empty = data("empty", "")
+    assert _one_line_error(lora(empty)) == f"error: {empty}/train.jsonl holds no records: give at least one JSON line"
+    mixed = data("mixed", row + '{"text": "1+2=3"}\n')
+    assert f"{mixed}/train.jsonl line 2: a text record" in _one_line_error(lora(mixed))
+    broken = data("broken", row + row + '{"prompt": "1==", "completion": \n')
+    assert f"{broken}/train.jsonl line 3: not JSON" in _one_line_error(lora(broken))
+    good = data("good", row * 4)
+    message = _one_line_error(lora(good, "--resume-adapter-file", str(tmp_path / "none.safetensors")))
+    assert "--resume-adapter-file" in message and "none.safetensors" in message
+    unknown = lora(data("unknown", '{"prompt": "12==", "completion": "twelve"}\n' * 2))
+    assert unknown.returncode == 0, unknown.stderr
+    assert "warning: 12 characters" in unknown.stderr
+    assert "completions data: trained as supervised fine-tuning" in unknown.stderr
 
 
 def test_test_resume_and_config_file(trained, skill_data, tmp_path):

@@ -38,6 +38,7 @@ from mlx_lm_diffusion.cli.plain_output import plain_unless_terminal
 from mlx_lm_diffusion.demo import model_or_demo
 from mlx_lm_diffusion.flags import exit_status, one_line_errors
 from mlx_lm_diffusion.training.batches import iterate_batches
+from mlx_lm_diffusion.training.data_files import read_data
 from mlx_lm_diffusion.training.objectives import OBJECTIVES, Objective, objective_for
 from mlx_lm_diffusion.training.validation import ElboValidation
 from model_adapters import FAMILIES, adapter_for
@@ -109,6 +110,25 @@ def check_trainable(model: str) -> None:
                          "mlx_lm.lora")
 
 
+def read_local_data(args: types.SimpleNamespace, tokenizer: Any) -> None:
+    """Check the local data files (data_files.read_data: ValueError naming the file and the
+    line); completions and chat data train as supervised fine-tuning whatever --mask-prompt
+    says (mlx_lm.lora's default, the prompt masked like the answer and no EOS padding, leaves
+    a diffusion model writing on past its answer); a warning counts the characters the
+    vocabulary cannot spell."""
+    if getattr(args, "hf_dataset", False):
+        return
+    splits = tuple(s for s, on in (("train", args.train), ("valid", args.train), ("test", args.test)) if on)
+    data = read_data(args.data, tokenizer, splits)
+    if data.unknown_characters:
+        print(f"warning: {data.unknown_characters} characters of {args.data} are outside the model's vocabulary "
+              "and train as its unknown token", file=sys.stderr)
+    if data.supervised and not args.mask_prompt:
+        args.mask_prompt = True
+        print(f"{data.format} data: trained as supervised fine-tuning (the prompt never masked, the answers "
+              "padded with EOS), as --mask-prompt does", file=sys.stderr)
+
+
 def objective_of(model: Any, tokenizer: Any, args: Any) -> Objective:
     """The loss for mlx-lm's trainer: the family's objective; in evaluation, the ELBO."""
     adapter = adapter_for(model, tokenizer)
@@ -159,11 +179,16 @@ def run(args: types.SimpleNamespace) -> None:
         raise ValueError("give --train, --test or both")
     check_data(args)
     check_trainable(args.model)
+    resume = getattr(args, "resume_adapter_file", None)
+    if resume and not Path(resume).is_file():
+        raise ValueError(f"--resume-adapter-file {resume}: no such file (an adapters.safetensors written by "
+                         "an earlier run)")
     np.random.seed(args.seed)
     callback = get_reporting_callbacks(args.report_to, project_name=args.project_name, log_dir=args.adapter_path,
                                        config=vars(args))
     print("Loading pretrained model", file=sys.stderr)
     model, tokenizer = load(args.model, trust_remote_code=args.trust_remote_code)
+    read_local_data(args, tokenizer)
     objective = objective_of(model, tokenizer, args)
     print("Loading datasets", file=sys.stderr)
     train_set, valid_set, test_set = load_dataset(args, tokenizer)
