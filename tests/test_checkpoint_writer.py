@@ -34,3 +34,7 @@ def test_it_refuses_to_write_over_a_directory(tmp_path):
     (tmp_path / "llada").mkdir()
     r = run_main("mlx_lm_diffusion.testing.__main__", str(tmp_path), "--families", "llada")
     assert r.returncode == 2 and "exists" in r.stderr
+    # --skip-existing keeps it (the docs' pages share checkpoints/) and writes the others
+    r = run_main("mlx_lm_diffusion.testing.__main__", str(tmp_path), "--families", "llada", "sdar", "--skip-existing")
+    assert r.returncode == 0 and r.stdout.split() == [str(tmp_path / "llada"), str(tmp_path / "sdar")]
+    assert not any((tmp_path / "llada").iterdir()) and (tmp_path / "sdar" / "config.json").exists()

@@ -13,10 +13,11 @@ The pages are read with sybil's markdown parsers:
   killed when the block ends, so a server started with `&` never outlives its block.
 * `<!-- skip: next "REASON" -->` skips the next block with that reason (pytest -rs shows it).
 
-Every block runs with a scratch directory as its working directory, holding the tiny
-random checkpoints of `python -m mlx_lm_diffusion.testing` under `checkpoints/` (written
-once per session), so a page names them as `checkpoints/llada2`. What a reader copies is
-what runs, with two substitutions the reader does not need: a free port for 8080, and a
+Every block runs with a scratch directory as its working directory, as a reader's shell
+would: nothing is written there for a page but what its own blocks write (a page that loads
+a tiny random checkpoint first shows `python -m mlx_lm_diffusion.testing checkpoints
+--skip-existing --families ...`, which writes it under `checkpoints/`). What a reader copies
+is what runs, with two substitutions the reader does not need: a free port for 8080, and a
 kernel cache kept across the server starts (`--kernel-cache-dir`: MLX's CPU kernels are
 compiled once per session, not once per server).
 """
@@ -254,32 +255,16 @@ EXAMPLES = _examples()
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """The scratch directory every block runs in, with the test checkpoints under
-    checkpoints/ (what `python -m mlx_lm_diffusion.testing checkpoints` writes)."""
-    from mlx_lm_diffusion.testing.__main__ import main as write_checkpoints
-
+    """The scratch directory every block runs in: empty but for the server pages' Hub cache
+    directory (the pages write the test checkpoints they load themselves)."""
     path = tmp_path_factory.mktemp("docs")
     (path / "hf-cache").mkdir()
-    with _quiet():
-        assert write_checkpoints([str(path / "checkpoints")]) == 0
     SHELL.workdir, SHELL.kernel_cache = path, KERNEL_CACHE
     yield path
     import mlx_lm_diffusion
 
     mlx_lm_diffusion.uninstall()  # (in case a page's install() example failed before its uninstall())
     SHELL.workdir = None
-
-
-class _quiet:
-    """Keeps the writers' progress bars and paths out of the test's output."""
-
-    def __enter__(self):
-        self._saved = sys.stdout, sys.stderr
-        sys.stdout = sys.stderr = open(os.devnull, "w")
-
-    def __exit__(self, *exc):
-        sys.stdout.close()
-        sys.stdout, sys.stderr = self._saved
 
 
 @pytest.mark.parametrize("example", [e for _, e in EXAMPLES], ids=[n for n, _ in EXAMPLES])
@@ -365,3 +350,16 @@ def test_shell_cleanup_kills_background_jobs(tmp_path):
     status = Path(f"/proc/{int(pidfile.read_text())}/status")
     assert not status.exists() or "zombie" in status.read_text()
 
+
+
+def test_every_page_writes_the_checkpoints_it_loads():
+    """A reader who follows one page alone has every test checkpoint it loads: a code block
+    of the page writes that family (`python -m mlx_lm_diffusion.testing checkpoints
+    --families ...`) before a block first names it."""
+    for page in PAGES:
+        written = set()
+        for block in re.findall(r"^```[a-z]*\n(.*?)^```", page.read_text(), flags=re.S | re.M):
+            for match in re.finditer(r"mlx_lm_diffusion\.testing checkpoints[^\n]*--families ([a-z0-9_ ]+)", block):
+                written |= set(match.group(1).split())
+            for name in re.findall(r"checkpoints/([a-z0-9_]+)", block):
+                assert name in written, f"{page.name} loads checkpoints/{name} before writing it"

@@ -39,10 +39,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("out", type=Path, help="the directory to write them under (one subdirectory per family)")
     parser.add_argument("--families", nargs="+", choices=families, default=families, metavar="FAMILY",
                         help=f"which to write (default: all of {', '.join(families)})")
+    parser.add_argument("--skip-existing", action="store_true",
+                        help="leave a family's directory that exists as it is (its path is printed all the same)")
     args = parser.parse_args(argv)
     chosen = writers()
     for family in args.families:
         path = args.out / family
+        if path.exists() and args.skip_existing:
+            print(path)
+            continue
         if path.exists():
             print(f"error: {path} exists; choose a new directory", file=sys.stderr)
             return 2
