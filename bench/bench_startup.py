@@ -1,0 +1,87 @@
+"""Start-up to first token of the generate CLI against `mlx_lm.generate` on the same machine
+(a benchmark, not a test): each command started fresh, REPEATS times alternated, median.
+
+- `mlx_lm_diffusion.generate` on the embedded demo (no --model), `--max-tokens 8`;
+- `mlx_lm.generate` on a tiny random llama written here (2 layers, the test checkpoints'
+  byte tokenizer), `--max-tokens 8`: mlx-lm's own start-up, the peer a user compares with;
+- `python -c "import mlx_lm_diffusion"` and `python -c "import mlx_lm"`: the imports alone.
+
+Both CLIs import transformers (mlx-lm's tokenizer wrapper), which imports torch when it is
+installed (the `test` extra installs it; a user's `pip install mlx-lm-diffusion` does not):
+`import torch` alone is timed too, the part of either start-up a user without torch skips.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python bench/bench_startup.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPEATS = 5
+
+
+def tiny_llama(path: Path) -> Path:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB, write_tokenizer
+
+    path.mkdir(parents=True)
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
+                  tie_word_embeddings=False, max_position_embeddings=512, eos_token_id=EOS_ID)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    write_tokenizer(path)
+    return path
+
+
+def seconds(command: list, env: dict) -> float:
+    tic = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed: {done.stderr[-500:]}")
+    return time.perf_counter() - tic
+
+
+def measure(env: dict, llama_path: Path) -> dict:
+    py = sys.executable
+    commands = {
+        "mlx_lm_diffusion.generate (demo)": [py, "-m", "mlx_lm_diffusion.generate", "--prompt", "357+468=",
+                                             "--max-tokens", "8", "--verbose", "False"],
+        "mlx_lm.generate (tiny llama)": [py, "-m", "mlx_lm.generate", "--model", str(llama_path), "--prompt", "hi",
+                                         "--max-tokens", "8", "--verbose", "False"],
+        "import mlx_lm_diffusion": [py, "-c", "import mlx_lm_diffusion"],
+        "import mlx_lm": [py, "-c", "import mlx_lm"],
+        "import torch": [py, "-c", "import torch"],
+    }
+    times = {name: [] for name in commands}
+    for _ in range(REPEATS):
+        for name, command in commands.items():
+            times[name].append(seconds(command, env))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        llama_path = tiny_llama(Path(tmp) / "llama")
+        rows = {"this environment (torch installed)": measure({**os.environ, "HF_HUB_OFFLINE": "1"}, llama_path)}
+    for label, row in rows.items():
+        print(f"\n{label} (median of {REPEATS}, seconds)")
+        for name, value in row.items():
+            print(f"  {name:36s} {value:6.2f}")
+        ratio = row["mlx_lm_diffusion.generate (demo)"] / row["mlx_lm.generate (tiny llama)"]
+        print(f"  start to answer, ours / mlx_lm.generate: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
