@@ -95,3 +95,15 @@ def test_a_bad_template_argument_names_no_path_or_repr(llada_path):
             message = body["error"]["message"]
             assert status == 400 and "cannot build a prompt" in message
             assert str(llada_path) not in message and "name_or_path" not in message, message
+
+
+def test_a_request_rule_replaces_the_servers_rule_defaults():
+    """Issue 52's bug: a server started with --threshold 0.9 answers a request's factor (its
+    own rule) instead of refusing two rules the client never sent together; strategy,
+    schedule and entropy_bound likewise."""
+    flags = ["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING", "--threshold", "0.9"]
+    with running_server(flags) as (httpd, _):
+        port = httpd.server_address[1]
+        for rule in ({"factor": 1.0}, {"entropy_bound": 0.5}, {"strategy": "low_confidence"}):
+            status, body = post_json(port, "/v1/chat/completions", {"messages": ASK, "max_tokens": 8, **rule})
+            assert status == 200 and body["choices"][0]["message"]["content"] == "825", (rule, body)

@@ -15,7 +15,7 @@ from mlx_lm.server import (
 )
 
 from mlx_lm_diffusion.api import compat
-from mlx_lm_diffusion.decoding.options import default_max_tokens
+from mlx_lm_diffusion.decoding.options import IMPLIED_RULES, default_max_tokens
 from mlx_lm_diffusion.output import request_constraints
 from mlx_lm_diffusion.serving import distributed_server
 from mlx_lm_diffusion.serving.errors import RequestError
@@ -30,7 +30,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' integer logprobs, as OpenAI bounds it
 DEFAULT_MAX_CHOICES = 16  # choices in one answer (n times the prompts): rows of one batch (--max-choices)
-_RULE_FIELDS = ("strategy", "threshold")
+# the fields that choose a commit rule (a strategy, a schedule, a setting that selects its own
+# rule): the decoding layer's list, so that none is missed (issue 52: {"factor": 1.0} under a
+# server's --threshold was refused as two rules)
+_RULE_FIELDS = ("strategy", "schedule", *IMPLIED_RULES)
 
 
 def check_sampling_against_vocabulary(args: Any, vocab_size: int) -> None:
@@ -119,8 +122,8 @@ def parse_request_options(body: dict) -> Tuple[dict, bool]:
 
 def merge_options(defaults: dict, requested: dict) -> dict:
     """The server's decoding defaults under a request's fields. A request that names its
-    commit rule (strategy or threshold) drops the server's rule defaults, which belong
-    to another rule."""
+    commit rule (a strategy, a schedule, or a setting that selects a rule: threshold,
+    factor, entropy_bound) drops the server's rule defaults, which belong to another rule."""
     if any(name in requested for name in _RULE_FIELDS):
         defaults = {k: v for k, v in defaults.items() if k not in _RULE_FIELDS}
     return {**defaults, **requested}
