@@ -107,3 +107,24 @@ def test_a_request_rule_replaces_the_servers_rule_defaults():
         for rule in ({"factor": 1.0}, {"entropy_bound": 0.5}, {"strategy": "low_confidence"}):
             status, body = post_json(port, "/v1/chat/completions", {"messages": ASK, "max_tokens": 8, **rule})
             assert status == 200 and body["choices"][0]["message"]["content"] == "825", (rule, body)
+
+
+def test_head_is_answered_where_get_is_and_only_safe_host_names_pass(demo):
+    """Issue 55.8: HEAD on a GET route is GET's status and headers without a body (was 501);
+    a dotless host name (a rebinding name a search domain completes) is refused like any
+    other name the operator did not allow; localhost, *.localhost and IP literals pass."""
+    for path in ("/health", "/v1/models", "/studio"):
+        conn = http.client.HTTPConnection("127.0.0.1", demo, timeout=60)
+        conn.request("HEAD", path)
+        response = conn.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type")
+        assert response.read() == b""
+        conn.close()
+    for host, status in (("evil", 403), ("evil.example.com", 403), ("localhost", 200), ("app.localhost", 200),
+                         ("127.0.0.1", 200), ("[::1]", 200)):
+        conn = http.client.HTTPConnection("127.0.0.1", demo, timeout=60)
+        conn.putrequest("GET", "/health", skip_host=True)
+        conn.putheader("Host", f"{host}:{demo}")
+        conn.endheaders()
+        assert conn.getresponse().status == status, host
+        conn.close()

@@ -138,7 +138,7 @@ def long_stream(port, extra=None):
             "logit_bias": {str(EOS_ID): -1e9, str(EOT_ID): -1e9}, "block_length": 4, **(extra or {})}
     sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
     received = b""
     while b"data: " not in received:  # bounded by the socket timeout

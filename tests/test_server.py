@@ -301,7 +301,7 @@ def test_disconnect_mid_stream_frees_the_server(client, port, monkeypatch):
     sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     payload = json.dumps(body).encode()
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
     )
     received = b""

@@ -36,6 +36,16 @@ def _host_of(header: str) -> str:
     return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
+class _Discard:
+    """A write side that drops what it is given (a HEAD answer's body)."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
 class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
     """mlx_lm.server's handler with decoding fields, drafts, bounded bodies, the
     served-model and browser checks, and OpenAI-shaped errors everywhere."""
@@ -120,6 +130,21 @@ class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
 
     do_PUT = do_DELETE = do_PATCH = _no_such_method
 
+    def do_HEAD(self):
+        """HEAD where GET is answered (RFC 9110): GET's status and headers, no body."""
+        real = self.wfile
+        self._head = True
+        try:
+            self.do_GET()
+        finally:
+            self._head = False
+            self.wfile = real
+
+    def end_headers(self):
+        super().end_headers()
+        if getattr(self, "_head", False):  # (a HEAD answer ends with its headers)
+            self.wfile = _Discard()
+
     def log_message(self, format, *args):
         logging.info("%s - %s", self.address_string(), excerpt((format % args).encode(), 300))
 
@@ -147,8 +172,8 @@ class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
         return True
 
     def _host_allowed(self, header: str) -> bool:
-        """IP literals and single-label names (localhost) are safe from DNS
-        rebinding; a domain name must be one the operator named."""
+        """IP literals and localhost are safe from DNS rebinding; any other name must be
+        one the operator named (--allowed-hosts) or the address it serves on."""
         host = _host_of(header)
         cli = self.response_generator.cli_args
         allowed = {h.lower() for h in (getattr(cli, "allowed_hosts", None) or [])}
@@ -159,7 +184,9 @@ class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
             return True
         except ValueError:
             pass
-        return "." not in host and host != ""
+        # (localhost and *.localhost resolve to this machine only, RFC 6761; any other name,
+        # dotless too, could be a rebinding name a search domain completes)
+        return host == "localhost" or host.endswith(".localhost")
 
     def _origin_allowed(self, origin: str) -> bool:
         """An origin the operator allowed, or this server's own (its pages, the studio:
