@@ -122,3 +122,22 @@ def test_the_extras_install_from_a_clone():
         "optional-dependencies"]
     assert {"constraints", "vision", "eval", "test", "all"} <= set(extras)
     assert extras["all"] == ["mlx-lm-diffusion[constraints,vision,bench,eval,plot]"]
+
+
+def test_nan_weights_are_said_at_load(tmp_path, capsys):
+    """Issue 55.8: a checkpoint with NaN weights loaded and served noise with no word; the
+    load now says how many tensors are not finite (and a clean one says nothing)."""
+    from safetensors.numpy import load_file, save_file
+
+    from mlx_lm_diffusion.testing.checkpoints import write_llada
+
+    path = write_llada(tmp_path / "nan")
+    mld.load(str(path))
+    assert "NaN" not in capsys.readouterr().err
+    weights = load_file(str(path / "model.safetensors"))
+    name = next(k for k in weights if k.endswith("ff_out.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    mld.load(str(path))
+    err = capsys.readouterr().err
+    assert "NaN or infinite values in 1 weight tensor(s)" in err and str(path) in err

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.utils import _download, load_config
 from mlx_lm.utils import load as mlx_lm_load
 
@@ -107,6 +109,8 @@ def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_pa
             trust_remote_code=bool(trust_remote_code),
         )
         check_weights(model)
+        if not sharded:
+            warn_non_finite(model, model_path)
         if adapter_path and not sharded:  # (mx.load's lazy adapter arrays, bound to this thread)
             mx.eval(model.parameters())
         if sharded:
@@ -118,6 +122,20 @@ def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_pa
         return model, tokenizer
     processor._mlx_lm_tokenizer = tokenizer  # the text doors keep mlx-lm's wrapper
     return model, processor
+
+
+def warn_non_finite(model: Any, model_path: Any) -> int:
+    """Say on stderr (once, at load) how many weight tensors hold NaN or infinite values: such a
+    checkpoint (a broken conversion, a diverged training run) loads and decodes meaningless
+    tokens with no error. Returns that count. One pass over the weights, evaluated together."""
+    named = [(k, v) for k, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    flags = [mx.any(mx.logical_not(mx.isfinite(v))) for _, v in named]
+    mx.eval(flags)
+    bad = [k for (k, _), flag in zip(named, flags) if flag.item()]
+    if bad:
+        print(f"warning: {model_path} has NaN or infinite values in {len(bad)} weight tensor(s) (first: {bad[0]}); "
+              "its output will be meaningless", file=sys.stderr)
+    return len(bad)
 
 
 def _processor(model: Any, model_path: Any, config: dict) -> Any:
