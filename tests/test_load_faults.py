@@ -141,3 +141,24 @@ def test_nan_weights_are_said_at_load(tmp_path, capsys):
     mld.load(str(path))
     err = capsys.readouterr().err
     assert "NaN or infinite values in 1 weight tensor(s)" in err and str(path) in err
+
+
+def test_a_fifo_for_weights_or_adapters_is_refused_not_waited_on(tmp_path):
+    """Issue 55.8: a FIFO named model.safetensors (or an adapter file) hung every door; it is
+    a ValueError at load, and the generate CLI's one line with exit 2."""
+    import os
+
+    from mlx_lm_diffusion.testing.checkpoints import write_llada
+
+    path = write_llada(tmp_path / "fifo")
+    (path / "model.safetensors").unlink()
+    os.mkfifo(path / "model.safetensors")
+    with pytest.raises(ValueError, match="model.safetensors is not a regular file"):
+        mld.load(str(path))
+    done = run_main("mlx_lm_diffusion.generate", "--model", str(path), "--prompt", "hi")
+    assert done.returncode == 2 and "not a regular file" in done.stderr
+    adapters = tmp_path / "adapters"
+    adapters.mkdir()
+    os.mkfifo(adapters / "adapter_config.json")
+    with pytest.raises(ValueError, match="adapter_config.json is not a regular file"):
+        mld.load(str(DEMO_MODEL_PATH), adapter_path=str(adapters))

@@ -33,6 +33,19 @@ def _check_local_path(path_or_hf_repo: str) -> None:
         )
 
 
+def check_regular_files(*folders: Any) -> None:
+    """Refuse (ValueError) a checkpoint or adapter directory whose files are not regular
+    files: a FIFO named model.safetensors (or config.json, adapters.safetensors, ...) made
+    every door wait for a writer that never comes."""
+    for folder in folders:
+        if folder is None or not Path(folder).is_dir():
+            continue
+        for entry in Path(folder).iterdir():
+            if entry.suffix in (".json", ".safetensors", ".jinja", ".model", ".txt") and not entry.is_file() \
+                    and not entry.is_dir():
+                raise ValueError(f"{entry} is not a regular file (a pipe or a device): give the checkpoint's files")
+
+
 def load(
     path_or_hf_repo: str,
     tokenizer_config: Optional[Dict[str, Any]] = None,
@@ -67,6 +80,7 @@ def load(
     this rank's shard is read (tensor parallelism: mlx_lm_diffusion.parallel.distributed)."""
     _check_local_path(path_or_hf_repo)
     model_path = _download(path_or_hf_repo, revision=revision)
+    check_regular_files(model_path, adapter_path)
     with checkpoint_errors(model_path):
         return _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code,
                      group)
