@@ -409,3 +409,42 @@ def test_a_client_that_half_closes_gets_its_whole_answer(llada_path, mode):
         text = "".join(json.loads(line[len(b"data: "):])["choices"][0]["text"] for line in streamed.split(b"\n")
                        if line.startswith(b"data: {") and json.loads(line[len(b"data: "):])["choices"])
         assert text == expected
+
+
+def test_client_template_renderers_are_bounded(monkeypatch):
+    """Issue 55.8: twelve clients with templates started twelve renderer processes; at most
+    MAX_RENDERERS run at once, a client past them waits, and one that waits past the render
+    limit is told to try again (the server answers it 503)."""
+    import threading
+    import time
+
+    from mlx_lm_diffusion.serving import template_sandbox
+
+    running, most, lock = [0], [0], threading.Lock()
+
+    def slow_render(request):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return "text"
+
+    monkeypatch.setattr(template_sandbox, "_render", slow_render)
+    monkeypatch.setattr(template_sandbox, "RENDER_SECONDS", 0.5)
+    outcomes = []
+
+    def client():
+        try:
+            outcomes.append(template_sandbox.render("t", [], None, {}, {}))
+        except template_sandbox.RenderersBusy:
+            outcomes.append("busy")
+
+    threads = [threading.Thread(target=client) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert most[0] == template_sandbox.MAX_RENDERERS
+    assert outcomes.count("text") >= 2 and "busy" in outcomes and len(outcomes) == 12

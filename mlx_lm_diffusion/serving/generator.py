@@ -321,6 +321,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 ids = self._client_template_prompt(tokenizer, request, args)
             result = (ids, [ids], ["assistant"], "normal", None) if ids is not None else super()._tokenize(
                 tokenizer, request, args)
+        except template_sandbox.RenderersBusy as e:
+            raise RequestError(str(e), status=503, param="chat_template_kwargs", code="busy") from e
         except template_sandbox.TemplateError as e:
             raise RequestError(str(e), param="chat_template_kwargs") from e
         except Exception as e:

@@ -5,7 +5,8 @@ tricks but not `{{ 'x' * 10**10 }}` (memory) nor nested loops of a billion turns
 Rendered in the server, one such request took the process's memory or a thread forever.
 Here each client template is rendered by `python -m mlx_lm_diffusion.serving.template_sandbox`
 under a memory cap (RLIMIT_DATA) and a CPU-time cap (RLIMIT_CPU), killed past a wall-clock
-limit, its output bounded; the server then tokenizes the text it returned. The child costs
+limit, its output bounded, at most MAX_RENDERERS at once (a client past them waits, then gets
+a 503); the server then tokenizes the text it returned. The child costs
 about a second (transformers' renderer imports); only client templates pay it.
 """
 
@@ -16,6 +17,7 @@ import math
 import resource
 import subprocess
 import sys
+import threading
 from typing import Any, Optional
 
 # wall clock for one render, the child's start included (its imports take 1 s on a quiet
@@ -24,10 +26,16 @@ RENDER_SECONDS = 30
 RENDER_CPU_SECONDS = 5
 RENDER_MEMORY_BYTES = 512 * 1024 * 1024  # the child's data segment over its start (~120 MB)
 MAX_RENDERED_BYTES = 4 * 1000 * 1000  # a prompt longer than this is no prompt a model takes
+MAX_RENDERERS = 2  # renderer processes at once: more clients wait for one (up to RENDER_SECONDS), then a 503
+_renderers = threading.BoundedSemaphore(MAX_RENDERERS)
 
 
 class TemplateError(ValueError):
     """The client's template failed, or went past a limit (a 400)."""
+
+
+class RenderersBusy(TemplateError):
+    """Every renderer slot stayed taken for RENDER_SECONDS (a 503: try again)."""
 
 
 def render(template: str, messages: list, tools: Optional[list], kwargs: dict, specials: dict) -> str:
@@ -35,6 +43,15 @@ def render(template: str, messages: list, tools: Optional[list], kwargs: dict, s
     with add_generation_prompt=True: the tokenizer's special tokens are variables)."""
     request = json.dumps({"template": template, "messages": messages, "tools": tools,
                           "kwargs": {**specials, **kwargs}})
+    if not _renderers.acquire(timeout=RENDER_SECONDS):
+        raise RenderersBusy(f"{MAX_RENDERERS} client chat templates are rendering already; try again")
+    try:
+        return _render(request)
+    finally:
+        _renderers.release()
+
+
+def _render(request: str) -> str:
     try:
         done = subprocess.run([sys.executable, "-m", __name__], input=request.encode(), capture_output=True,
                               timeout=RENDER_SECONDS)
