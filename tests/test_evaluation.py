@@ -433,3 +433,20 @@ def test_generate_until_stops_limits_and_applies_the_chat_template(demo, llada):
     rendered = chat.apply_chat_template(history)
     assert rendered == tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     assert rendered != "Hello" and chat._encode(rendered) == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_task_yaml_that_runs_code_needs_the_confirmation(tmp_path, capsys, monkeypatch):
+    """Issue 55.6(c): a local task with `!function` (lm-eval imports the directory's Python)
+    or an `include:` from outside its directory is refused before anything loads unless
+    --confirm-run-unsafe-code; the check reads the YAML as text and runs none of it."""
+    monkeypatch.setattr(task_index, "BUILTIN_TASKS", False)
+    for name, yaml in (("fn", "task: t_fn\nprocess_docs: !function utils.process_docs\n"),
+                       ("inc", "include: ../../elsewhere/base.yaml\ntask: t_inc\n")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "task.yaml").write_text(yaml)
+        code, _, err = run_cli(capsys, "--model", "/nonexistent", "--tasks", f"t_{name}", "--include-path", str(folder))
+        assert code == 2 and "--confirm-run-unsafe-code" in one_error_line(err), err
+        code, _, err = run_cli(capsys, "--model", "/nonexistent", "--tasks", f"t_{name}", "--include-path", str(folder),
+                               "--confirm-run-unsafe-code")
+        assert "--confirm-run-unsafe-code" not in err  # (past the gate: it fails later, on the model or the task)

@@ -78,7 +78,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="A JSON formatted string of arguments for the tokenizer's apply_chat_template, "
                         "e.g. '{\"enable_thinking\":false}'")
     p.add_argument("--confirm-run-unsafe-code", action="store_true", default=False,
-                   help="Confirm that you want to run tasks that execute untrusted code.")
+                   help="Confirm that you want to run tasks that execute untrusted code (lm-eval's flag; here also "
+                        "local task YAML with `!function` or an `include:` from outside its directory)")
     p.add_argument("--trust-remote-code", action="store_true", help="Enable trusting remote code for tokenizer")
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
@@ -131,9 +132,10 @@ def evaluate(args: argparse.Namespace) -> list:
     from mlx_lm.sample_utils import make_sampler
 
     from mlx_lm_diffusion.evaluation.harness import DiffusionLM
-    from mlx_lm_diffusion.evaluation.tasks import task_manager
+    from mlx_lm_diffusion.evaluation.tasks import check_task_code, task_manager
 
     options, settings, tasks = _checked_flags(args)
+    check_task_code(args.include_path, tasks, args.confirm_run_unsafe_code)
     manager = task_manager(tasks, args.include_path)  # (unknown tasks fail before the model loads)
     args.model = model_or_demo(args.model)
     loaded = load(args.model, trust_remote_code=args.trust_remote_code)

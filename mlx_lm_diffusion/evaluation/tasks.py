@@ -8,6 +8,7 @@ task asked for. Unknown names are refused before the model is loaded, in one lin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -45,3 +46,33 @@ def _checked(manager: TaskManager, names: Sequence[str], where: str) -> TaskMana
         raise ValueError(f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}{where}; "
                          "list lm-eval's with `lm-eval ls tasks`, or add a directory of YAML tasks with --include-path")
     return manager
+
+
+# what in a task YAML makes lm-eval run code or read outside the directory
+_FUNCTION = re.compile(r"!function\s+(\S+)")
+_INCLUDE = re.compile(r"^\s*include\s*:\s*['\"]?([^'\"\s#]+)", re.M)
+
+
+def check_task_code(include_path: Optional[str], names: Sequence[str], confirmed: bool) -> None:
+    """Refuse (ValueError), unless `confirmed` (--confirm-run-unsafe-code), local task YAML that
+    runs Python (`!function module.name`: lm-eval imports the task directory's module) or
+    includes a file from outside its directory. Read as text: nothing of it runs here.
+    (lm-eval's Jinja templates, `doc_to_text` and friends, render unsandboxed: a task
+    directory is code; docs/evaluation.md says so.)"""
+    if confirmed:
+        return
+    files = [Path(n) for n in names if Path(n).is_file()]
+    if include_path is not None:
+        files += sorted(Path(include_path).rglob("*.yaml")) + sorted(Path(include_path).rglob("*.yml"))
+    for path in files:
+        text = path.read_text(errors="replace")
+        function = _FUNCTION.search(text)
+        if function:
+            raise ValueError(f"{path} runs Python code ({function.group(0)}); pass --confirm-run-unsafe-code to run "
+                             "a task you trust")
+        for target in _INCLUDE.findall(text):
+            resolved = (path.parent / target).resolve()
+            root = Path(include_path).resolve() if include_path is not None else path.parent.resolve()
+            if root not in resolved.parents and resolved != root:
+                raise ValueError(f"{path} includes {target}, outside {root}; pass --confirm-run-unsafe-code "
+                                 "to read it")
