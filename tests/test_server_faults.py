@@ -448,3 +448,28 @@ def test_client_template_renderers_are_bounded(monkeypatch):
         t.join(timeout=30)
     assert most[0] == template_sandbox.MAX_RENDERERS
     assert outcomes.count("text") >= 2 and "busy" in outcomes and len(outcomes) == 12
+
+
+def test_a_prompt_that_cannot_fit_is_refused_from_its_length(monkeypatch):
+    """Issue 55.1: a 9.9 MB prompt (under the body limit) was tokenized in full before the
+    context check, on the path every request waits on; it is a 400 from its length alone,
+    the tokenizer never asked, and the next request is answered."""
+    from serving import post_json, running_server
+
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+    from mlx_lm_diffusion.serving.generator import DiffusionResponseGenerator
+
+    tokenized = []
+    real = DiffusionResponseGenerator._tokenize
+    monkeypatch.setattr(DiffusionResponseGenerator, "_tokenize",
+                        lambda self, *a, **k: tokenized.append(1) or real(self, *a, **k))
+    with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
+        port = httpd.server_address[1]
+        for body in ({"messages": [{"role": "user", "content": "1" * 9_900_000}]},
+                     {"prompt": ["1+2=" * 400]}, {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                                             "text": "9" * 5000}]}]}):
+            status, answer = post_json(port, "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
+            assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
+        assert tokenized == []
+        status, answer = post_json(port, "/v1/completions", {"prompt": "357+468=", "max_tokens": 8})
+        assert status == 200 and answer["choices"][0]["text"] == "825" and tokenized == [1]

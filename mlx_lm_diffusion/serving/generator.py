@@ -171,6 +171,21 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                                processor=images.served_processor(self.model_provider) if pictures else None,
                                image_policy=images.server_policy(self.cli_args), validated=True)
 
+    def longest_token_chars(self) -> Optional[int]:
+        """The most characters one vocabulary entry spells (its string in the tokenizer's
+        vocabulary: a byte-level entry has a character per byte, at least its text's
+        characters), so a text has at least len(text) / this many tokens. Cached per tokenizer."""
+        tokenizer = self.model_provider.tokenizer
+        cache = self.__dict__.setdefault("_longest", {})
+        key = id(tokenizer)
+        if key not in cache:
+            hf = getattr(tokenizer, "_tokenizer", tokenizer)
+            try:
+                cache[key] = max((len(t) for t in hf.get_vocab()), default=0) or None
+            except Exception:  # noqa: BLE001 (a processor or a tokenizer without a vocabulary: no bound)
+                cache[key] = None
+        return cache[key]
+
     def textless(self, token: int) -> bool:
         """Whether `token` has no text of its own (a canvas's padding: the demo's <blank>;
         special tokens such as EOS): usage does not count it. Cached per tokenizer."""

@@ -120,6 +120,50 @@ def parse_request_options(body: dict) -> Tuple[dict, bool]:
     return options, drafts
 
 
+def prompt_characters(body: dict) -> tuple[int, int]:
+    """(characters of the prompt's text, token ids given as such) of a completions `prompt`
+    or a chat's `messages` (string contents and text parts), read without tokenizing."""
+    chars, ids = 0, 0
+
+    def add(value: Any) -> None:
+        nonlocal chars, ids
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, int) and not isinstance(item, bool):
+                    ids += 1
+                elif isinstance(item, dict):
+                    add(item.get("text"))
+                else:
+                    add(item)
+
+    add(body.get("prompt"))
+    for message in body.get("messages") or ():
+        if isinstance(message, dict):
+            add(message.get("content"))
+    return chars, ids
+
+
+def check_prompt_length(body: dict, generator: Any) -> None:
+    """Refuse (400) from its length alone a prompt that cannot fit the model's context: it has
+    at least characters / (the most characters a vocabulary entry holds) tokens. A 10 MB
+    prompt was tokenized in full first (15-30 s, 1 GB) on the path every request waits on."""
+    provider = getattr(generator, "model_provider", None)
+    model = getattr(provider, "model", None)
+    context = getattr(model, "max_length", None)
+    longest = generator.longest_token_chars() if hasattr(generator, "longest_token_chars") else None
+    if not isinstance(context, int) or not longest:
+        return
+    chars, ids = prompt_characters(body)
+    at_least = ids + chars // longest
+    if at_least >= context:
+        field = "messages" if "messages" in body else "prompt"
+        raise RequestError(f"the prompt has at least {at_least} tokens ({chars} characters, at most {longest} a "
+                           f"token), more than the model's context of {context}: shorten it", param=field,
+                           code="context_length_exceeded")
+
+
 def merge_options(defaults: dict, requested: dict) -> dict:
     """The server's decoding defaults under a request's fields. A request that names its
     commit rule (a strategy, a schedule, or a setting that selects a rule: threshold,
@@ -312,6 +356,7 @@ class RequestFields:
         top_logprobs, self.top_logprobs = self.top_logprobs, -1  # (mlx_lm.server stops at 11; OpenAI at 20)
         super().validate_model_parameters()
         self.top_logprobs = top_logprobs
+        check_prompt_length(self.body, self.response_generator)
         self.decode_options, self.drafts = parse_request_options(self.body)
         if self.drafts and not self.stream:
             raise ValueError("drafts are sent as SSE comments of a stream; set stream to true")
