@@ -473,3 +473,37 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(monkeypatch):
         assert tokenized == []
         status, answer = post_json(port, "/v1/completions", {"prompt": "357+468=", "max_tokens": 8})
         assert status == 200 and answer["choices"][0]["text"] == "825" and tokenized == [1]
+
+
+def test_the_per_client_cap_is_on_by_default():
+    """Issue 55.3: 520 idle sockets from one address locked everyone out because the
+    per-client cap was off; by default one address holds at most 64 connections and another
+    address is still answered (0 turns the cap off, for a server behind a reverse proxy)."""
+    import socket
+
+    from mlx_lm_diffusion.serving import startup
+    from mlx_lm_diffusion.serving.http_server import DEFAULT_MAX_CLIENT_CONNECTIONS
+
+    assert startup.parse_args(["--port", "0"]).max_client_connections == DEFAULT_MAX_CLIENT_CONNECTIONS == 64
+    argv = ["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING"]
+    with running_server(argv) as (httpd, _):
+        port = httpd.server_address[1]
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=60) for _ in range(70)]
+        try:
+            for _ in range(400):
+                if httpd.open_connections() == 64 and _refused(idle) == 6:
+                    break
+                threading.Event().wait(0.05)
+            assert httpd.open_connections() == 64 and _refused(idle) == 6
+            other = socket.socket()
+            other.bind(("127.0.0.2", 0))
+            other.settimeout(60)
+            other.connect(("127.0.0.1", port))
+            other.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert other.recv(65536).startswith(b"HTTP/1.0 200")
+            other.close()
+        finally:
+            for s in idle:
+                s.close()
+    with running_server([*argv, "--max-client-connections", "0"]) as (httpd, _):
+        assert httpd.max_client_connections is None

@@ -21,6 +21,7 @@ from mlx_lm_diffusion.serving.handler import DiffusionAPIHandler
 
 DEFAULT_READ_TIMEOUT = 30.0
 DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_MAX_CLIENT_CONNECTIONS = 64  # one address's share: the other 448 stay for everyone else
 LISTEN_BACKLOG = 128
 
 
@@ -38,7 +39,7 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, max_client_connections: Optional[int] = None):
         self.read_timeout = read_timeout
         self.max_connections = max_connections
-        self.max_client_connections = max_client_connections  # None: no per-client cap
+        self.max_client_connections = max_client_connections or None  # None (or 0): no per-client cap
         self.draining = False
         self._lock = threading.Lock()
         self._open = 0

@@ -95,6 +95,7 @@ from mlx_lm_diffusion.serving.errors import StartupError
 from mlx_lm_diffusion.serving.generator import DEFAULT_LONG_FORWARDS, DEFAULT_MAX_FORWARDS, DiffusionResponseGenerator
 from mlx_lm_diffusion.serving.handler import DEFAULT_MAX_BODY_BYTES
 from mlx_lm_diffusion.serving.http_server import (
+    DEFAULT_MAX_CLIENT_CONNECTIONS,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_READ_TIMEOUT,
     DiffusionHTTPServer,
@@ -256,9 +257,11 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Seconds a client has to send its request line, headers and body (default 30)")
     group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
-    group.add_argument("--max-client-connections", type=int, default=None,
-                       help="Open connections one client address may hold; more get a 503 (default: no "
-                            "per-client cap; behind a proxy every client has the proxy's address)")
+    group.add_argument("--max-client-connections", type=int, default=DEFAULT_MAX_CLIENT_CONNECTIONS,
+                       help="Open connections one client address may hold; more get a 503 (default "
+                            f"{DEFAULT_MAX_CLIENT_CONNECTIONS}, so one address cannot take every connection; 0: no "
+                            "per-client cap, for a server behind a reverse proxy, where every client has the "
+                            "proxy's address)")
     group.add_argument("--allow-client-chat-templates", action="store_true",
                        help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
     group.add_argument("--no-batch", action="store_true",
@@ -331,8 +334,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         _fail("--read-timeout must be positive")
     if args.max_connections < 1:
         _fail("--max-connections must be at least 1")
-    if args.max_client_connections is not None and args.max_client_connections < 1:
-        _fail("--max-client-connections must be at least 1")
+    if args.max_client_connections is not None and args.max_client_connections < 0:
+        _fail("--max-client-connections must be 0 (no cap) or more")
     if args.max_forwards < 1:
         _fail("--max-forwards must be at least 1")
     if args.max_choices < 1:
