@@ -481,3 +481,12 @@ def test_the_generate_cli_takes_edit_ops(path22):
     bad = run_main("mlx_lm_diffusion.generate", *base, "--edit-ops", "insert", "delete")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: LLaDA2.2's insert and delete edits are written by its token edits; add 'substitute' to edit_ops"]
+
+
+def test_the_chat_repl_decodes_with_edits(path22):
+    """The chat door on a LLaDA2.2 checkpoint (its chat template, the edit decoding)."""
+    from cli_run import run
+
+    done = run("mlx_lm_diffusion.chat", "--model", str(path22), "--max-tokens", "8", stdin="Hello\nq\n")
+    assert done.returncode == 0, done.stderr
+    assert "tokens" in done.stdout and "bye" in done.stdout
