@@ -187,33 +187,34 @@ def long_forwards(scheduler, steps: int) -> int:
 def test_kernels_compile_in_a_private_directory_and_health_says_when_they_cannot(tmp_path):
     """MLX compiles its CPU kernels under $TMPDIR/mlx/<version>/ and loads what it finds
     there: under a shared TMPDIR a planted library was loaded into the server. The server
-    now makes its own 0700 directory (removed at exit); /health is a 503 when kernels
-    cannot be written there (every generation failed while /health said ok)."""
+    now compiles into the user's own 0700 cache (kept across starts, so a later start finds
+    its kernels compiled), never the shared TMPDIR; /health is a 503 when kernels cannot be
+    written there (every generation failed while /health said ok)."""
     import shutil
     import stat
 
     from serving import console_server
 
-    shared = tmp_path / "shared"
+    shared, cache = tmp_path / "shared", tmp_path / "cache"
     shared.mkdir()
-    env = {**os.environ, "TMPDIR": str(shared), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "TMPDIR": str(shared), "XDG_CACHE_HOME": str(cache), "HF_HUB_OFFLINE": "1"}
+    kernels = cache / "mlx_lm_diffusion" / "kernels"
     command = [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(DEMO_MODEL_PATH)]
     with console_server(command, env, tmp_path / "log") as port:
         status, body = protocol(port, PROTOCOL)
         assert status == 200, body
-        private = [p for p in shared.iterdir() if p.name.startswith("mlx_lm_diffusion-")]
-        assert len(private) == 1 and stat.S_IMODE(private[0].stat().st_mode) == 0o700
-        assert not (shared / "mlx").exists() and (private[0] / "mlx").is_dir()  # (the kernels went there)
+        assert stat.S_IMODE(kernels.stat().st_mode) == 0o700
+        assert list(shared.iterdir()) == [] and (kernels / "mlx").is_dir()  # (the kernels went there)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("GET", "/health")
         assert conn.getresponse().status == 200
-        shutil.rmtree(private[0])  # (kernels can no longer be written)
+        shutil.rmtree(kernels)  # (kernels can no longer be written)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         conn.request("GET", "/health")
         response = conn.getresponse()
         body = json.loads(response.read())
-        assert response.status == 503 and body["status"] == "unavailable" and str(shared) not in body["reason"]
-    assert not any(p.name.startswith("mlx_lm_diffusion-") for p in shared.iterdir())
+        assert response.status == 503 and body["status"] == "unavailable" and str(cache) not in body["reason"]
+    assert list(shared.iterdir()) == []
 
 
 def _readable(sock) -> bool:

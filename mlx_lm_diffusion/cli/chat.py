@@ -31,6 +31,7 @@ import mlx_lm.chat as mlx_chat
 from mlx_lm.cli_ui import ChatUI, print_chat_help, print_header_panel
 from mlx_lm.sample_utils import make_sampler
 
+from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.cli.canvas_view import CanvasView
 from mlx_lm_diffusion.cli.generate import load_for_cli
@@ -223,6 +224,8 @@ class DiffusionChatUI(ChatUI):
         return query
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if argv is None:  # (as a program: MLX's kernels in the user's own cache, not a shared /tmp)
+        kernel_cache.use_for_cli()
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     refused = refused_flag(parser, args, REFUSED)

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
+from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api.install import quiet_config_warnings
 from mlx_lm_diffusion.api.loading import _check_local_path, checkpoint_errors, read_config
 from mlx_lm_diffusion.flags import exit_status, one_line_errors
@@ -184,6 +185,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if argv is None:  # (as a program: MLX's kernels in the user's own cache, not a shared /tmp)
+        kernel_cache.use_for_cli()
     p = setup_arg_parser()
     args = p.parse_args(argv)
     if args.hf_path is None:

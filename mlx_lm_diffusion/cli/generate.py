@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.compat import add_decode_arguments, decode_defaults
 from mlx_lm_diffusion.api.generation import DiffusionResponse, generate, generate_batch, stream_generate  # noqa: F401
@@ -161,6 +162,8 @@ def make_cli_sampler(args: argparse.Namespace, tokenizer: TokenizerWrapper):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if argv is None:  # (as a program: MLX's kernels in the user's own cache, not a shared /tmp)
+        kernel_cache.use_for_cli()
     # Under mlx.launch every rank runs this with the same flags (mlx_lm_diffusion.parallel.distributed).
     group = distributed.launched_group()
     with distributed.group_failures_end_the_process(group):

@@ -28,6 +28,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api.compat import add_decode_arguments, decode_defaults
 from mlx_lm_diffusion.api.loading import load
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
@@ -95,6 +96,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if argv is None:  # (as a program: MLX's kernels in the user's own cache, not a shared /tmp)
+        kernel_cache.use_for_cli()
     parser = setup_arg_parser()
     args = parser.parse_args(argv)
     try:

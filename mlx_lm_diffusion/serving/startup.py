@@ -84,6 +84,7 @@ from mlx_lm.server import (
 )
 from mlx_lm.utils import _parse_size
 
+from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.install import install
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
@@ -277,8 +278,9 @@ def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="A request that could take more forwards than this is long: long requests hold at "
                             f"most half of a batch's rows, the rest stay for short ones (default {DEFAULT_LONG_FORWARDS})")
     group.add_argument("--kernel-cache-dir", default=None,
-                       help="Where MLX compiles its kernels (default: a new private directory, removed at exit; "
-                            "never the shared temporary directory)")
+                       help="Where MLX compiles its kernels (default: ~/.cache/mlx_lm_diffusion/kernels, 0700, kept "
+                            "across starts; never the shared temporary directory; a directory others can write is "
+                            "refused)")
     group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
                        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
                             "(default 30)")
@@ -353,8 +355,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hf_logging.set_verbosity_error()  # AutoTokenizer warns about model types it does not know
     args = parse_args(argv)
     args.model = model_or_demo(args.model)  # (as the generate and chat CLIs)
-    private, saved_tmpdir = args.kernel_cache_dir is None, os.environ.get("TMPDIR")
-    args.kernel_cache_dir = use_kernel_cache(args.kernel_cache_dir)
+    saved_tmpdir = os.environ.get("TMPDIR")
+    args.kernel_cache_dir, private = use_kernel_cache(args.kernel_cache_dir)
     restore_nofile()
     stop = threading.Event()
     signals: List[int] = []
@@ -377,23 +379,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tempfile.tempdir = None
 
 
-def use_kernel_cache(named: Optional[str]) -> str:
-    """The server's temporary directory, where MLX compiles its CPU kernels (and loads any
-    library it finds under $TMPDIR/mlx/<version>/: under a shared /tmp, one another user
-    planted). A new 0700 directory of its own, or the one the operator names
-    (--kernel-cache-dir, created 0700 if missing); TMPDIR points there from now on."""
-    if named is None:
-        path = Path(tempfile.mkdtemp(prefix="mlx_lm_diffusion-"))
-    else:
-        path = Path(named).expanduser()
-        try:
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as e:
-            _fail(f"--kernel-cache-dir {named}: {e.strerror or e}")
-    os.environ["TMPDIR"] = str(path)
-    tempfile.tempdir = None  # (read TMPDIR again)
+def use_kernel_cache(named: Optional[str]) -> tuple[str, bool]:
+    """(the server's kernel and temporary directory, whether it is private: removed at the
+    end). The per-user cache (mlx_lm_diffusion.kernel_cache: 0700, the user's own, kept across
+    starts so a fresh server finds its kernels compiled), or the operator's --kernel-cache-dir
+    (refused, one line, where others could write to it); TMPDIR points there from now on."""
+    try:
+        path, private, why = kernel_cache.prepare(named)
+    except ValueError as e:
+        _fail(str(e))
+    if why:
+        logging.warning("kernel cache: %s; using a private directory instead", why)
+    kernel_cache.use(path)
     logging.info("kernel cache and temporary files: %s", path)
-    return str(path)
+    return path, private
 
 
 def _serve(args, stop: threading.Event, signals: List[int], command_line: bool) -> int:

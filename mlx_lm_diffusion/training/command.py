@@ -33,6 +33,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api.loading import load, read_config
 from mlx_lm_diffusion.cli.plain_output import plain_unless_terminal
 from mlx_lm_diffusion.demo import model_or_demo
@@ -204,6 +205,8 @@ def run(args: types.SimpleNamespace) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if argv is None:  # (as a program: MLX's kernels in the user's own cache, not a shared /tmp)
+        kernel_cache.use_for_cli()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")  # (as mlx_lm.lora)
     args = build_parser().parse_args(argv)
     with plain_unless_terminal():  # (mlx-lm's training table is coloured: not into a pipe or a file)

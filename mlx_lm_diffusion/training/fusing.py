@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api.loading import load, read_config
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import exit_status, one_line_errors
@@ -65,6 +66,8 @@ def fuse(model_path: str, adapter_path: str, save_path: str, dequantize: bool = 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    if argv is None:  # (as a program: MLX's kernels in the user's own cache, not a shared /tmp)
+        kernel_cache.use_for_cli()
     args = build_parser().parse_args(argv)
 
     def work() -> None:
