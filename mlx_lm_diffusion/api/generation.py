@@ -17,6 +17,7 @@ from mlx_lm_diffusion.decoding.engine import Engine, Step
 from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.media import images
+from mlx_lm_diffusion.output.detokenize import answer_detokenizer
 from mlx_lm_diffusion.output.infill import encode_suffix, suffix_seed
 from model_adapters import adapter_for
 
@@ -69,8 +70,7 @@ def stream_generate(
     seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
     engine = Engine(adapter, options)
     P = len(ids)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
+    detokenizer = answer_detokenizer(tokenizer)
 
     tic = time.perf_counter()
     prompt_tps, emitted = 0.0, 0

@@ -53,6 +53,7 @@ from mlx_lm_diffusion.api.compat import check_decode_fields, fit_max_tokens
 from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch, family_key
 from mlx_lm_diffusion.decoding.engine import Step
 from mlx_lm_diffusion.decoding.options import DecodeOptions, ResolvedOptions, forward_bound, named_options, resolve
+from mlx_lm_diffusion.output.detokenize import answer_detokenizer
 from mlx_lm_diffusion.serving import peers
 from mlx_lm_diffusion.serving.errors import Cancelled, RequestError
 from mlx_lm_diffusion.serving.stream_batching import ResponseSender
@@ -169,7 +170,7 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         sender = ResponseSender(rqueue)  # (drafts and tokens keep their order through it)
         drafts = generator._draft_sender(sender) if getattr(req, "drafts", False) else None
         job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
-                  args.top_logprobs, tokenizer.detokenizer, cache_entry=_cache_writer(generator),
+                  args.top_logprobs, answer_detokenizer(tokenizer), cache_entry=_cache_writer(generator),
                   cache_lookup=_cache_reader(generator), logprobs=bool(args.logprobs), sender=sender,
                   forwards=forward_bound(options, adapter, len(prompt)))
     except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
