@@ -71,6 +71,22 @@ def measure(env: dict, llama_path: Path) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def import_shares(module: str, env: dict) -> dict:
+    """Milliseconds of `import module` by top-level package (each module's own time, from
+    `python -X importtime`): what a door imports, and whose imports they are."""
+    import collections
+    import re
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {module}"], env=env,
+                          capture_output=True, text=True)
+    shares = collections.Counter()
+    for line in done.stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)", line)
+        if m:
+            shares[m[2].split(".")[0]] += int(m[1]) / 1000
+    return dict(shares.most_common(8))
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         llama_path = tiny_llama(Path(tmp) / "llama")
@@ -81,6 +97,10 @@ def main() -> None:
             print(f"  {name:36s} {value:6.2f}")
         ratio = row["mlx_lm_diffusion.generate (demo)"] / row["mlx_lm.generate (tiny llama)"]
         print(f"  start to answer, ours / mlx_lm.generate: {ratio:.2f}x")
+    for module in ("mlx_lm_diffusion.cli.generate", "mlx_lm_diffusion.cli.chat", "mlx_lm_diffusion.server"):
+        shares = import_shares(module, os.environ)
+        print(f"\nimport {module}: ms by package, own time: "
+              + ", ".join(f"{name} {ms:.0f}" for name, ms in shares.items()))
 
 
 if __name__ == "__main__":

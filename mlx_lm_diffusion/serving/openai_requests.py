@@ -17,7 +17,7 @@ from mlx_lm.server import (
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.decoding.options import IMPLIED_RULES, default_max_tokens
 from mlx_lm_diffusion.output import request_constraints
-from mlx_lm_diffusion.serving import distributed_server
+from mlx_lm_diffusion.serving import distributed_server, tool_choice
 from mlx_lm_diffusion.serving.errors import RequestError
 
 SEED_MAX = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
@@ -89,7 +89,7 @@ class DiffusionRequest(CompletionRequest):
 
 # OpenAI's request fields this server reads no meaning from: accepted and ignored (README)
 IGNORED_OPENAI_FIELDS = (
-    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "tool_choice", "function_call",
+    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "function_call",
     "functions", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier",
 )
@@ -178,7 +178,7 @@ _BODY_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
     "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
     "xtc_probability", "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed",
-    "stop", "tools", "role_mapping", "chat_template_kwargs", "draft_model", "adapters",
+    "stop", "tools", "tool_choice", "role_mapping", "chat_template_kwargs", "draft_model", "adapters",
     "num_draft_tokens", "drafts", "n", "echo", "best_of",
 )
 
@@ -358,6 +358,10 @@ class RequestFields:
         self.top_logprobs = top_logprobs
         check_prompt_length(self.body, self.response_generator)
         self.decode_options, self.drafts = parse_request_options(self.body)
+        forced = tool_choice.forced_call_format(self.body) if self.path != "/v1/completions" else None
+        if forced is not None:
+            self.decode_options["response_format"] = forced  # (checked and compiled as any other)
+        self.forced_tool_call = forced is not None
         if self.drafts and not self.stream:
             raise ValueError("drafts are sent as SSE comments of a stream; set stream to true")
         if self.drafts and self.choice_count > 1:

@@ -14,7 +14,7 @@ from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.media import images
-from mlx_lm_diffusion.serving import choices, stream_batching, studio, template_sandbox
+from mlx_lm_diffusion.serving import choices, stream_batching, studio, template_sandbox, tool_choice
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     _BODY_FIELDS,
@@ -215,6 +215,8 @@ class Routes:
         if pictures and (self.chat_template_kwargs or {}).get("chat_template") is not None:
             raise RequestError("a client chat template cannot be combined with images (the processor renders "
                                "those prompts in the server)", param="chat_template_kwargs")
+        if self.body.get("tool_choice") == "none":  # (the model is not told of the tools: it calls none)
+            self.body = {**self.body, "tools": None}
         request = self._diffusion_request(super().handle_chat_completions())
         request.images = pictures
         tokenizer = generator.model_provider.tokenizer
@@ -276,6 +278,7 @@ class Routes:
         self._stop_texts = list(stop_words or ())  # (matched on the text: _Guarded._iterate)
         self._finish = None
         self._made_tool_call = False
+        self._tool_text = ""  # a required tool call's JSON so far (_answer_as_tool_call)
         self._text_offset = 0  # (legacy log-probs: where the next token starts in the text)
         self._answer_tokens = 0  # usage.completion_tokens: the answer's tokens (_count_answer_token)
         self._role_sent = False  # a stream's role goes in its first delta only, as OpenAI's
@@ -339,6 +342,8 @@ class Routes:
             if choice.get("finish_reason") == "length" and self._finish:  # (handed on as "length": _Guarded._iterate)
                 tool_call = self._finish == "stop" and self._made_tool_call  # (as mlx_lm.server reports one)
                 choice["finish_reason"] = "tool_calls" if tool_call else self._finish
+            if getattr(self, "forced_tool_call", False):
+                self._answer_as_tool_call(choice)
             choice["logprobs"] = None  # (OpenAI's answers carry the field, null when not asked)
             if isinstance(choice.get("message"), dict):
                 choice["message"].setdefault("refusal", None)  # (required by OpenAI's schema; never one here)
@@ -354,6 +359,25 @@ class Routes:
             elif self.object_type == "text_completion" and getattr(self, "legacy_logprobs", None) is not None:
                 choice["logprobs"] = self._legacy_logprobs()
         return json_safe(response)
+
+    def _answer_as_tool_call(self, choice: dict) -> None:
+        """A required tool call (serving.tool_choice): the answer's JSON, held back from a
+        stream's deltas, comes back as the message's tool_calls once it is whole; an answer
+        cut short stays text, with its finish reason."""
+        message = choice.get("delta") if self.stream else choice.get("message")
+        if not isinstance(message, dict):
+            return
+        self._tool_text += (message.pop("content", None) or "")
+        if choice.get("finish_reason") is None:
+            return
+        calls = tool_choice.as_tool_calls(self._tool_text, self.stream) if choice["finish_reason"] == "stop" else None
+        if calls is None:
+            message["content"] = self._tool_text
+        else:
+            message["content"] = None
+            message["tool_calls"] = calls
+            choice["finish_reason"] = "tool_calls"
+        self._tool_text = ""
 
     def _legacy_logprobs(self) -> dict:
         """/v1/completions' shape: tokens, token_logprobs, top_logprobs (one dict of the
