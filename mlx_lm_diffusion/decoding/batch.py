@@ -41,6 +41,7 @@ import numpy as np
 from mlx_lm_diffusion.decoding.decoders import Forward, ReadBack
 from mlx_lm_diffusion.decoding.decoders.fused_commit import FusedForward, commit_rows, deterministic_rule
 from mlx_lm_diffusion.decoding.engine import Engine, Step
+from mlx_lm_diffusion.decoding.interpreter_exit import computing
 from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
 from mlx_lm_diffusion.decoding.options import ResolvedOptions
 from model_adapters import Adapter
@@ -144,6 +145,10 @@ class RunningBatch:
         batched forward, and advance each row to the request after (with `pipeline`:
         queue that forward and its commits, which the next call reads back). Returns the
         rows' events in order (a row that finished is out of the batch)."""
+        with computing():  # (the interpreter's exit waits for it: interpreter_exit)
+            return self._step()
+
+    def _step(self) -> list[RowEvent]:
         events: list[RowEvent] = []
         self._settle(events)  # (the step the previous call left in flight)
         for row in list(self.rows.values()):

@@ -30,6 +30,7 @@ import numpy as np
 
 from mlx_lm_diffusion.decoding.decoders import Canvas, Forward, Queued, ReadBack, decoder_class
 from mlx_lm_diffusion.decoding.decoders.kept_logprobs import KeptLogprobs, kept_arrays
+from mlx_lm_diffusion.decoding.interpreter_exit import computing
 from mlx_lm_diffusion.decoding.options import ResolvedOptions
 from model_adapters import Adapter
 
@@ -120,6 +121,17 @@ def answered(requests: Iterator, predict: Callable[[Forward], mx.array]) -> Iter
             yield item
 
 
+def exit_guarded(steps: Iterator[Step]) -> Iterator[Step]:
+    """`steps`, each made inside interpreter_exit.computing() (the interpreter's exit waits
+    for it to land; none starts once it is exiting)."""
+    while True:
+        with computing():
+            step = next(steps, None)
+        if step is None:
+            return
+        yield step
+
+
 class Engine:
     """Runs one resolved decode through an adapter; iterate `run()` for the steps."""
 
@@ -159,9 +171,9 @@ class Engine:
         # A queued step runs ahead of the host only where a stale `done` cannot change it:
         # one row (its decode ends when it is done) and a decoder that reads nothing back.
         if self.pipeline and B == 1 and self.decoder.may_run_ahead():
-            yield from pipelined(queued, land, lambda: canvas.done.all())
+            yield from exit_guarded(pipelined(queued, land, lambda: canvas.done.all()))
         else:
-            yield from map(land, queued)
+            yield from exit_guarded(map(land, queued))
 
     def row_steps(self, prompt: mx.array, seed: Optional[np.ndarray] = None, reuse: Any = None):
         """One row's decode for a driver that batches forwards (mlx_lm_diffusion.decoding.batch):

@@ -109,6 +109,12 @@ class _Guarded:
                         end = min(hits) if hits else len(text)
                         handler._finish = "stop" if hits else response.finish_reason
                         release(end if hits else math.inf)  # (at the end: all of them)
+                        if pending and pending[0][2] - len(pending[0][1]) < end:
+                            # a token the stop begins inside: its entry keeps the text before the
+                            # stop, so the entries still add up to the answer
+                            first, first_text, first_end = pending[0]
+                            pending[0] = (first, first_text[: len(first_text) - (first_end - end)], end)
+                            release(end)
                         out.append(dataclasses.replace(response, text=text[sent:end], finish_reason="length"))
                         yield from stream_batching.merge_texts(out)
                         return  # (a decode still running is cancelled by the handler)

@@ -132,6 +132,13 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
     model = getattr(args, "model", None)
     if isinstance(model, str) and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
         raise StartupError(f"cannot load --model {model!r}: no such directory")
+    adapter = getattr(args, "adapter_path", None)  # (checked here, so the message names the flag at fault)
+    if isinstance(adapter, str):
+        if not Path(adapter).expanduser().is_dir():
+            raise StartupError(f"cannot load --adapter-path {adapter!r}: no such directory")
+        for name in ("adapter_config.json", "adapters.safetensors"):  # (what mlx_lm's load_adapters reads)
+            if not (Path(adapter).expanduser() / name).is_file():
+                raise StartupError(f"cannot load --adapter-path {adapter!r}: it has no file {name}")
     install()
     provider = ModelProvider(args)
     # mlx_lm.server bounds the bytes only when it batches; here always (the KV it holds)
@@ -401,7 +408,9 @@ def _serve(args, stop: threading.Event, signals: List[int], command_line: bool) 
         httpd, generator = start(args)
     except StartupError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        # (the generation thread that tried to load is still there: a normal interpreter
+        # exit beside it aborted 1 of 6 starts with a missing --adapter-path, issue 55.4)
+        return _exit_now(2) if command_line else 2
     if httpd is None:
         code = distributed_server.follow(generator)
         return _exit_now(code) if command_line else code
