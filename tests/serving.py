@@ -50,6 +50,16 @@ def post_json(port: int, path: str, body, timeout: float = TIMEOUT):
         conn.close()
 
 
+def get_json(port: int, path: str, timeout: float = TIMEOUT):
+    """The JSON answer of one GET of 127.0.0.1:`port` `path`."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

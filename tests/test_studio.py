@@ -17,13 +17,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
-from serving import post_json, running_server
+from serving import get_json, post_json, running_server
 
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.output import unmask_order
@@ -151,6 +152,66 @@ def test_a_bad_option_shows_the_servers_message(studio):
     assert studio.text("#pane-a .answer") == "" and studio.text("#history") == ""
     assert studio.problems == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
     studio.problems.clear()  # (the browser's own line about the refused request: expected here)
+
+
+def test_an_error_clears_the_panes_old_results(studio):
+    studio.ask("357+468=")
+    assert studio.text("#pane-a .answer") == "825" and studio.frames()
+    studio.set("a", threshold=2)
+    studio.ask("1+1=")  # refused: nothing of the previous prompt may stay under the error
+    assert studio.text("#pane-a .error")
+    assert studio.text("#pane-a .answer") == "" and studio.frames() == []
+    assert studio.page.locator("#pane-a .canvas .cell").count() == 0
+    assert studio.text("#pane-a .forwards") == "0" and studio.text("#pane-a .tpf") == "–"
+    assert studio.page.locator("#pane-a .replay").is_disabled() and studio.page.locator("#pane-a .png").is_disabled()
+    assert studio.page.evaluate("document.querySelector('#pane-a .order').width") == 10
+    studio.problems.clear()  # (the browser's own line about the refused request)
+
+
+def test_the_defaults_shown_are_the_checkpoints(studio):
+    """The placeholders say what the served model decodes with when a field is left empty:
+    the demo's generation_config.json (max_tokens 32, block_length 8), not the schema's."""
+    config = json.loads((DEMO_MODEL_PATH / "generation_config.json").read_text())
+    field = lambda name: studio.page.locator(f"#pane-a .settings [name={name}]")  # noqa: E731
+    assert field("max_tokens").get_attribute("placeholder") == str(config["max_new_tokens"])
+    assert field("block_length").get_attribute("placeholder") == str(config["block_length"])
+    assert field("steps").get_attribute("placeholder") == str(config["steps"])
+    assert field("strategy").locator("option").first.inner_text() == f"(default: {config['strategy']})"
+    studio.ask("357+468=")  # and that is what a run with the fields empty does
+    frames = studio.frames()
+    assert len(frames[-1]["tokens"]) == config["max_new_tokens"] and frames[0]["block"] == [0, config["block_length"]]
+
+
+def test_stop_cancels_a_long_request(studio):
+    """Stop ends the request (the server cancels its decode: nothing runs after it); the
+    live tokens/forward counts a block's committed positions before the block ends."""
+    port = int(studio.url.rsplit(":", 1)[1])
+    studio.set("a", max_tokens=110, block_length=110, steps=110)  # one block of the demo's whole context: seconds
+    studio.page.fill("#prompt", "357+468=")
+    studio.page.click("#run")
+    studio.runs += 1
+    for _ in range(1200):  # (wait_for_function evaluates a string: the page's CSP refuses it)
+        if studio.page.evaluate("window.studio.panes.a.frames.length") >= 5:
+            break
+        time.sleep(0.1)
+    shown, last = studio.page.evaluate("() => [document.querySelector('#pane-a .tpf').textContent, "
+                                       "window.studio.panes.a.frames.at(-1)]")
+    studio.page.evaluate("document.querySelector('#stop').click()")  # (at once: the canvas grows under it)
+    studio.page.wait_for_selector(f"body[data-runs='{studio.runs}']", timeout=WAIT_MS)
+    assert studio.text("#pane-a .error") == "stopped: the request was cancelled"
+    decoded = last["states"][: last["block"][1]].count("c")  # (the block's committed positions, live)
+    if shown != "–":  # (no frame drawn yet at that instant)
+        assert float(shown) == pytest.approx(max(decoded, last["committed"]) / last["forwards"], abs=0.01)
+    frames = studio.frames()
+    assert len(frames) < 110 and studio.text("#history") == ""
+    assert studio.page.locator("#stop").is_disabled() and not studio.page.locator("#run").is_disabled()
+    for _ in range(300):  # the server's decode ends at its next forward
+        if get_json(port, "/v1/stats")["running"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the decode still runs 30 s after Stop")
+    studio.problems.clear()  # (the browser's own line about the aborted fetch, if any)
 
 
 def test_compare_runs_two_settings_side_by_side(studio):

@@ -23,6 +23,7 @@ from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.protocol import prepare_request, run_request, validate_request
 from mlx_lm_diffusion.decoding.decoders.speculative import check_greedy
 from mlx_lm_diffusion.decoding.engine import Step
+from mlx_lm_diffusion.decoding.interpreter_exit import release_thread_streams, thread_streams
 from mlx_lm_diffusion.decoding.kv_reuse import CachedTokensTap, cache_occupancy
 from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.output import request_constraints
@@ -288,6 +289,10 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
     # -- generation thread
 
     def _generate(self):
+        with thread_streams():  # (the generation thread's MLX streams end with it: interpreter_exit)
+            self._load_and_generate()
+
+    def _load_and_generate(self):
         try:
             self.model_provider.load_default()
         except Exception as e:  # reported by wait_loaded; the thread ends
@@ -311,7 +316,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
     def stop_and_join(self):
         if self.scheduler is not None:
             self.scheduler.stop()
+        self.protocol_worker.submit(release_thread_streams)  # (their one thread's last task: interpreter_exit)
         self.protocol_worker.shutdown(wait=True, cancel_futures=True)
+        self.lone_worker.submit(release_thread_streams)
         self.lone_worker.shutdown(wait=True)  # (a queued decode still answers: cancelled at its first check)
         super().stop_and_join()
 

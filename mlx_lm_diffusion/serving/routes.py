@@ -145,7 +145,9 @@ class Routes:
             return self._send_static(200, *studio.static_file(path))
         if path == studio.OPTIONS_PATH:
             provider = self.response_generator.model_provider
-            return self._send_json(200, studio.options_listing(provider.model, provider.tokenizer))
+            generator = self.response_generator
+            return self._send_json(200, studio.options_listing(provider.model, provider.tokenizer, generator.defaults,
+                                                               provider.cli_args.max_tokens))
         if path in POST_PATHS or path == PROTOCOL_PATH:
             return self._method_not_allowed("POST")
         if not (self.path.startswith("/v1/models") or self.path == "/health"):

@@ -52,6 +52,7 @@ from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _ma
 from mlx_lm_diffusion.api.compat import check_decode_fields, fit_max_tokens
 from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch, family_key
 from mlx_lm_diffusion.decoding.engine import Step
+from mlx_lm_diffusion.decoding.interpreter_exit import thread_streams
 from mlx_lm_diffusion.decoding.options import DecodeOptions, ResolvedOptions, forward_bound, named_options, resolve
 from mlx_lm_diffusion.output.detokenize import answer_detokenizer
 from mlx_lm_diffusion.serving import peers
@@ -294,6 +295,10 @@ class Scheduler:
     # -- the scheduler's thread
 
     def _run(self) -> None:
+        with thread_streams():  # (this thread's MLX streams end with it: interpreter_exit)
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stop and not self.queued and not self.turns:

@@ -14,6 +14,7 @@ from importlib import resources
 from typing import Any, Optional
 
 from mlx_lm_diffusion.decoding.option_schema import GENERIC_NAMES, MAX_TEMPERATURE, schema
+from mlx_lm_diffusion.decoding.options import DecodeOptions, default_max_tokens, resolve
 from model_adapters import adapter_for
 
 STUDIO_PATH = "/studio"
@@ -48,11 +49,35 @@ def static_file(path: str) -> Optional[tuple[bytes, str]]:
     return resources.files(__package__).joinpath("studio_page", name).read_bytes(), content_type
 
 
-def options_listing(model: Any, tokenizer: Any) -> dict:
+def effective_defaults(adapter: Any, server_defaults: dict, max_tokens: Optional[int]) -> dict:
+    """What a request that leaves an option out decodes with on this server: the server's
+    flags, then the checkpoint's generation_config.json, then the family's defaults (the
+    demo: max_tokens 32 and block_length 8, not the schema's 256 and 32)."""
+    values = {k: v for k, v in server_defaults.items() if v is not None}
+    values["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens(adapter.model)
+    try:
+        resolved = resolve(DecodeOptions(**values), adapter, prompt_len=1)
+    except (TypeError, ValueError):  # (a family that needs more than an empty prompt to resolve)
+        return {"max_tokens": values["max_tokens"]}
+    out = {"max_tokens": resolved.max_tokens, "block_length": resolved.block_length, "steps": resolved.steps,
+           "strategy": resolved.rule.name, **resolved.family}
+    for name in ("threshold", "factor", "entropy_bound", "alg_temp"):  # (the rule's own setting)
+        if getattr(resolved.rule, name, None) is not None:
+            out[name] = getattr(resolved.rule, name)
+    if resolved.editing_threshold is not None:
+        out["editing_threshold"] = resolved.editing_threshold
+    out["max_post_steps"] = resolved.max_post_steps
+    return out
+
+
+def options_listing(model: Any, tokenizer: Any, server_defaults: Optional[dict] = None,
+                    max_tokens: Optional[int] = None) -> dict:
     """The named decoding options that a request to the served model may set: the
     generic ones, then its family's own (with the family's presets as the choices of
-    `preset`). Each: name, type (integer, number, boolean, string, array), help, default,
-    minimum / maximum (exclusive_minimum when the low end is open), enum, and family."""
+    `preset`). Each: name, type (integer, number, boolean, string, array), help, default
+    (what this server decodes with when a request leaves it out: `effective_defaults`,
+    from its flags, `max_tokens` its --max-tokens, and the checkpoint), minimum / maximum
+    (exclusive_minimum when the low end is open), enum, and family."""
     adapter = None
     if model is not None and tokenizer is not None:
         try:
@@ -60,6 +85,7 @@ def options_listing(model: Any, tokenizer: Any) -> dict:
         except ValueError:  # (a plain autoregressive model: the generic options only)
             adapter = None
     own = {o.name for o in getattr(adapter, "options", ())}
+    effective = {} if adapter is None else effective_defaults(adapter, server_defaults or {}, max_tokens)
     kinds = {int: "integer", float: "number", bool: "boolean", str: "string", tuple: "array"}
     listing = [{"name": "temperature", "type": "number", "help": "Sampling temperature (0: greedy)",
                 "family": None, "minimum": 0.0, "maximum": MAX_TEMPERATURE}]
@@ -68,8 +94,9 @@ def options_listing(model: Any, tokenizer: Any) -> dict:
             continue
         entry = {"name": name, "type": kinds.get(option.kind, "string"), "help": option.help,
                  "family": None if name in GENERIC_NAMES else adapter.family}
-        if option.default is not None:
-            entry["default"] = option.default
+        default = effective.get(name, option.default)
+        if default is not None:
+            entry["default"] = list(default) if isinstance(default, tuple) else default
         if option.low is not None:
             entry["exclusive_minimum" if option.low_open else "minimum"] = option.low
         if option.high is not None:

@@ -21,7 +21,8 @@ function control(option) {
   let input;
   if (option.enum || option.type === "boolean") {
     const values = option.enum || ["true", "false"];
-    input = el("select", {}, el("option", { value: "", textContent: "(default)" }),
+    const label = option.default !== undefined ? `(default: ${option.default})` : "(default)";
+    input = el("select", {}, el("option", { value: "", textContent: label }),
       ...values.map((v) => el("option", { value: String(v), textContent: String(v) })));
   } else if (option.type === "integer" || option.type === "number") {
     input = el("input", { type: "number", step: option.type === "integer" ? "1" : "any",
@@ -71,17 +72,48 @@ function showError(pane, message) {
   box.hidden = !message;
 }
 
-async function run(pane, messages) {
+function clearPane(pane) {
+  // a new run starts from an empty pane: an error must not leave the previous run's
+  // canvas, answer, figures and picture under it, as if they were this prompt's
   Object.assign(pane, { frames: [], history: emptyHistory(), answer: "", forwards: 0, seconds: 0, finish: null });
   showError(pane, "");
   $(".answer", pane.root).textContent = "";
+  $(".canvas", pane.root).replaceChildren();
+  const order = $(".order", pane.root);
+  order.width = 10;
+  order.height = 10;
+  for (const b of pane.root.querySelectorAll(".png, .svg")) b.disabled = true;
+  const slider = $(".replay", pane.root);
+  Object.assign(slider, { max: "0", value: "0", disabled: true });
+  $(".replay-at", pane.root).textContent = "–";
+  figures(pane);
+}
+
+async function run(pane, messages) {
+  clearPane(pane);
+  pane.running = true;
+  try {
+    return await stream(pane, messages);
+  } finally {
+    pane.running = false;
+    figures(pane);
+  }
+}
+
+async function stream(pane, messages) {
   const body = Object.assign({ model: state.model, messages, stream: true, drafts: true }, settingsOf(pane));
   const started = performance.now();
+  const stopped = () => {
+    showError(pane, "stopped: the request was cancelled");
+    return null;
+  };
   let response;
   try {
     response = await fetch("/v1/chat/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+      signal: state.abort.signal });
   } catch (e) {
+    if (state.abort.signal.aborted) return stopped();
     showError(pane, `the server cannot be reached: ${e}`);
     return null;
   }
@@ -94,16 +126,22 @@ async function run(pane, messages) {
   const reader = response.body.getReader();
   const decoder = new TextDecoder();
   let buffer = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, { stream: true });
-    let cut;
-    while ((cut = buffer.indexOf("\n\n")) >= 0) {
-      const event = buffer.slice(0, cut);
-      buffer = buffer.slice(cut + 2);
-      for (const line of event.split("\n")) handleLine(pane, line, started);
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        for (const line of event.split("\n")) handleLine(pane, line, started);
+      }
     }
+  } catch (e) {
+    if (!state.abort.signal.aborted) throw e;
+    if (pane.frames.length) showFrame(pane, pane.frames.length - 1, true); // (what it made before the stop)
+    return stopped();
   }
   pane.seconds = (performance.now() - started) / 1000;
   if (pane.frames.length) showFrame(pane, pane.frames.length - 1, true); // (the last frame, drawn now)
@@ -222,7 +260,11 @@ function visibleLength(frame) {
 function figures(pane, frame) {
   const last = frame || pane.frames[pane.frames.length - 1];
   const forwards = last ? last.forwards : 0;
-  const committed = last ? last.committed : 0;
+  // during a run, the current block's committed positions count too (`committed` counts
+  // the answer's final tokens only: 0.00 for a whole first block); once it ends, the
+  // answer's tokens (not the EOS padding a decode fills without a forward)
+  const decoded = last && pane.running ? [...last.states.slice(0, last.block[1])].filter((s) => s === "c").length : 0;
+  const committed = last ? Math.max(last.committed, decoded) : 0;
   const seconds = last ? (frame ? last.at : pane.seconds) : 0;
   $(".forwards", pane.root).textContent = String(forwards);
   $(".frames", pane.root).textContent = String(pane.frames.length);
@@ -319,9 +361,16 @@ async function send() {
   const content = image ? [{ type: "image_url", image_url: { url: image } }, { type: "text", text }] : text;
   const messages = state.history.concat([{ role: "user", content }]);
   $("#run").disabled = true;
+  $("#stop").disabled = false;
+  state.abort = new AbortController();
   try {
     const answer = await run(state.panes.a, messages);
-    if ($("#compare").checked) await run(state.panes.b, messages);
+    if ($("#compare").checked && state.abort.signal.aborted) {  // (B's old results are not this prompt's)
+      clearPane(state.panes.b);
+      showError(state.panes.b, "not run: stopped");
+    } else if ($("#compare").checked) {
+      await run(state.panes.b, messages);
+    }
     if (answer !== null) {
       state.history = messages.concat([{ role: "assistant", content: answer }]);
       addTurn("user", text);
@@ -330,6 +379,7 @@ async function send() {
     }
   } finally {
     $("#run").disabled = false;
+    $("#stop").disabled = true;
     document.body.dataset.runs = String(Number(document.body.dataset.runs || 0) + 1);
   }
 }
@@ -350,6 +400,7 @@ async function start() {
   makePane("b", "B").root.hidden = true;
   $("#compare").addEventListener("change", (e) => { state.panes.b.root.hidden = !e.target.checked; });
   $("#run").addEventListener("click", send);
+  $("#stop").addEventListener("click", () => state.abort && state.abort.abort()); // (the server cancels the decode)
   $("#prompt").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
   });
