@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.batch_generate import generate_batch
 from mlx_lm_diffusion.decoding import generation_defaults
-from model_adapters import FAMILIES, check_weights, is_diffusion_model, register
+from model_adapters import FAMILIES, check_weights, evidence, is_diffusion_model, register
 
 # (module, attribute) -> the diffusion implementation it dispatches to
 TARGETS: Tuple[Tuple[str, str, Callable[..., Any]], ...] = (
@@ -147,6 +147,8 @@ def _loads_generation_defaults(original: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(original)
     def load_model(model_path, *args, **kwargs):
+        if _is_diffusion_checkpoint(model_path):  # (before any weight is read)
+            evidence.check(model_path, json.loads((Path(str(model_path)) / "config.json").read_text()))
         loaded = original(model_path, *args, **kwargs)
         if _is_diffusion_checkpoint(model_path):
             check_weights(loaded[0])

@@ -18,7 +18,7 @@ from mlx_lm_diffusion.api.install import quiet_config_warnings
 from mlx_lm_diffusion.decoding import generation_defaults
 from mlx_lm_diffusion.media.images import load_processor
 from mlx_lm_diffusion.parallel.distributed import shard_loaded
-from model_adapters import FAMILIES, check_weights, family_module
+from model_adapters import FAMILIES, check_weights, evidence, family_module
 
 
 def _check_local_path(path_or_hf_repo: str) -> None:
@@ -112,6 +112,7 @@ def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_pa
     config = read_config(model_path)
     if not autoregressive or str(config.get("model_type")) in FAMILIES:
         family_module(str(config.get("model_type")))  # clear error for other model types
+    evidence.check(model_path, config)  # (a checkpoint that borrows a family's model_type: I-DLM's "sdar")
     with quiet_config_warnings():
         sharded = group is not None and group.size() > 1
         model, tokenizer = mlx_lm_load(
