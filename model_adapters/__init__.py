@@ -27,6 +27,7 @@ FAMILIES: dict[str, str] = {
     "llada2_moe": f"{__name__}.llada2",
     "nemotron_labs_diffusion": f"{__name__}.nemotron_labs_diffusion",
     "diffusion_gemma": f"{__name__}.diffusion_gemma",
+    "idlm": f"{__name__}.idlm",  # (its checkpoints say "sdar": model_adapters.evidence picks it)
 }
 
 

@@ -2,8 +2,8 @@
 
 I-DLM's checkpoints say `model_type "sdar"`; loaded as SDAR they decoded garbage with no
 error. Its `use_regular_causal` switch (in config.json, or declared by the checkpoint's own
-configuration_sdar.py) tells them apart: such a checkpoint is refused, naming what it is,
-through every load. SDAR's own checkpoints load as before, and install() leaves mlx-lm's
+configuration_sdar.py) tells them apart: such a checkpoint loads as I-DLM (model_adapters.idlm,
+tests/test_idlm.py) through every load. SDAR's own checkpoints load as before, and install() leaves mlx-lm's
 own model types (Qwen3, Qwen3.5, LFM2) to mlx-lm.
 """
 
@@ -43,28 +43,29 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("which", ["idlm-config", "idlm-code"])
-def test_an_idlm_checkpoint_is_refused_not_loaded_as_sdar(checkpoints, which):
-    with pytest.raises(ValueError, match="is an I-DLM checkpoint .*not SDAR/TraDo"):
-        mld.load(str(checkpoints[which]))
+def test_an_idlm_checkpoint_loads_as_idlm_not_as_sdar(checkpoints, which):
+    model, _ = mld.load(str(checkpoints[which]))
+    assert type(model).__module__ == "model_adapters.idlm" and model.args.use_regular_causal
 
 
-def test_mlx_lms_own_loader_refuses_it_after_install(checkpoints):
+def test_mlx_lms_own_loader_tells_them_apart_after_install(checkpoints):
     import mlx_lm
 
     mld.install()
     try:
-        with pytest.raises(ValueError, match="I-DLM"):
-            mlx_lm.load(str(checkpoints["idlm-config"]))
+        model, _ = mlx_lm.load(str(checkpoints["idlm-code"]))
+        assert type(model).__module__ == "model_adapters.idlm"
         model, _ = mlx_lm.load(str(checkpoints["sdar"]))  # (SDAR's own: as before)
         assert type(model).__module__ == "model_adapters.sdar"
     finally:
         mld.uninstall()
 
 
-def test_the_generate_cli_says_it_in_one_line(checkpoints):
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(checkpoints["idlm-code"]), "--prompt", "hi")
+def test_a_block_causal_idlm_is_refused_in_one_line(checkpoints, tmp_path):
+    path = _edit_config(write_sdar(tmp_path / "idlm-block-causal", block_size=3), use_regular_causal=False)
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(path), "--prompt", "hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "is an I-DLM checkpoint" in r.stderr.strip().splitlines()[-1]
+    assert "use_regular_causal false" in r.stderr.strip().splitlines()[-1]
 
 
 def test_sdar_still_loads_as_sdar(checkpoints):

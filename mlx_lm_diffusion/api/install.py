@@ -147,8 +147,15 @@ def _loads_generation_defaults(original: Callable[..., Any]) -> Callable[..., An
 
     @functools.wraps(original)
     def load_model(model_path, *args, **kwargs):
-        if _is_diffusion_checkpoint(model_path):  # (before any weight is read)
-            evidence.check(model_path, json.loads((Path(str(model_path)) / "config.json").read_text()))
+        if _is_diffusion_checkpoint(model_path):  # (I-DLM's "sdar" checkpoints load as I-DLM)
+            overrides = evidence.family_overrides(model_path, json.loads((Path(str(model_path)) / "config.json").read_text()))
+            if overrides:
+                args = list(args)
+                given = args[2] if len(args) > 2 else kwargs.get("model_config")
+                if len(args) > 2:
+                    args[2] = {**(given or {}), **overrides}
+                else:
+                    kwargs["model_config"] = {**(given or {}), **overrides}
         loaded = original(model_path, *args, **kwargs)
         if _is_diffusion_checkpoint(model_path):
             check_weights(loaded[0])

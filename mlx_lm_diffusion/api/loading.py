@@ -112,7 +112,8 @@ def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_pa
     config = read_config(model_path)
     if not autoregressive or str(config.get("model_type")) in FAMILIES:
         family_module(str(config.get("model_type")))  # clear error for other model types
-    evidence.check(model_path, config)  # (a checkpoint that borrows a family's model_type: I-DLM's "sdar")
+    # a checkpoint that borrows a family's model_type (I-DLM's "sdar") loads as what it is
+    model_config = {**(model_config or {}), **evidence.family_overrides(model_path, config)}
     with quiet_config_warnings():
         sharded = group is not None and group.size() > 1
         model, tokenizer = mlx_lm_load(

@@ -24,6 +24,7 @@ def writers() -> Dict[str, Callable[[Path], Path]]:
         "llada": checkpoints.write_llada,
         "dream": checkpoints.write_dream,
         "sdar": block_checkpoints.write_sdar,
+        "idlm": block_checkpoints.write_idlm,
         "llada2": block_checkpoints.write_llada2,
         "llada2_2": block_checkpoints.write_llada2_2,
         "nemotron_labs_diffusion": nemotron_gemma_checkpoints.write_nemotron,

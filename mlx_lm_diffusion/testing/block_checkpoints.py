@@ -109,6 +109,32 @@ def write_sdar(path: Path, seed: int = 2, hidden=64, n_layers=2, n_heads=4, n_kv
     return path
 
 
+def write_idlm(path: Path, seed: int = 5, block_size: int = 3, forced: Optional[int] = None, **sizes) -> Path:
+    """I-DLM layout (thuEcstasy/I-DLM training/model/Qwen3-8B-b3-allmasked): SDAR's files,
+    `block_size` 3 (the masks per round, N - 1) and I-DLM's `use_regular_causal` switch.
+    `forced` (a token id): every position, masks included, predicts that token (the
+    attention and MLP outputs zeroed, the head made to read one embedding direction): a
+    checkpoint whose drafts are always right, so every round is accepted whole."""
+    write_sdar(path, seed=seed, block_size=block_size, **sizes)
+    config = json.loads((path / "config.json").read_text())
+    config["use_regular_causal"] = True
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    if forced is not None:
+        from safetensors.numpy import load_file
+
+        w = load_file(str(path / "model.safetensors"))
+        for name in w:
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                w[name] = np.zeros_like(w[name])
+        w["model.embed_tokens.weight"][:, 0] = np.abs(w["model.embed_tokens.weight"][:, 0]) + 4.0
+        w["model.norm.weight"] = np.ones_like(w["model.norm.weight"])
+        head = np.zeros_like(w["lm_head.weight"])
+        head[forced, 0] = 1.0
+        w["lm_head.weight"] = head
+        save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 def write_llada2(path: Path, seed: int = 3, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
                  inter=128, moe_inter=32, n_experts=8, top_k=2, n_group=2, topk_group=1,
                  max_len=1024, extra_config: Optional[dict] = None, head_scales: Optional[dict] = None) -> Path:

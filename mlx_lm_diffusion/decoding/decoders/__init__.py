@@ -6,12 +6,14 @@ from typing import Any, Mapping, Optional
 
 from mlx_lm_diffusion.decoding.decoders.base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack
 from mlx_lm_diffusion.decoding.decoders.block_edits import BlockEditsDecoder
+from mlx_lm_diffusion.decoding.decoders.introspective import IntrospectiveDecoder
 from mlx_lm_diffusion.decoding.decoders.masked_block import MaskedBlockDecoder
 from mlx_lm_diffusion.decoding.decoders.speculative import SpeculativeDecoder
 from mlx_lm_diffusion.decoding.decoders.uniform_canvas import UniformCanvasDecoder
 
 DECODERS: dict[str, type[Decoder]] = {
-    d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SpeculativeDecoder, BlockEditsDecoder)
+    d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SpeculativeDecoder, BlockEditsDecoder,
+                        IntrospectiveDecoder)
 }
 
 

@@ -1,0 +1,107 @@
+"""Introspective Strided Decoding (I-DLM): one causal forward per round drafts and verifies.
+
+I-DLM's model is causal with the autoregressive shift (row i of a forward predicts position
+i + 1), trained so that mask tokens after the last real one predict tokens further ahead. The
+reference loop (thuEcstasy/I-DLM's SGLang `idlm_blockN.py`; the same loop as diffusers'
+`IDLMPipeline` with `IDLMBlockDiffusionScheduler.step`), greedy, as done here:
+
+- the prompt is encoded into the KV cache; its last row gives the first token, the *pending*
+  one (final: it is the autoregressive argmax);
+- each round is one causal forward over [pending, K drafts, N - 1 masks] on top of the cache.
+  Row j < K verifies draft j (accepted while it equals the row's argmax, left to right); the
+  first row that disagrees gives the correction. All K accepted: row K gives the next pending
+  token and rows K + 1 .. K + N - 1 (the masks) the next N - 1 drafts. A rejection: the
+  correction is the next pending token and the next round is cold (no drafts: [pending, N - 1
+  masks]);
+- the cache keeps the pending token and the accepted drafts; the rejected drafts' and the
+  masks' keys and values are trimmed (the reference's `crop`).
+
+Every token written is the argmax after a prefix of final tokens, on a causal model: the output
+is greedy autoregressive decoding token for token (whatever the drafts), and a round commits
+1 to N tokens. `block_length` is N. `forwards` counts the rounds (the prompt's pass is not
+counted, as for every family).
+
+Greedy only, as SpeculativeDecoder (whose checks, scores and draft display this decoder shares):
+the reference's sampled verifier (min(1, p / q) on drafts sampled from q) is not built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_lm_diffusion.decoding.decoders.base import Canvas, Queued, ReadBack, Verify, greedy_proposal, log_softmax
+from mlx_lm_diffusion.decoding.decoders.speculative import REFUSED, SpeculativeDecoder
+
+
+class IntrospectiveDecoder(SpeculativeDecoder):
+    name = "introspective"
+
+    @classmethod
+    def check_options(cls, values: dict, adapter: Any) -> None:
+        for name, why in REFUSED.items():
+            if values.get(name) not in (None, ()):
+                why = why.replace("self_spec", "introspective strided decoding")
+                raise ValueError(f"{name} does not apply to I-DLM's introspective strided decoding: {why}; drop {name}")
+        if values.get("block_length") == 1:
+            raise ValueError("I-DLM commits up to block_length tokens per round (N): give block_length >= 2")
+
+    def block_step_bound(self, width: int) -> int:
+        # the first token is the prompt's; every round writes one token at least
+        return max(width - 1, 0)
+
+    def decode_block(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator:
+        if canvas.rows != 1:
+            raise ValueError("I-DLM decodes one row at a time (each row accepts its own drafts)")
+        yield self._seed(state, canvas, start)
+        strides = self.options.block_length  # N
+        position, drafts = start, np.zeros(0, dtype=np.int32)  # position: the pending token, not in the cache
+        for _ in range(end - start):  # (each round writes a token at least: bounded by the span)
+            if canvas.done.all() or position + 1 >= end:
+                return
+            position, drafts = yield from self._round(state, canvas, position, drafts, end, strides)
+        if not canvas.done.all() and position + 1 < end:
+            raise RuntimeError(f"I-DLM did not fill {end - start} positions")
+
+    def _round(self, state: Any, canvas: Canvas, position: int, drafts: np.ndarray, end: int, strides: int):
+        """One forward over [pending, drafts, masks] (a generator: it yields the forward's
+        request and its Steps); returns the next pending token's position and drafts."""
+        a, step = self.adapter, canvas.forwards
+        drafts = drafts[: max(end - position - 2, 0)]  # (the window's rows stay inside the span)
+        K = drafts.size
+        masks = min(strides - 1, end - position - 2 - K)
+        pending = canvas.tokens[:, position : position + 1]
+        window = mx.concatenate([pending, mx.array(drafts[None]), mx.full((1, masks), a.mask_id, mx.int32)],
+                                axis=1).astype(mx.int32)
+        width = window.shape[1]
+        logits = yield Verify(state, window, 0, width)  # (Adapter.verify; a batch's rows share one)
+        scores = self._scores(logits)  # row i: the token at position + 1 + i
+        canvas.forwards += 1
+        if self.keep_logprobs:
+            logprobs = log_softmax(scores)
+            proposed, prob = greedy_proposal(logprobs)
+        else:
+            logprobs = prob = None
+            proposed = mx.argmax(scores, axis=-1).astype(mx.int32)
+        yield ReadBack((proposed,))
+        verified = np.array(proposed)[0]
+        accepted = 0
+        while accepted < K and verified[accepted] == drafts[accepted]:
+            accepted += 1
+        # the accepted drafts are the verify rows' own argmaxes; the next pending token (the
+        # row after the last accepted: the full acceptance's next token or the correction) too
+        tokens = verified[: min(accepted + 1, end - position - 1)]
+        stops = [i for i, t in enumerate(tokens.tolist()) if t in a.eos_ids]
+        if stops:  # nothing is written past an EOS
+            tokens = tokens[: stops[0] + 1]
+        canvas.write(mx.array(tokens[None].astype(np.int32)), position + 1)
+        a.keep(state, position + 1 + accepted)  # the pending token's and the accepted drafts' keys and values
+        following = verified[K + 1 : K + 1 + masks] if accepted == K and not stops else np.zeros(0, np.int32)
+        block = (position + 1, position + 1 + width)  # (the rows' positions: their log-probs)
+        position += accepted + 1
+        self.shown = (position + 1, following) if following.size else None  # (drawn as drafts: draft_callback)
+        yield Queued(canvas.tokens, logprobs, prob, canvas.forwards, block, step, True, True)
+        self.shown = None
+        return position, following.astype(np.int32)

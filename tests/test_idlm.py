@@ -1,0 +1,184 @@
+"""I-DLM (model_adapters.idlm, decoding.decoders.introspective; issue 53.2, greedy).
+
+On tiny random checkpoints in I-DLM's released layout (SDAR's files, `model_type "sdar"`,
+`use_regular_causal`): the forward is transformers' Qwen3ForCausalLM; introspective strided
+decoding is token for token mlx-lm's own greedy generate on the same weights (loaded as a stock
+Qwen3), whether rounds reject at the first draft (random weights), later (a checkpoint built to
+accept one draft then reject) or accept whole (a checkpoint whose masks predict the
+continuation: then a round commits N tokens); a row alone equals the row in a ragged batch; the
+CLI and the server decode it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cli_run import run_main
+from safetensors.numpy import load_file, save_file
+from serving import post_json, running_server
+
+import mlx_lm_diffusion as mld
+from mlx_lm_diffusion.testing.block_checkpoints import SDAR_MASK, write_idlm
+from model_adapters import adapter_for
+
+TOL = 1e-4
+FORCED, ANSWER = 100, 37  # the forced checkpoints' tokens
+PROMPTS = ["Hello there", "abc", "The quick brown fox jumps", "x"]
+
+
+def _as_qwen3(path: Path, to: Path) -> Path:
+    """The same weights as a stock mlx-lm Qwen3 checkpoint (the autoregressive oracle)."""
+    shutil.copytree(path, to)
+    config = json.loads((to / "config.json").read_text())
+    for key in ("use_regular_causal", "block_size", "mask_token_id"):
+        config.pop(key)
+    (to / "config.json").write_text(json.dumps({**config, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
+    return to
+
+
+def _accept_one_then_reject(path: Path) -> Path:
+    """A forced checkpoint where FORCED is followed by ANSWER: every position predicts FORCED
+    (masks too) except a FORCED token's, which predicts ANSWER; so the drafts [FORCED, ...]
+    after a pending ANSWER have their first accepted and their second rejected."""
+    write_idlm(path, forced=FORCED)
+    w = load_file(str(path / "model.safetensors"))
+    w["model.embed_tokens.weight"][:, 1] = 0.0
+    w["model.embed_tokens.weight"][FORCED, 1] = 60.0
+    w["lm_head.weight"][ANSWER, 1] = 1.0
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    import mlx_lm
+
+    root = tmp_path_factory.mktemp("idlm")
+    paths = {"random": write_idlm(root / "random"), "forced": write_idlm(root / "forced", forced=FORCED),
+             "alternating": _accept_one_then_reject(root / "alternating")}
+    loaded = {}
+    for name, path in paths.items():
+        loaded[name] = (path, mld.load(str(path)), mlx_lm.load(str(_as_qwen3(path, root / f"{name}-qwen3"))))
+    return loaded
+
+
+def _greedy_ar(pair, ids: list, max_tokens: int) -> list:
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = pair
+    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_tokens,
+                                                    sampler=make_sampler(0.0))]
+
+
+def _isd(pair, ids: list, max_tokens: int, **options) -> tuple:
+    model, tokenizer = pair
+    tokens, last = [], None
+    for last in mld.stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **options):
+        tokens.append(last.token)
+    return tokens, last.forwards
+
+
+def test_it_loads_as_idlm_from_its_sdar_config(checkpoints):
+    path, (model, tokenizer), _ = checkpoints["random"]
+    assert json.loads((path / "config.json").read_text())["model_type"] == "sdar"
+    assert type(model).__module__ == "model_adapters.idlm"
+    adapter = adapter_for(model, tokenizer)
+    assert (adapter.family, adapter.mask_id, adapter.block_length) == ("I-DLM", SDAR_MASK, 4)  # N = block_size + 1
+
+
+def test_forward_matches_transformers_qwen3(checkpoints):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path, (model, _), _ = checkpoints["random"]
+    cfg = json.loads((path / "config.json").read_text())
+    config = Qwen3Config(**{k: cfg[k] for k in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "num_hidden_layers", "vocab_size", "rope_theta", "rms_norm_eps", "max_position_embeddings")},
+        tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    ref = Qwen3ForCausalLM(config).eval()
+    ref.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(str(path / "model.safetensors")).items()})
+    ids = np.random.default_rng(0).integers(0, 256, (2, 19))
+    ids[:, 12:] = SDAR_MASK  # (mask rows: the model reads them causally too)
+    with torch.no_grad():
+        theirs = ref(torch.from_numpy(ids)).logits.numpy()
+    ours = np.array(model(mx.array(ids)))
+    assert np.abs(ours - theirs).max() <= TOL
+
+
+@pytest.mark.parametrize("name", ["random", "alternating"])
+@pytest.mark.parametrize("strides", [2, 4, 6])
+def test_greedy_is_greedy_autoregressive(checkpoints, name, strides):
+    _, pair, stock = checkpoints[name]
+    tokenizer = pair[1]
+    for prompt, max_tokens in zip(PROMPTS, (24, 9, 17, 5)):
+        ids = tokenizer.encode(prompt)
+        tokens, forwards = _isd(pair, ids, max_tokens, block_length=strides)
+        assert tokens == _greedy_ar(stock, ids, max_tokens), (prompt, strides)
+        assert forwards <= max(len(tokens) - 1, 0)  # (a round commits one token at least)
+
+
+def test_rounds_reject_where_the_drafts_go_wrong(checkpoints):
+    """Random weights: the drafts are wrong at once, one token per round; the alternating
+    checkpoint: a draft accepted, the next rejected, two tokens per round after the first."""
+    _, pair, _ = checkpoints["random"]
+    tokens, forwards = _isd(pair, pair[1].encode("abc"), 24)
+    assert len(tokens) == 24 and forwards == 23
+    _, pair, stock = checkpoints["alternating"]
+    ids = pair[1].encode("abc")
+    tokens, forwards = _isd(pair, ids, 24)
+    assert tokens[:4] == [FORCED, ANSWER, FORCED, ANSWER] and tokens == _greedy_ar(stock, ids, 24)
+    assert forwards < len(tokens) - 1
+
+
+@pytest.mark.parametrize("strides", [2, 3, 4, 8])
+def test_a_checkpoint_whose_masks_predict_the_continuation_commits_n_per_round(checkpoints, strides):
+    _, pair, stock = checkpoints["forced"]
+    ids = pair[1].encode("abc")
+    tokens, forwards = _isd(pair, ids, 24, block_length=strides)
+    assert tokens == _greedy_ar(stock, ids, 24) == [FORCED] * 24
+    # the first token is the prompt's; the cold round adds one and drafts; every later round N
+    assert forwards == 1 + math.ceil((24 - 2) / strides)
+
+
+def test_a_row_alone_equals_the_row_in_a_ragged_batch(checkpoints):
+    for name in ("random", "forced"):
+        _, (model, tokenizer), _ = checkpoints[name]
+        prompts = ["abc", "The quick brown fox jumps", "x y"]
+        batch = mld.generate_batch(model, tokenizer, prompts, max_tokens=[12, 7, 16], return_token_ids=True)
+        for prompt, limit, row in zip(prompts, (12, 7, 16), batch.token_ids):
+            alone, _ = _isd((model, tokenizer), tokenizer.encode(prompt), limit)
+            assert row == [t for t in alone if t not in adapter_for(model, tokenizer).eos_ids]
+
+
+def test_sampling_and_commit_rules_are_refused(checkpoints):
+    _, (model, tokenizer), _ = checkpoints["random"]
+    from mlx_lm.sample_utils import make_sampler
+
+    with pytest.raises(ValueError, match="sampling"):
+        mld.generate(model, tokenizer, "abc", max_tokens=4, sampler=make_sampler(0.7))
+    with pytest.raises(ValueError, match="threshold does not apply to I-DLM"):
+        mld.generate(model, tokenizer, "abc", max_tokens=4, threshold=0.9)
+    with pytest.raises(ValueError, match="block_length >= 2"):
+        mld.generate(model, tokenizer, "abc", max_tokens=4, block_length=1)
+
+
+def test_the_cli_and_the_server_decode_it(checkpoints):
+    path, (model, tokenizer), _ = checkpoints["alternating"]
+    expected = mld.generate(model, tokenizer, "abc", max_tokens=10)
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(path), "--prompt", "abc", "--max-tokens", "10",
+                 "--ignore-chat-template", "--verbose", "False")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == expected
+    with running_server(["--model", str(path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
+        status, body = post_json(httpd.server_address[1], "/v1/completions",
+                                 {"prompt": "abc", "max_tokens": 10, "temperature": 0})
+    assert status == 200 and body["choices"][0]["text"] == expected
