@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -24,22 +23,12 @@ from safetensors.numpy import load_file, save_file
 from serving import post_json, running_server
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.testing.block_checkpoints import SDAR_MASK, write_idlm
+from mlx_lm_diffusion.testing.block_checkpoints import SDAR_MASK, idlm_as_qwen3, write_idlm
 from model_adapters import adapter_for
 
 TOL = 1e-4
 FORCED, ANSWER = 100, 37  # the forced checkpoints' tokens
 PROMPTS = ["Hello there", "abc", "The quick brown fox jumps", "x"]
-
-
-def _as_qwen3(path: Path, to: Path) -> Path:
-    """The same weights as a stock mlx-lm Qwen3 checkpoint (the autoregressive oracle)."""
-    shutil.copytree(path, to)
-    config = json.loads((to / "config.json").read_text())
-    for key in ("use_regular_causal", "block_size", "mask_token_id"):
-        config.pop(key)
-    (to / "config.json").write_text(json.dumps({**config, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}))
-    return to
 
 
 def _accept_one_then_reject(path: Path) -> Path:
@@ -64,7 +53,7 @@ def checkpoints(tmp_path_factory):
              "alternating": _accept_one_then_reject(root / "alternating")}
     loaded = {}
     for name, path in paths.items():
-        loaded[name] = (path, mld.load(str(path)), mlx_lm.load(str(_as_qwen3(path, root / f"{name}-qwen3"))))
+        loaded[name] = (path, mld.load(str(path)), mlx_lm.load(str(idlm_as_qwen3(path, root / f"{name}-qwen3"))))
     return loaded
 
 

@@ -146,6 +146,37 @@ def test_long_requests_leave_rows_for_short_ones(llada_path):
     assert len(answers) == 8 and all(s == 200 for s, _ in answers)
 
 
+def test_a_long_request_is_not_stuck_behind_much_longer_ones(llada_path):
+    """32 requests of 16,384 forwards held every long row: a 300-forward request behind them
+    waited 503.6 s. Each 4x heavier class of long requests now holds at most half the rows of
+    the class below it: beside the heaviest (one row of two here), a request just over the
+    long threshold is admitted at once and answers while they still decode."""
+    argv = ["--model", str(llada_path), "--port", "0", "--log-level", "WARNING", "--decode-concurrency", "4",
+            "--long-request-forwards", "16"]
+    steps = 80  # (5x the threshold: the class above the first)
+    heavy = {**PROTOCOL, "target_length": 3 + steps, "num_steps": steps, "temperature_schedule": [0.0] * steps}
+    medium = {**PROTOCOL, "target_length": 3 + 24, "num_steps": 24, "temperature_schedule": [0.0] * 24}
+    with running_server(argv) as (httpd, generator):
+        port, scheduler = httpd.server_address[1], generator.scheduler
+        answers = []
+        heavies = [threading.Thread(target=lambda: answers.append(protocol(port, heavy, timeout=600)))
+                   for _ in range(4)]
+        for thread in heavies:
+            thread.start()
+        for _ in range(600):  # (until they are queued and one decodes)
+            stats = scheduler.stats()
+            if stats["running_rows"] >= 1 and stats["queued_requests"] >= 3:
+                break
+            time.sleep(0.05)
+        assert scheduler.stats()["running_rows"] == 1  # (the heaviest class: one row of the two long ones)
+        status, _ = protocol(port, medium)  # 24 forwards: long, but of the first class
+        waiting = scheduler.stats()["queued_requests"]
+        for thread in heavies:
+            thread.join(timeout=600)
+    assert status == 200 and waiting >= 2, waiting
+    assert len(answers) == 4 and all(s == 200 for s, _ in answers)
+
+
 def test_a_short_request_does_not_step_with_the_long_ones(llada_path):
     """A short request beside requests at the forward bound shared every one of their steps
     (an 8-token answer behind 16 of them waited 55 s). Rows now decode in lanes by the size

@@ -135,6 +135,20 @@ def write_idlm(path: Path, seed: int = 5, block_size: int = 3, forced: Optional[
     return path
 
 
+def idlm_as_qwen3(path: Path, to: Path) -> Path:
+    """The I-DLM checkpoint at `path`, copied to `to` as a stock mlx-lm Qwen3 checkpoint (the
+    same weights; the autoregressive oracle of its greedy decoding)."""
+    import shutil
+
+    shutil.copytree(path, to)
+    config = json.loads((to / "config.json").read_text())
+    for key in ("use_regular_causal", "block_size", "mask_token_id"):
+        config.pop(key, None)
+    config.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    (to / "config.json").write_text(json.dumps(config, indent=2))
+    return to
+
+
 def write_llada2(path: Path, seed: int = 3, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
                  inter=128, moe_inter=32, n_experts=8, top_k=2, n_group=2, topk_group=1,
                  max_len=1024, extra_config: Optional[dict] = None, head_scales: Optional[dict] = None) -> Path:
