@@ -1,12 +1,13 @@
-"""I-DLM (model_adapters.idlm, decoding.decoders.introspective; issue 53.2, greedy).
+"""I-DLM (model_adapters.idlm, decoding.decoders.introspective; issue 53.2).
 
 On tiny random checkpoints in I-DLM's released layout (SDAR's files, `model_type "sdar"`,
 `use_regular_causal`): the forward is transformers' Qwen3ForCausalLM; introspective strided
 decoding is token for token mlx-lm's own greedy generate on the same weights (loaded as a stock
 Qwen3), whether rounds reject at the first draft (random weights), later (a checkpoint built to
 accept one draft then reject) or accept whole (a checkpoint whose masks predict the
-continuation: then a round commits N tokens); a row alone equals the row in a ragged batch; the
-CLI and the server decode it.
+continuation: then a round commits N tokens); sampled, the distribution of autoregressive
+sampling (a bigram checkpoint whose distributions are known); a row alone equals the row in a
+ragged batch; the CLI and the server decode it.
 """
 
 from __future__ import annotations
@@ -148,12 +149,10 @@ def test_a_row_alone_equals_the_row_in_a_ragged_batch(checkpoints):
             assert row == [t for t in alone if t not in adapter_for(model, tokenizer).eos_ids]
 
 
-def test_sampling_and_commit_rules_are_refused(checkpoints):
+def test_commit_rules_and_temperature_schedules_are_refused(checkpoints):
     _, (model, tokenizer), _ = checkpoints["random"]
-    from mlx_lm.sample_utils import make_sampler
-
-    with pytest.raises(ValueError, match="sampling"):
-        mld.generate(model, tokenizer, "abc", max_tokens=4, sampler=make_sampler(0.7))
+    with pytest.raises(ValueError, match="temperature_schedule does not apply to I-DLM"):
+        mld.generate(model, tokenizer, "abc", max_tokens=4, temperature_schedule=[0.5, 0.5, 0.5])
     with pytest.raises(ValueError, match="threshold does not apply to I-DLM"):
         mld.generate(model, tokenizer, "abc", max_tokens=4, threshold=0.9)
     with pytest.raises(ValueError, match="block_length >= 2"):
@@ -170,4 +169,75 @@ def test_the_cli_and_the_server_decode_it(checkpoints):
     with running_server(["--model", str(path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
         status, body = post_json(httpd.server_address[1], "/v1/completions",
                                  {"prompt": "abc", "max_tokens": 10, "temperature": 0})
+        sampled = post_json(httpd.server_address[1], "/v1/completions",
+                            {"prompt": "abc", "max_tokens": 10, "temperature": 0.8, "seed": 1})
     assert status == 200 and body["choices"][0]["text"] == expected
+    assert sampled[0] == 200 and sampled[1]["usage"]["completion_tokens"] > 0
+
+
+# -- sampling: a bigram checkpoint whose distributions are known exactly
+
+A, B = 65, 66  # the only tokens it writes
+BIGRAM = {"other": (0.5, 0.5), A: (0.7, 0.3), B: (0.2, 0.8)}  # P(A), P(B) after a token of each kind
+
+
+def _bigram(path: Path) -> Path:
+    """Attention and MLP outputs zeroed, so position i's logits depend on token i alone: after
+    A, P(A) = 0.7; after B, 0.2; after any other token (the prompt, a mask) 0.5."""
+    write_idlm(path)
+    w = load_file(str(path / "model.safetensors"))
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = np.zeros_like(w[name])
+    embed, hidden = w["model.embed_tokens.weight"], w["model.embed_tokens.weight"].shape[1]
+    embed[:] = 0.0
+    embed[:, 0], embed[A, 0], embed[B, 0] = 1.0, 0.0, 0.0  # (RMSNorm: sqrt(hidden) times the unit vector)
+    embed[A, 1] = embed[B, 2] = 1.0
+    w["model.norm.weight"] = np.ones_like(w["model.norm.weight"])
+    head = np.full_like(w["lm_head.weight"], -40.0 / np.sqrt(hidden))
+    head[:, 3:] = 0.0
+    for column, kind in enumerate(("other", A, B)):
+        p = BIGRAM[kind]
+        head[A, column], head[B, column] = np.log(p[0]) / np.sqrt(hidden), np.log(p[1]) / np.sqrt(hidden)
+    w["lm_head.weight"] = head
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _exact(length: int, first: tuple) -> dict:
+    """P(sequence) of `length` tokens under the bigram chain, from `first` = P(A), P(B)."""
+    out = {(): 1.0}
+    for _ in range(length):
+        step = {}
+        for seq, p in out.items():
+            pa = (BIGRAM[seq[-1]] if seq else first)[0]
+            step[seq + (A,)], step[seq + (B,)] = p * pa, p * (1 - pa)
+        out = step
+    return out
+
+
+def test_sampled_decoding_draws_from_the_autoregressive_distribution(tmp_path):
+    """Each written token is a draw after the tokens before it: over 4,000 decodes of 5
+    tokens (rounds of N = 4 whose drafts are accepted about half the time), the distribution
+    of the 32 sequences is the chain's own within sampling noise, and far from what accepting
+    the drafts unchecked would give."""
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = mld.load(str(_bigram(tmp_path / "bigram")))
+    mx.random.seed(3)
+    runs = 4000
+    batch = mld.generate_batch(model, tokenizer, ["abc"] * runs, max_tokens=5, sampler=make_sampler(1.0),
+                               return_token_ids=True)
+    counts: dict = {}
+    for tokens in batch.token_ids:
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    exact = _exact(5, BIGRAM["other"])
+    assert set(counts) <= set(exact)
+    distance = 0.5 * sum(abs(counts.get(seq, 0) / runs - p) for seq, p in exact.items())
+    assert distance < 0.06, distance
+    unchecked = {}  # (the first two tokens from the chain, then the masks' 0.5 / 0.5 drafts kept)
+    for seq, p in _exact(2, BIGRAM["other"]).items():
+        for tail, q in _exact(3, (0.5, 0.5)).items():
+            unchecked[seq + tail] = p * 0.5 ** 3
+    assert 0.5 * sum(abs(unchecked.get(seq, 0) - p) for seq, p in exact.items()) > 0.15
+    assert sum(batch.forwards) < sum(len(t) - 1 for t in batch.token_ids)  # (drafts were accepted)

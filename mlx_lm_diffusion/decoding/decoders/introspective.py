@@ -21,8 +21,18 @@ is greedy autoregressive decoding token for token (whatever the drafts), and a r
 1 to N tokens. `block_length` is N. `forwards` counts the rounds (the prompt's pass is not
 counted, as for every family).
 
-Greedy only, as SpeculativeDecoder (whose checks, scores and draft display this decoder shares):
-the reference's sampled verifier (min(1, p / q) on drafts sampled from q) is not built.
+Sampled (a sampler: temperature > 0, top_p, ...): every row of a round draws with the request's
+sampler, the drafts are the mask rows' draws, and a draft is accepted while it equals its verify
+row's draw; the first that differs is replaced by that draw. Each token written is then a draw
+from the model's distribution after the tokens before it, exactly as autoregressive sampling with
+the same sampler (tested by the distance between the two distributions), for any sampler, since
+no probability ratio is needed. It accepts less often than the reference's rule (min(1, p / q)
+with a residual resample, thuEcstasy/I-DLM `idlm_blockN.py`, which needs the proposal's
+probabilities that an mlx-lm sampler does not expose): a draft drawn from q is kept with
+probability sum_x q(x) p(x) rather than sum_x min(p(x), q(x)).
+
+The checks, scores and draft display are SpeculativeDecoder's (temperature schedules, commit
+rules and logits processors are refused as there).
 """
 
 from __future__ import annotations
@@ -35,13 +45,16 @@ import numpy as np
 from mlx_lm_diffusion.decoding.decoders.base import Canvas, Queued, ReadBack, Verify, greedy_proposal, log_softmax
 from mlx_lm_diffusion.decoding.decoders.speculative import REFUSED, SpeculativeDecoder
 
+# what the rounds refuse: self-speculation's list, less the sampler (rows draw with it)
+ISD_REFUSED = {name: why for name, why in REFUSED.items() if name != "sampler"}
+
 
 class IntrospectiveDecoder(SpeculativeDecoder):
     name = "introspective"
 
     @classmethod
     def check_options(cls, values: dict, adapter: Any) -> None:
-        for name, why in REFUSED.items():
+        for name, why in ISD_REFUSED.items():
             if values.get(name) not in (None, ()):
                 why = why.replace("self_spec", "introspective strided decoding")
                 raise ValueError(f"{name} does not apply to I-DLM's introspective strided decoding: {why}; drop {name}")
@@ -79,12 +92,7 @@ class IntrospectiveDecoder(SpeculativeDecoder):
         logits = yield Verify(state, window, 0, width)  # (Adapter.verify; a batch's rows share one)
         scores = self._scores(logits)  # row i: the token at position + 1 + i
         canvas.forwards += 1
-        if self.keep_logprobs:
-            logprobs = log_softmax(scores)
-            proposed, prob = greedy_proposal(logprobs)
-        else:
-            logprobs = prob = None
-            proposed = mx.argmax(scores, axis=-1).astype(mx.int32)
+        logprobs, proposed, prob = self._propose(scores)
         yield ReadBack((proposed,))
         verified = np.array(proposed)[0]
         accepted = 0
@@ -105,3 +113,24 @@ class IntrospectiveDecoder(SpeculativeDecoder):
         yield Queued(canvas.tokens, logprobs, prob, canvas.forwards, block, step, True, True)
         self.shown = None
         return position, following.astype(np.int32)
+
+    def _seed(self, state: Any, canvas: Canvas, start: int) -> Queued:
+        """The first token: the prompt's last row proposes it (its argmax, or a draw)."""
+        logprobs, token, prob = self._propose(self._scores(self.adapter.block_seed(state, canvas.tokens, start)[:, None]))
+        canvas.write(token, start)
+        return Queued(canvas.tokens, logprobs, prob, canvas.forwards, (start, start + 1), 0, True, False)
+
+    def _propose(self, scores: mx.array) -> tuple:
+        """(log-probs kept or None, (1, L) tokens, (1, L) their probabilities or None): each
+        row's argmax, or its draw with the request's sampler."""
+        if self.options.sampler is not None:
+            logprobs = log_softmax(scores)
+            tokens = self.sample(logprobs)
+            prob = mx.exp(mx.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0])
+            return (logprobs if self.keep_logprobs else None), tokens, prob
+        if self.keep_logprobs:
+            logprobs = log_softmax(scores)
+            tokens, prob = greedy_proposal(logprobs)
+            return logprobs, tokens, prob
+        return None, mx.argmax(scores, axis=-1).astype(mx.int32), None
+
