@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -330,3 +331,23 @@ print("not reached", flush=True)
     assert run.returncode == 1, run.stdout + run.stderr
     assert run.stdout == "petted\n"
     assert "error: rank 1/2: no progress from the other ranks for 1 s" in run.stderr
+
+
+def test_a_group_that_cannot_form_ends_each_rank_with_one_line(tmp_path):
+    """A rank whose peer cannot be reached (the ring backend's "[ring] Couldn't connect",
+    after ~30 s) died with a traceback; the generate CLI now says in one line that the group
+    could not form, naming the rank, and exits 1 (mlx.launch's own exit status stays MLX's)."""
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+    with socket.socket() as a, socket.socket() as b:  # two free ports, nothing listening on them after
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = a.getsockname()[1], b.getsockname()[1]
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{ports[0]}"], [f"127.0.0.1:{ports[1]}"]]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": "1", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(DEMO_MODEL_PATH),
+                          "--prompt", "1+1="], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "error: rank 1: the distributed group could not form: [ring] Couldn't connect")

@@ -42,10 +42,11 @@ DEFAULT_PEER_TIMEOUT = 300.0  # seconds without progress before a rank gives up 
 
 
 def launched_group() -> Optional[mx.distributed.Group]:
-    """The group this process was launched into by mlx.launch, or None (one process)."""
+    """The group this process was launched into by mlx.launch, or None (one process). A
+    group that cannot form ends this rank with one line and exit 1 (`form_group`)."""
     if not any(os.environ.get(name) for name in _LAUNCH_ENV):
         return None
-    group = mx.distributed.init()
+    group = form_group()
     if group.size() <= 1:
         return None
     # (a rank that dies ends the others at once, not after the watchdog's wait: heartbeat)
@@ -54,6 +55,21 @@ def launched_group() -> Optional[mx.distributed.Group]:
     except OSError as e:
         fail(group, f"the ranks could not connect to each other beside the collectives: {e}")
     return group
+
+
+def form_group() -> mx.distributed.Group:
+    """mx.distributed.init(), whose failure ends this rank with one line naming it and exit 1:
+    a peer that cannot be reached (or another process on its port) made the ring backend raise
+    "[ring] Couldn't connect" after ~30 s, a traceback on every rank. (mlx.launch then warns
+    "Node with rank R exited with code 1" and itself exits 0: its exit status is MLX's.) The
+    wait itself cannot be bounded from here: MLX's init holds the interpreter until it returns."""
+    rank = os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "?"))
+    try:
+        return mx.distributed.init()
+    except RuntimeError as e:
+        fail(None, f"rank {rank}: the distributed group could not form: {e} (a peer that never started or "
+                   "could not be reached, or another process on its port)")
+        raise  # (fail ends the process)
 
 
 def is_leader(group: Optional[mx.distributed.Group]) -> bool:
