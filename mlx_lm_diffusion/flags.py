@@ -52,7 +52,8 @@ def one_line(e: BaseException) -> str:
 
 def exit_status(work: Callable[[], Any]) -> int:
     """Run a command-line tool's work: 0 when it returns; 2 and one line on stderr for bad
-    input (a ValueError or OSError says what to change); 130 after Ctrl-C."""
+    input (a ValueError or OSError says what to change, or a chat template that does not
+    render); 130 after Ctrl-C."""
     try:
         work()
     except (ValueError, OSError) as e:
@@ -61,4 +62,11 @@ def exit_status(work: Callable[[], Any]) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except Exception as e:
+        if not type(e).__module__.startswith("jinja2"):
+            raise
+        # a checkpoint's chat template that does not render (a syntax error, its own raise_exception)
+        print(f"error: the chat template cannot render this conversation: {one_line(e)} (fix the "
+              "checkpoint's template, or decode without it)", file=sys.stderr)
+        return 2
     return 0

@@ -51,3 +51,20 @@ def test_unsupported_model_and_missing_path(tmp_path, llada_path):
     assert r.returncode == 2 and "llada" in r.stderr and "Traceback" not in r.stderr
     r = run_main("mlx_lm_diffusion.convert", "--hf-path", str(llada_path), "--mlx-path", str(tmp_path))
     assert r.returncode == 2 and "exists" in r.stderr
+
+
+def test_a_chat_template_that_does_not_render_is_one_line(tmp_path):
+    """Issue 55.8: a checkpoint whose chat template has a syntax error gave a jinja2 traceback."""
+    import shutil
+
+    from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
+
+    broken = tmp_path / "demo"
+    shutil.copytree(DEMO_MODEL_PATH, broken)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}broken"}))
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(broken), "--prompt", "1+1=")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: the chat template cannot render this conversation")
+    assert run_main("mlx_lm_diffusion.generate", "--model", str(broken), "--prompt", "1+1=",
+                    "--ignore-chat-template").returncode == 0

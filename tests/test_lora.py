@@ -5,6 +5,7 @@ validation loss; bad input exits 2 with one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -327,3 +328,24 @@ def test_fuse_keeps_the_remote_code_and_auto_map(tmp_path):
     base = mld.generate_batch(*mld.load(str(source)), prompts, max_tokens=6)
     assert mld.generate_batch(*mld.load(str(tmp_path / "fused")), prompts, max_tokens=6).texts == adapted.texts
     assert adapted.texts != base.texts  # (the adapter changed the model: the comparison means something)
+
+
+def test_config_faults_are_one_line(tmp_path):
+    """Issue 55.8: a --config that is not YAML, one with a !!python tag (never run), report_to
+    a reporter that is not installed and `hf_dataset: true` were tracebacks; each is one line,
+    exit 2."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid"):
+        (data / f"{split}.jsonl").write_text('{"prompt": "12==", "completion": "10012"}\n' * 2)
+
+    def lora(config: str):
+        (tmp_path / "config.yaml").write_text(config)
+        return _one_line_error(run_main("mlx_lm_diffusion.lora", "-c", str(tmp_path / "config.yaml"), "--train",
+                                        "--iters", "1", "--adapter-path", str(tmp_path / "out")))
+
+    assert "is not valid YAML (line 2, column 6)" in lora(f"data: {data}\n  bad: [\n")
+    assert "is not valid YAML (line 1, column 7)" in lora('data: !!python/object/apply:os.system ["echo pwned"]\n')
+    if importlib.util.find_spec("wandb") is None:  # (the reporter this machine lacks)
+        assert "report_to 'wandb': wandb is not installed" in lora(f"data: {data}\nreport_to: wandb\n")
+    assert "hf_dataset must be a mapping" in lora("hf_dataset: true\n")

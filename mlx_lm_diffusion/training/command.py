@@ -73,7 +73,13 @@ def resolve_args(args: argparse.Namespace) -> types.SimpleNamespace:
     values = vars(args)
     if args.config:
         with open(args.config) as file:
-            config = yaml.load(file, yaml_loader)
+            try:
+                config = yaml.load(file, yaml_loader)
+            except yaml.YAMLError as e:  # (a syntax error, or a tag such as !!python/... that it never runs)
+                where = getattr(e, "problem_mark", None)
+                at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+                raise ValueError(f"--config {args.config} is not valid YAML{at}: "
+                                 f"{getattr(e, 'problem', None) or e}") from None
         if not isinstance(config, dict):
             raise ValueError(f"--config {args.config} must hold a YAML mapping of options")
         for key, value in config.items():
@@ -91,7 +97,11 @@ def check_data(args: types.SimpleNamespace) -> None:
     """--data that can only be a local directory must exist (ValueError): mlx-lm would look
     a missing one up on the Hugging Face Hub instead, which answers about something else."""
     data = str(args.data)
-    if getattr(args, "hf_dataset", False) or Path(data).exists():
+    hf_dataset = getattr(args, "hf_dataset", None)
+    if hf_dataset is not None and not isinstance(hf_dataset, (dict, list)):
+        raise ValueError(f"hf_dataset must be a mapping (path, train_split, valid_split, ...) or a list of them, "
+                         f"as mlx_lm.lora's config takes it, not {hf_dataset!r}")
+    if hf_dataset or Path(data).exists():
         return
     if data.startswith((".", "/", "~")) or data.count("/") != 1:
         raise ValueError(f"no data at {data}: give a directory with train.jsonl and valid.jsonl "
@@ -172,7 +182,6 @@ def run(args: types.SimpleNamespace) -> None:
     """mlx_lm.lora.run with the family's objective."""
     import numpy as np
     from mlx_lm import lora
-    from mlx_lm.tuner.callbacks import get_reporting_callbacks
     from mlx_lm.tuner.datasets import load_dataset
     from mlx_lm.tuner.utils import load_adapters
 
@@ -185,7 +194,7 @@ def run(args: types.SimpleNamespace) -> None:
         raise ValueError(f"--resume-adapter-file {resume}: no such file (an adapters.safetensors written by "
                          "an earlier run)")
     np.random.seed(args.seed)
-    callback = get_reporting_callbacks(args.report_to, project_name=args.project_name, log_dir=args.adapter_path,
+    callback = reporting_callbacks(args.report_to, project_name=args.project_name, log_dir=args.adapter_path,
                                        config=vars(args))
     print("Loading pretrained model", file=sys.stderr)
     model, tokenizer = load(args.model, trust_remote_code=args.trust_remote_code)
@@ -202,6 +211,17 @@ def run(args: types.SimpleNamespace) -> None:
         if args.test:
             print("Testing", file=sys.stderr)
             lora.evaluate_model(args, model, test_set)
+
+
+def reporting_callbacks(report_to: Any, **kwargs) -> Any:
+    """mlx-lm's training callbacks for `report_to` (wandb, swanlab); a reporter whose package
+    is not installed is one line (mlx-lm raised ImportError from deep inside)."""
+    from mlx_lm.tuner.callbacks import get_reporting_callbacks
+
+    try:
+        return get_reporting_callbacks(report_to, **kwargs)
+    except ImportError as e:
+        raise ValueError(f"report_to {report_to!r}: {e}") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
