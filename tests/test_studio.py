@@ -214,6 +214,49 @@ def test_stop_cancels_a_long_request(studio):
     studio.problems.clear()  # (the browser's own line about the aborted fetch, if any)
 
 
+def test_example_prompts_come_from_the_server(studio):
+    from mlx_lm_diffusion.serving.studio import DEMO_EXAMPLES
+
+    buttons = studio.page.locator("#examples button")
+    assert buttons.all_inner_texts() == list(DEMO_EXAMPLES)  # (the demo's own problems on the demo)
+    buttons.nth(1).click()
+    assert studio.page.input_value("#prompt") == DEMO_EXAMPLES[1]
+
+
+def test_end_token_runs_are_one_cell_and_colours_are_viridis(studio):
+    studio.ask("357+468=")
+    frames = studio.frames()
+    last = frames[-1]
+    runs = studio.page.locator("#pane-a .canvas .cell.run")
+    assert runs.count() >= 1 and "×" in runs.first.inner_text()
+    counts = [int(text.rsplit("×", 1)[1]) for text in runs.all_inner_texts()]
+    cells = studio.page.locator("#pane-a .canvas .cell").count()
+    shown = max(i for i, c in enumerate(last["states"]) if c != "m") + 1
+    assert cells - len(counts) + sum(counts) == max(shown, last["block"][1])  # (every position, once)
+    styles = studio.page.locator("#pane-a .canvas .cell.c").evaluate_all("cells => cells.map(c => c.style.background)")
+    assert styles and all(s.startswith("rgb(") for s in styles)  # (the viridis ramp, no rainbow of hues)
+    assert studio.page.locator("#pane-a .legend .ramp").is_visible()
+
+
+def test_a_narrow_screen_stacks_the_panes(browser, demo):
+    """At 420 px pane A's replay slider ran over pane B: the panes now stack, and no control
+    of one lies over the other's."""
+    page = Studio(browser, demo)
+    try:
+        page.page.set_viewport_size({"width": 420, "height": 900})
+        page.page.check("#compare")
+        page.ask("357+468=")
+        a, b = (page.page.locator(f"#pane-{p}").bounding_box() for p in "ab")
+        assert a["y"] + a["height"] <= b["y"]  # (one above the other)
+        for control in page.page.locator("#pane-a input, #pane-a select, #pane-a button").all():
+            box = control.bounding_box()
+            if box is not None:
+                assert box["x"] + box["width"] <= a["x"] + a["width"] + 1 and box["y"] + box["height"] <= b["y"]
+        assert not page.problems, page.problems
+    finally:
+        page.close()
+
+
 def test_compare_runs_two_settings_side_by_side(studio):
     studio.page.check("#compare")
     studio.set("b", threshold=0.9, cache="dual")

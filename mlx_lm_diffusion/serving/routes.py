@@ -13,6 +13,7 @@ from urllib.parse import unquote
 from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 
 from mlx_lm_diffusion.api import compat
+from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.serving import choices, stream_batching, studio, template_sandbox, tool_choice
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
@@ -146,8 +147,9 @@ class Routes:
         if path == studio.OPTIONS_PATH:
             provider = self.response_generator.model_provider
             generator = self.response_generator
+            demo = str(provider.cli_args.model) == str(DEMO_MODEL_PATH)
             return self._send_json(200, studio.options_listing(provider.model, provider.tokenizer, generator.defaults,
-                                                               provider.cli_args.max_tokens))
+                                                               provider.cli_args.max_tokens, demo=demo))
         if path in POST_PATHS or path == PROTOCOL_PATH:
             return self._method_not_allowed("POST")
         if not (self.path.startswith("/v1/models") or self.path == "/health"):

@@ -34,6 +34,11 @@ STATIC_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
+# Example prompts the page offers: the demo's own problems on the demo, else prompts any chat
+# model can take
+DEMO_EXAMPLES = ("357+468=", "1234+4321=", "9999+1=", "80+7=")
+GENERIC_EXAMPLES = ("Explain diffusion language models in two sentences.", "Write a haiku about the sea.",
+                    "What is 17 x 23? Think step by step.", "List three uses of a paperclip.")
 # Python-only options of the schema that the OpenAI bodies carry as their own fields
 OPENAI_FIELDS = ("max_tokens", "seed", "top_p")
 ROOT_PAGE = (b'<!doctype html><meta charset="utf-8"><title>mlx-lm-diffusion</title>'
@@ -71,13 +76,14 @@ def effective_defaults(adapter: Any, server_defaults: dict, max_tokens: Optional
 
 
 def options_listing(model: Any, tokenizer: Any, server_defaults: Optional[dict] = None,
-                    max_tokens: Optional[int] = None) -> dict:
+                    max_tokens: Optional[int] = None, demo: bool = False) -> dict:
     """The named decoding options that a request to the served model may set: the
     generic ones, then its family's own (with the family's presets as the choices of
     `preset`). Each: name, type (integer, number, boolean, string, array), help, default
     (what this server decodes with when a request leaves it out: `effective_defaults`,
     from its flags, `max_tokens` its --max-tokens, and the checkpoint), minimum / maximum
-    (exclusive_minimum when the low end is open), enum, and family."""
+    (exclusive_minimum when the low end is open), enum, and family. `examples`: prompts
+    the page offers (the demo's problems when `demo`)."""
     adapter = None
     if model is not None and tokenizer is not None:
         try:
@@ -113,4 +119,5 @@ def options_listing(model: Any, tokenizer: Any, server_defaults: Optional[dict] 
         listing.append(entry)
     return {"object": "list", "family": None if adapter is None else adapter.family,
             "decoder": None if adapter is None else adapter.decoder,
-            "vision": bool(getattr(model, "has_vision", False)), "data": listing}
+            "vision": bool(getattr(model, "has_vision", False)),
+            "examples": list(DEMO_EXAMPLES if demo else GENERIC_EXAMPLES), "data": listing}

@@ -210,7 +210,21 @@ function history(pane, k) {
   return h;
 }
 
-const hue = (forward) => (forward * 137.508) % 360; // neighbouring forwards far apart in hue
+function forwardColour(forward, last, confidence) {
+  // viridis by the forward's place in the decode (colour-blind safe, ordered dark to light),
+  // paler where the model was less sure; white text on the dark end
+  const [r, g, b] = viridisRgb(last > 1 ? (forward - 1) / (last - 1) : 1);
+  const pale = 0.55 * (1 - Math.min(Math.max(confidence, 0), 1));
+  const mix = (v) => Math.round(v + (255 - v) * pale);
+  const dark = 0.299 * mix(r) + 0.587 * mix(g) + 0.114 * mix(b) < 140;
+  return { background: `rgb(${mix(r)}, ${mix(g)}, ${mix(b)})`, color: dark ? "#fff" : "#000" };
+}
+
+const RUN_MIN = 3; // a run of this many equal end tokens (EOS, padding) is drawn as one cell
+
+function isEndToken(text) {
+  return text === "" || /^<[^<>]*>$/.test(text) || /^<\|[^|]*\|>$/.test(text);
+}
 
 function showFrame(pane, k, live = false) {
   const frames = pane.frames;
@@ -220,7 +234,19 @@ function showFrame(pane, k, live = false) {
   const canvas = $(".canvas", pane.root);
   canvas.replaceChildren();
   const shown = visibleLength(frames[frames.length - 1]);
+  const lastForward = frames[frames.length - 1].forwards;
+  let skip = 0;
   frame.tokens.slice(0, shown).forEach((token, i) => {
+    if (skip > 0) { skip--; return; }
+    let run = 1;  // (committed end tokens in a row: one cell with their count)
+    while (frame.states[i] === "c" && token !== null && isEndToken(token) && i + run < shown
+           && frame.tokens[i + run] === token && frame.states[i + run] === "c") run++;
+    if (run >= RUN_MIN) {
+      skip = run - 1;
+      canvas.append(el("span", { className: "cell run", textContent: `${token || "∅"} ×${run}`,
+                                 title: `positions ${i}-${i + run - 1}: ${run} × ${JSON.stringify(token)}` }));
+      return;
+    }
     const s = frame.states[i];
     const cell = el("span", { className: `cell ${s}`, textContent: token === null ? MASK : (token || "∅") });
     if (i >= frame.block[0] && i < frame.block[1]) cell.classList.add("block");
@@ -229,7 +255,7 @@ function showFrame(pane, k, live = false) {
     if (inserted) cell.classList.add("inserted");
     if (s === "c") {
       const c = confidence[i] ?? 1;
-      cell.style.background = `hsl(${hue(commit[i])} 70% ${Math.round(88 - 30 * c)}%)`;
+      Object.assign(cell.style, forwardColour(commit[i], lastForward, c));
       cell.title = `position ${i}: committed at forward ${commit[i]}, confidence ${c.toFixed(3)}`;
     } else {
       cell.title = `position ${i}: ${s === "m" ? (inserted ? "masked (inserted by a SPLIT)" : "masked") : "draft"}`;
@@ -283,13 +309,15 @@ function orderCells(pane) {
   return { n, rows, commit, confidence, editedAt };
 }
 
-function viridis(t) {
+function viridisRgb(t) {
   // a few stops of matplotlib's viridis, linearly interpolated (the CLI's picture uses it)
   const stops = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
   const x = Math.min(Math.max(t, 0), 1) * (stops.length - 1), i = Math.min(Math.floor(x), stops.length - 2);
   const a = stops[i], b = stops[i + 1], u = x - i;
-  return `rgb(${a.map((v, j) => Math.round(v + (b[j] - v) * u)).join(",")})`;
+  return a.map((v, j) => Math.round(v + (b[j] - v) * u));
 }
+
+const viridis = (t) => `rgb(${viridisRgb(t).join(",")})`;
 
 function orderRects(pane) {
   // one rectangle per position for its committed span, one for its commit, one per edit
@@ -396,6 +424,10 @@ async function start() {
   $("#model").textContent = state.model;
   $("#family").textContent = state.listing.family || "autoregressive";
   $("#image-label").hidden = !state.listing.vision;
+  for (const example of state.listing.examples || []) {  // (the server's: the demo's problems on the demo)
+    $("#examples").append(el("button", { type: "button", textContent: example,
+                                          onclick: () => { $("#prompt").value = example; $("#prompt").focus(); } }));
+  }
   makePane("a", "A");
   makePane("b", "B").root.hidden = true;
   $("#compare").addEventListener("change", (e) => { state.panes.b.root.hidden = !e.target.checked; });
