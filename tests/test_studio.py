@@ -257,6 +257,20 @@ def test_a_narrow_screen_stacks_the_panes(browser, demo):
         page.close()
 
 
+def test_the_page_follows_a_dark_system_theme(browser, demo):
+    page = Studio(browser, demo)
+    try:
+        background = "getComputedStyle(document.body).backgroundColor"
+        assert page.page.evaluate(background) in ("rgba(0, 0, 0, 0)", "rgb(255, 255, 255)")
+        page.page.emulate_media(color_scheme="dark")
+        r, g, b = (int(v) for v in page.page.evaluate(background)[4:-1].split(","))
+        assert max(r, g, b) < 64  # (dark)
+        text = page.page.evaluate("getComputedStyle(document.body).color")
+        assert min(int(v) for v in text[4:-1].split(",")) > 180  # (light text on it)
+    finally:
+        page.close()
+
+
 def test_compare_runs_two_settings_side_by_side(studio):
     studio.page.check("#compare")
     studio.set("b", threshold=0.9, cache="dual")
