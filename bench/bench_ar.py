@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import mlx_lm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from checkpoints_ar import write_causal  # noqa: E402
-
 import mlx_lm_diffusion as mld  # noqa: E402
+from mlx_lm_diffusion.testing.causal_checkpoints import write_causal  # noqa: E402
 
 TOKENS, PROMPT, PAIRS = 128, list(range(40, 72)), 15
 SIZE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4)  # a micro model

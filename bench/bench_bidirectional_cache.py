@@ -27,9 +27,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import mlx_lm_diffusion as mld  # noqa: E402

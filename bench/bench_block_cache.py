@@ -12,14 +12,11 @@ switched off so every run fills its whole canvas.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402

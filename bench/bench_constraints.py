@@ -20,8 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 import jsonschema  # noqa: E402
 from mlx_lm.sample_utils import make_sampler  # noqa: E402
 

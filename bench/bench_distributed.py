@@ -25,14 +25,12 @@ from pathlib import Path
 import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from decoding import engine_decode  # noqa: E402
 
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.parallel.distributed import parameter_bytes  # noqa: E402
 from mlx_lm_diffusion.testing.block_checkpoints import write_llada2  # noqa: E402
 from mlx_lm_diffusion.testing.checkpoints import write_llada  # noqa: E402
+from mlx_lm_diffusion.testing.engine_runs import engine_decode  # noqa: E402
 
 CANVAS = 256  # tokens per forward (prompt + canvas of a decode)
 REPEATS = 5
@@ -95,7 +93,7 @@ def main() -> None:
         paths = {name: str(write(tmp / name.split()[0])) for name, write in MODELS.items()}
         (tmp / "paths.json").write_text(json.dumps(paths))
         single = {name: measure(path, None) for name, path in paths.items()}
-        path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+        path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         env = dict(os.environ, PYTHONPATH=path)
         launch = Path(sys.executable).with_name("mlx.launch")
         subprocess.run([str(launch), "--backend", "ring", "-n", "2", "--python", sys.executable, __file__,

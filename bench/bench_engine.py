@@ -43,8 +43,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.api.generation import _engine  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket  # noqa: E402

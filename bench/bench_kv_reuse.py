@@ -25,13 +25,10 @@ import argparse
 import http.client
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 SIZE = dict(hidden=256, n_layers=4, n_heads=8, n_kv_heads=4)
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge "

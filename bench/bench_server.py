@@ -45,17 +45,15 @@ MODELS = {"sdar": "SDAR (block 4)", "llada": "LLaDA (block 32)", "llada-fast": "
 
 def checkpoints(folder: Path, models: Sequence[str] = ("sdar", "llada")) -> dict:
     """{name: (checkpoint, request fields)} of the chosen `models` (MODELS' keys)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from checkpoints_self_spec import write_speculable_nemotron
-
     from mlx_lm_diffusion.testing.block_checkpoints import write_sdar
     from mlx_lm_diffusion.testing.checkpoints import write_llada
+    from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_speculable_nemotron
 
     llada = str(write_llada(folder / "llada")) if {"llada", "llada-fast"} & set(models) else None
     chosen = {"sdar": lambda: (str(write_sdar(folder / "sdar")), {}),
               "llada": lambda: (llada, {"block_length": 32}),
               "llada-fast": lambda: (llada, {"preset": "fast"}),
-              # (drafts partly accepted, as a trained model's are: tests/checkpoints_self_spec.py)
+              # (drafts partly accepted, as a trained model's are: mlx_lm_diffusion/testing/nemotron_gemma_checkpoints.py)
               "nemotron-spec": lambda: (str(write_speculable_nemotron(
                   folder / "nemotron_spec", attractors=tuple(range(40, 48)), strength=0.45)),
                   {"self_spec": True, "block_length": 32})}

@@ -44,8 +44,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve  # noqa: E402
@@ -132,10 +130,11 @@ def self_spec_rows(tmp: Path):
     """Self-speculation (`self_spec`, block 32) against our block-length-1 autoregressive
     decode and mlx-vlm's linear_spec_generate, on a micro Nemotron three ways: random weights
     (drafts almost never accepted: the worst case, two forwards per token), and made partly
-    and wholly predictable (tests/checkpoints_self_spec.py). Forwards exclude the prompt's
+    and wholly predictable (mlx_lm_diffusion.testing.nemotron_gemma_checkpoints.write_speculable_nemotron). Forwards exclude the prompt's
     causal pass on every side (mlx-vlm's nfe counts it: shown less one)."""
-    from checkpoints_self_spec import write_speculable_nemotron
     from mlx_vlm.models import nemotron_labs_diffusion as ref
+
+    from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_speculable_nemotron
 
     writers = {
         "random": lambda p: write_nemotron(p, **SPEC_DIMS),

@@ -23,7 +23,6 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from mlx_lm_diffusion.testing.checkpoints import write_llada  # noqa: E402
 
 PROMPT = {"prompt": [72, 101, 108, 108, 111], "target_length": 5 + 4, "num_steps": 4,

@@ -16,7 +16,6 @@ diffusion / mlx-lm as the median of back-to-back pairs and of the best runs (goa
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 import time
 from functools import partial
@@ -28,12 +27,9 @@ import mlx.optimizers as optim
 from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.tuner.utils import linear_to_lora_layers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from checkpoints_ar import write_causal  # noqa: E402
-
 import mlx_lm_diffusion as mld  # noqa: E402
 from mlx_lm_diffusion.testing.block_checkpoints import write_sdar  # noqa: E402
+from mlx_lm_diffusion.testing.causal_checkpoints import write_causal  # noqa: E402
 from mlx_lm_diffusion.testing.checkpoints import write_llada  # noqa: E402
 from mlx_lm_diffusion.training.objectives import objective_for  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402

@@ -41,8 +41,6 @@ from typing import Optional
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 PHASES = ("forward", "attn", "commit", "readback", "host", "total")
 
 

@@ -33,7 +33,6 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from bench_bidirectional_cache import BLOCK, PROMPT, SIZE, Counted, _peer_ready, decode  # noqa: E402
 from mlx_arsenal.diffusion import threshold_transfer, topk_transfer  # noqa: E402

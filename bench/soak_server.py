@@ -2,7 +2,7 @@
 
 Starts `python -m mlx_lm_diffusion.server` on the embedded demo model (or --model), sends
 --requests bodies spread over the three routes from a few concurrent clients (the bodies of
-tests/fuzz_bodies.py, seeded), and prints the table of the closing note:
+mlx_lm_diffusion/testing/fuzz_bodies.py, seeded), and prints the table of the closing note:
 
     tried / clean (2xx or 4xx, strict JSON) / 5xx / non-JSON / dropped (no answer, a cut
     connection or stream) / hung (no answer within --timeout) / crashed (the server died)
@@ -25,8 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from fuzz_bodies import ROUTES, check_answer, encode, random_body  # noqa: E402
+from mlx_lm_diffusion.testing.fuzz_bodies import ROUTES, check_answer, encode, random_body  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "mlx_lm_diffusion" / "demo" / "model"
 

@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from decoding import engine_decode
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.parallel.distributed import check_agreement, parameter_bytes
+from mlx_lm_diffusion.testing.engine_runs import engine_decode
 
 
 def decode_cases(group, cases: list) -> dict:

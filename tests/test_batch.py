@@ -4,13 +4,13 @@ gives exactly the tokens and forward count of its decode alone (Engine.run)."""
 
 import mlx.core as mx
 import pytest
-from checkpoints_ar import write_causal
-from decoding import record_batch_sizes
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.batch import RunningBatch
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
+from mlx_lm_diffusion.testing.engine_runs import record_batch_sizes
 from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108], [5, 17, 99, 200, 31, 7, 64], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44]]

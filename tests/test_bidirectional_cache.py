@@ -20,12 +20,12 @@ import mlx.core as mx
 import numpy as np
 import oracles
 import pytest
-from decoding import engine_decode
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.commit_rules import RULES
 from mlx_lm_diffusion.decoding.options import DecodeOptions, named_options, resolve, schema
 from mlx_lm_diffusion.testing.checkpoints import MASK_ID
+from mlx_lm_diffusion.testing.engine_runs import engine_decode
 from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33, 40]]

@@ -131,7 +131,7 @@ def test_masks_only_tells_removed_ids_from_reweighting():
 
 
 def test_block_causal_causal_prefix_and_autoregressive(sdar, nemotron, tmp_path):
-    from checkpoints_ar import write_causal
+    from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 
     ar = mld.load(str(write_causal(tmp_path / "ar", "qwen3")), autoregressive=True)
     for (model, tok), mask in ((sdar, SDAR_MASK), (nemotron, 100), (ar, -1)):

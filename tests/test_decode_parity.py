@@ -7,7 +7,8 @@ it is tested on its own in test_generate.py.
 
 import oracles
 import pytest
-from decoding import engine_decode
+
+from mlx_lm_diffusion.testing.engine_runs import engine_decode
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]
 

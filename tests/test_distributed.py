@@ -20,14 +20,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from checkpoints_ar import write_causal
-from decoding import engine_decode
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.cli.convert import convert
 from mlx_lm_diffusion.parallel.distributed import parameter_bytes
 from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_llada2_2, write_sdar
+from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 from mlx_lm_diffusion.testing.checkpoints import VOCAB, write_dream, write_llada
+from mlx_lm_diffusion.testing.engine_runs import engine_decode
 from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma, write_nemotron
 from model_adapters.runtime.sharding import check_divisible, quantization_groups
 

@@ -1,17 +1,18 @@
 """A bounded fuzz test of the server (issue 13): hostile bodies on every route, each
 answered with a 2xx or a 4xx whose body is strict JSON (a stream: JSON events ending in
 [DONE]), and the server still answering right afterwards. The bodies come from
-tests/fuzz_bodies.py, which bench/soak_server.py also runs, by the thousand."""
+mlx_lm_diffusion/testing/fuzz_bodies.py, which bench/soak_server.py also runs, by the thousand."""
 
 import http.client
 import random
 
 import openai
 import pytest
-from fuzz_bodies import ROUTES, check_answer, encode, random_body
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import running_server
+
+from mlx_lm_diffusion.testing.fuzz_bodies import ROUTES, check_answer, encode, random_body
 
 TIMEOUT = 60
 USER = [{"role": "user", "content": "Hello"}]

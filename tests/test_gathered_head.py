@@ -11,7 +11,6 @@ tests), which run with the gather on, as every decode does.
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints_ar import write_causal
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api.protocol import run_request
@@ -19,6 +18,7 @@ from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket, read_positi
 from mlx_lm_diffusion.decoding.decoders.masked_block import MaskedBlockDecoder
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 from model_adapters import adapter_for
 
 PROMPT = [72, 101, 108, 108, 111, 5, 17]

@@ -146,9 +146,8 @@ def _load(writer, tmp_path, *args):
 
 
 def test_families_that_cannot_see_a_suffix_refuse_it(tmp_path):
-    from checkpoints_ar import write_causal
-
     from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+    from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
     from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 
     cases = {"block-causal": [write_sdar, write_llada2], "causal prefix": [write_nemotron]}

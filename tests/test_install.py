@@ -285,7 +285,7 @@ def test_every_family_through_stock_mlx_lm(family, tmp_path, installed):
 
 def test_batch_generate_keeps_autoregressive_models_on_mlx_lm(tmp_path):
     """After install(), mlx_lm.batch_generate still runs an autoregressive model itself."""
-    from checkpoints_ar import write_causal
+    from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 
     model, tok = mlx_lm.load(str(write_causal(tmp_path / "llama", "llama")))
     prompts = [[72, 101, 108], [5, 17, 99, 200, 31]]

@@ -20,7 +20,6 @@ import mlx.core as mx
 import numpy as np
 import openai
 import pytest
-from checkpoints_ar import write_causal
 from mlx_lm.models.cache import LRUPromptCache
 from serving import TIMEOUT, running_server
 
@@ -29,6 +28,7 @@ from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma, write_nemotron
 from model_adapters import adapter_for
 from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, block_causal

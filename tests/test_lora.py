@@ -177,7 +177,7 @@ def _one_line_error(r) -> str:
 
 
 def test_faults_exit_2_with_one_line(tmp_path):
-    from checkpoints_ar import write_causal
+    from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 
     data = _text_data(tmp_path / "d")
     assert "--no-such-flag" in _one_line_error(run_main("mlx_lm_diffusion.lora", "--no-such-flag"))

@@ -14,10 +14,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from decoding import engine_decode
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB
+from mlx_lm_diffusion.testing.engine_runs import engine_decode
 from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import NEMOTRON_MASK_ID as MASK_ID
 from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 from model_adapters import adapter_for

@@ -5,7 +5,6 @@ every family with a mask token and every kind of commit rule."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints_ar import write_causal
 from mlx_lm.sample_utils import make_sampler
 
 import mlx_lm_diffusion as mld
@@ -14,6 +13,7 @@ from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, check_forward_budget, forward_bound, resolve
 from mlx_lm_diffusion.decoding.schedules import ScheduleQuota
 from mlx_lm_diffusion.testing.block_checkpoints import write_llada2, write_sdar
+from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
 from model_adapters import adapter_for
 

@@ -8,11 +8,11 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from checkpoints_ar import write_causal
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api.protocol import REQUEST_SCHEMA, prepare_request, run_request, validate_response
 from mlx_lm_diffusion.decoding.schedules import masked_after, quotas
+from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 from mlx_lm_diffusion.testing.checkpoints import MASK_ID
 from model_adapters import adapter_for
 

@@ -67,9 +67,8 @@ def test_bad_seed_canvases(llada, canvas, word):
 
 
 def test_causal_models_refuse_pinned_positions(tmp_path):
-    from checkpoints_ar import write_causal
-
     import mlx_lm_diffusion as mld
+    from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 
     model, tok = mld.load(str(write_causal(tmp_path / "ar", "qwen3")), autoregressive=True)
     with pytest.raises(ValueError, match="cannot infill"):

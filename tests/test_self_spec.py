@@ -4,7 +4,7 @@ Checked against an independent oracle (greedy autoregressive decoding written he
 causal forward per token, no cache), against the engine's own autoregressive decode (block
 length 1), and against mlx-vlm 0.7.10's `linear_spec_generate` on the same checkpoints
 (tokens, and its forward count less its prompt pass). Three checkpoints: random weights
-(drafts almost never accepted), and two made predictable (tests/checkpoints_self_spec.py):
+(drafts almost never accepted), and two made predictable (mlx_lm_diffusion/testing/nemotron_gemma_checkpoints.py):
 drafts accepted in part (every window's trimming is exercised) and whole. Then the cache
 (exactly a cold causal prefill of the accepted tokens), streaming, the forward bound, the
 doors (batch, CLI, server, protocol) and the options it refuses.
@@ -17,15 +17,14 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from checkpoints_self_spec import write_speculable_nemotron
-from decoding import engine_decode, record_batch_sizes
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, forward_bound, resolve
 from mlx_lm_diffusion.testing.checkpoints import EOS_ID
+from mlx_lm_diffusion.testing.engine_runs import engine_decode, record_batch_sizes
 from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import NEMOTRON_MASK_ID as MASK_ID
-from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron
+from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_nemotron, write_speculable_nemotron
 from model_adapters import adapter_for
 
 PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33]]

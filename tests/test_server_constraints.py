@@ -132,7 +132,8 @@ def test_a_grammar_the_vocabulary_cannot_begin_is_a_400(stream):
 def test_an_autoregressive_model_refuses_the_fields(tmp_path):
     """A plain mlx-lm model is decoded by mlx-lm's own loop, which would ignore them."""
     import huggingface_hub.constants as hf_constants
-    from checkpoints_ar import write_causal
+
+    from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 
     path = write_causal(tmp_path / "qwen3", "qwen3")
     with pytest.MonkeyPatch.context() as mp:

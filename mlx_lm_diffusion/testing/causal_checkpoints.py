@@ -1,4 +1,4 @@
-"""Tiny random mlx-lm causal LMs (llama, qwen3) written as MLX checkpoints, offline."""
+"""Tiny random mlx-lm causal LMs (llama, qwen3) written as MLX checkpoints, offline (the ar adapter's tests and benches)."""
 
 from __future__ import annotations
 
