@@ -18,7 +18,8 @@ def _logits(model, x: np.ndarray, mask_id: int) -> np.ndarray:
     return logits
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float64-safe form (every oracle and parity test uses this one)."""
     z = logits - logits.max(axis=-1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(axis=-1, keepdims=True)
@@ -49,7 +50,7 @@ def llada_generate(model, prompt, *, gen_length, block_length, steps, mask_id, s
             logits = _logits(model, x, mask_id)
             forwards += 1
             x0 = logits.argmax(-1)
-            x0_p = np.take_along_axis(_softmax(logits), x0[..., None], -1)[..., 0]
+            x0_p = np.take_along_axis(softmax(logits), x0[..., None], -1)[..., 0]
             x0_p[:, end:] = -np.inf
             x0 = np.where(mask_index, x0, x)
             confidence = np.where(mask_index, x0_p, -np.inf)
@@ -73,7 +74,7 @@ def dream_generate(model, prompt, *, max_new_tokens, steps, alg, mask_id, eps=1e
         logits = _logits(model, x, mask_id)
         forwards += 1
         logits = np.concatenate([logits[:, :1], logits[:, :-1]], axis=1)
-        probs = _softmax(logits[mask_index])
+        probs = softmax(logits[mask_index])
         x0 = probs.argmax(-1)
         if alg == "maskgit_plus":
             confidence = probs.max(-1)
@@ -111,7 +112,7 @@ def fast_dllm_threshold(model, prompt, *, gen_length, block_length, threshold, m
         while (x[0, start:end] == mask_id).any():
             logits = _logits(model, x, mask_id)
             forwards += 1
-            probs = _softmax(logits[0, start:end])
+            probs = softmax(logits[0, start:end])
             x0, p = probs.argmax(-1), probs.max(-1)
             masked = x[0, start:end] == mask_id
             conf = np.where(masked, p, -np.inf)
@@ -142,7 +143,7 @@ def threshold_with_editing(model, prompt, *, gen_length, block_length, threshold
                 post_steps += 1
                 if post_steps > max_post_steps:
                     break
-            probs = _softmax(_logits(model, x, mask_id)[0, start:end])
+            probs = softmax(_logits(model, x, mask_id)[0, start:end])
             forwards += 1
             x0, p = probs.argmax(-1), probs.max(-1)
             commit = masked & (p >= threshold)

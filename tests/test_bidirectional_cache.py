@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 import oracles
 import pytest
+from oracles import softmax
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.commit_rules import RULES
@@ -137,17 +138,12 @@ def test_cached_step_is_exact_when_the_canvas_is_unchanged(family, mode, request
 # --- oracles of Fast-dLLM's cached loops ---------------------------------------------
 
 
-def _softmax(logits):
-    z = np.exp(logits - logits.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
-
-
 def _commit(rule, logits, block, step, steps, schedule, mask_id):
     """One step's commits in a block (batch 1): `rule` "quota" (LLaDA's low_confidence,
     `schedule` the block's quotas), "threshold" (Fast-dLLM's: every p >= 0.9, else the
     most confident), or Dream's "entropy" / "maskgit_plus" (count int(M (1 - s / t)) over
     the block's M masks, all at the last step; `schedule` the timesteps)."""
-    probs = _softmax(logits)
+    probs = softmax(logits)
     x0, p = probs.argmax(-1), probs.max(-1)
     masked = block == mask_id
     if rule == "threshold":

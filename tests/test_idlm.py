@@ -241,3 +241,23 @@ def test_sampled_decoding_draws_from_the_autoregressive_distribution(tmp_path):
             unchecked[seq + tail] = p * 0.5 ** 3
     assert 0.5 * sum(abs(unchecked.get(seq, 0) - p) for seq, p in exact.items()) > 0.15
     assert sum(batch.forwards) < sum(len(t) - 1 for t in batch.token_ids)  # (drafts were accepted)
+
+
+def test_convert_and_quantize_keep_it_idlm(checkpoints, tmp_path):
+    """mlx_lm_diffusion.convert writes the checkpoint's own config (model_type "sdar" and the
+    switch): the MLX copy loads as I-DLM and decodes the same tokens; a 4-bit copy loads and
+    decodes too."""
+    from mlx_lm_diffusion.cli.convert import convert
+
+    path, (model, tokenizer), _ = checkpoints["random"]
+    convert(str(path), str(tmp_path / "mlx"))
+    convert(str(path), str(tmp_path / "q4"), quantize=True, q_bits=4)
+    ids = tokenizer.encode("abc")
+    expected, _ = _isd((model, tokenizer), ids, 12)
+    for name in ("mlx", "q4"):
+        copy = mld.load(str(tmp_path / name))
+        assert type(copy[0]).__module__ == "model_adapters.idlm"
+        tokens, forwards = _isd(copy, ids, 12)
+        assert 0 < len(tokens) <= 12 and forwards <= len(tokens) - 1
+        if name == "mlx":
+            assert tokens == expected

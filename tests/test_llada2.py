@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_arsenal.attention import block_causal_mask
+from oracles import softmax
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api import generation as api  # (mld.generate is rebound if the CLI module loads)
@@ -42,12 +43,6 @@ def vlm_model(llada2_path):
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     return model
-
-
-def _softmax(logits):
-    z = logits - logits.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
 
 
 def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshold, mask_id,
@@ -83,7 +78,7 @@ def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshol
             logits = np.array(model(mx.array(x[None, :end]), mask=attention)[0, start:end]).astype(np.float64)
             forwards += 1
             logits[:, mask_id] = -np.inf
-            probs = _softmax(logits)
+            probs = softmax(logits)
             x0, p = probs.argmax(-1), probs.max(-1)
             commit = np.zeros_like(masked)
             if masked.any() and step < steps:

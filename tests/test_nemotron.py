@@ -14,6 +14,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from oracles import softmax
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB
@@ -99,11 +100,6 @@ def _masked_logits(model, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return logits
 
 
-def _softmax(logits):
-    z = np.exp(logits - logits.max(-1, keepdims=True))
-    return z / z.sum(-1, keepdims=True)
-
-
 def _attention(chunks: list, causal_context: bool, block: int) -> np.ndarray:
     """Mask over chunks (prompt, finished blocks..., current block of `block` tokens):
     the prefix is causal (causal context) or block-causal over chunks, the last `block`
@@ -142,7 +138,7 @@ def nemotron_generate(model, prompt, *, gen_length, block_length, threshold, cau
                 post_steps += 1
                 if editing_threshold is None or post_steps > max_post_steps:
                     break
-            probs = _softmax(_masked_logits(model, np.concatenate([x, block]), mask)[-block_length:])
+            probs = softmax(_masked_logits(model, np.concatenate([x, block]), mask)[-block_length:])
             forwards += 1
             x0, p = probs.argmax(-1), probs.max(-1)
             conf = np.where(masked, p, -np.inf)

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_arsenal.attention import block_causal_mask
+from oracles import softmax
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api import generation as api  # (mld.generate is rebound if the CLI module loads)
@@ -31,12 +32,6 @@ def sdar_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sdar(sdar_path):
     return mld.load(str(sdar_path))
-
-
-def _softmax(logits):
-    z = logits - logits.max(-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
 
 
 def sdar_reference(model, prompt, *, gen_length, block_length, steps, strategy, mask_id,
@@ -63,7 +58,7 @@ def sdar_reference(model, prompt, *, gen_length, block_length, steps, strategy, 
             logits = np.array(model(mx.array(x[None, :end]), mask=attention)[0, start:end]).astype(np.float64)
             forwards += 1
             logits[:, mask_id] = -np.inf
-            probs = _softmax(logits)
+            probs = softmax(logits)
             x0, p = probs.argmax(-1), probs.max(-1)
             confidence = np.where(masked, p, -np.inf)
             k = min(quota[step], int(masked.sum())) if step < steps else 0
