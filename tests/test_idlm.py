@@ -261,3 +261,24 @@ def test_convert_and_quantize_keep_it_idlm(checkpoints, tmp_path):
         assert 0 < len(tokens) <= 12 and forwards <= len(tokens) - 1
         if name == "mlx":
             assert tokens == expected
+
+
+def test_frames_show_the_drafts_as_drafts(checkpoints):
+    """The studio's frames (serving.responses.draft_frame) mark the next round's drafts `d`
+    and the accepted tokens `c`; a draft never lies inside the final prefix."""
+    from mlx_lm_diffusion.decoding.engine import Engine
+    from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+    from mlx_lm_diffusion.serving.responses import draft_frame
+
+    _, (model, tokenizer), _ = checkpoints["forced"]
+    adapter = adapter_for(model, tokenizer)
+    prompt = tokenizer.encode("abc")
+    frames, drafted = [], 0
+    for step in Engine(adapter, resolve(DecodeOptions(max_tokens=16), adapter, len(prompt))).run(mx.array([prompt])):
+        frame = draft_frame(tokenizer, step, adapter.mask_id, {})
+        frames.append(frame)
+        if step.drafted is not None:
+            start, end = (p - len(prompt) for p in step.drafted)
+            assert start >= int(step.final[0]) and frame["states"][start:end] == "d" * (end - start)
+            drafted += 1
+    assert drafted >= 3 and frames[-1]["states"] == "c" * 16  # (the last frame: all accepted, no draft)

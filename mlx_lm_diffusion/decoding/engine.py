@@ -53,6 +53,9 @@ class Step:
     ran_forward: bool = True  # False: a block-over event without a model forward
     block_confidence: Optional[mx.array] = None  # (B, block) each token's confidence at commit
     edits: Any = None  # a step's structural edits (DELETE / SPLIT), from a decoder that makes them: BlockEdits
+    # canvas positions [start, end) of row 0 that show a speculative decoder's drafts, not
+    # committed tokens (self-speculation, I-DLM); None: none
+    drafted: Optional[tuple] = None
 
     @property
     def block_logprobs(self) -> Optional[mx.array]:
@@ -226,7 +229,8 @@ class Engine:
         horizon = end if (q.block_over or not self.decoder.changing()) else start
         self._finality(canvas, host, horizon)
         return Step(self.decoder.draft(host, end), canvas.prompt_len, canvas.final, canvas.done.copy(),
-                    q.forwards, q.block, q.step, q.kept, q.ran_forward, q.confidence, q.edits)
+                    q.forwards, q.block, q.step, q.kept, q.ran_forward, q.confidence, q.edits,
+                    self.decoder.drafted())
 
     def _finality(self, canvas: Canvas, host: np.ndarray, horizon: int) -> None:
         """Final = the committed prefix of the generation before `horizon`, up to and

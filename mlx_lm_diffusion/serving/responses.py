@@ -47,7 +47,8 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
     """One forward's frame of row 0, as the studio page and any client draw it:
     `forwards`, `committed` (generated tokens final), `text` (render_draft), and per
     generated position its token's text (`tokens`, null: still masked) and `states`, one
-    letter each: m masked, d draft (a uniform canvas's argmax, not committed), c committed;
+    letter each: m masked, d draft (a uniform canvas's argmax, or a speculative decoder's
+    guesses: self-speculation, I-DLM; not committed), c committed;
     `block`: the current block's [start, end) among the generated positions, and
     `confidence`: each of its positions' confidence at commit (0: not yet). With LLaDA2.2's
     structural edits, `inserted` (the generated positions of the masks a SPLIT put in) and
@@ -64,7 +65,8 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
         if token not in texts:
             texts[token] = tokenizer.decode([int(token)])
         tokens.append(texts[token])
-        states.append("c" if mask_id is not None or i < final else "d")
+        drafted = step.drafted is not None and step.drafted[0] <= step.prompt_len + i < step.drafted[1]
+        states.append("d" if drafted or (mask_id is None and i >= final) else "c")
     start, end = (b - step.prompt_len for b in step.block)
     confidence = [] if step.block_confidence is None else np.asarray(step.block_confidence[0], dtype=np.float64)
     frame = {

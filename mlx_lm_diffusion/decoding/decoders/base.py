@@ -265,6 +265,11 @@ class Decoder:
         """The canvas a Step shows."""
         return host
 
+    def drafted(self) -> Optional[tuple]:
+        """The positions [start, end) of the shown canvas that hold drafts (a speculative
+        decoder's guesses, not committed tokens), or None."""
+        return None
+
     def decode_block(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator[Queued]:
         raise NotImplementedError
 

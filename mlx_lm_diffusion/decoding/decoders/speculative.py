@@ -122,6 +122,9 @@ class SpeculativeDecoder(Decoder):
         canvas[0, position : position + tokens.size] = tokens
         return canvas
 
+    def drafted(self) -> Optional[tuple]:
+        return None if self.shown is None else (self.shown[0], self.shown[0] + self.shown[1].size)
+
     def decode_block(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator:
         if canvas.rows != 1:
             raise ValueError("self_spec decodes one row at a time (its windows follow each row's accepted tokens)")
