@@ -3,7 +3,8 @@
 Starts `python -m mlx_lm_diffusion.server` (from the current directory's checkout: run it
 from another worktree to measure another commit) on a tiny random LLaDA wide enough that a
 forward costs something, then, per kind of hostile load, runs that load for --seconds while
-one normal client sends short chat requests one after another, and prints per kind: the
+one normal client sends short chat requests one after another (or the kind's own victim: a
+long request beside much longer ones), and prints per kind: the
 normal requests' p50 / p99 / max wait, how many completed, and the server's threads and
 resident memory (from /proc) at the end of the phase.
 
@@ -25,8 +26,10 @@ from pathlib import Path
 
 from mlx_lm_diffusion.testing.checkpoints import write_llada  # noqa: E402
 
-PROMPT = {"prompt": [72, 101, 108, 108, 111], "target_length": 5 + 4, "num_steps": 4,
-          "temperature_schedule": [0.0] * 4}
+# (a valid InferenceRequest: an earlier version named the field "prompt", and its "protocol
+# flood" was a flood of 400s)
+PROMPT = {"prompt_tokens": [72, 101, 108, 108, 111], "target_length": 5 + 4, "num_steps": 4,
+          "mask_schedule": "linear", "temperature_schedule": [0.0] * 4, "top_p": 1.0}
 
 
 def free_port() -> int:
@@ -52,6 +55,12 @@ def chat(**fields) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": "Hi"}], **fields}).encode()
 
 
+def protocol_body(forwards: int) -> dict:
+    """A step-schedule request that takes `forwards` forwards (one position committed per step)."""
+    return {**PROMPT, "target_length": len(PROMPT["prompt_tokens"]) + forwards, "num_steps": forwards,
+            "temperature_schedule": [0.0] * forwards}
+
+
 # each kind: (threads, the body a hostile thread sends again and again, the route)
 KINDS = {
     "none": (0, None, None),
@@ -62,7 +71,15 @@ KINDS = {
                                              "block_length": 32, "steps": 32}).encode(), "/v1/completions"),
     "7 MB bad protocol bodies": (2, (json.dumps({**PROMPT, "pad": "x" * 7_000_000})[:-1] + ', "num_steps": -1}')
                                  .encode(), "/v1/diffusion/generate"),
+    # a long request alone, then beside 32 much longer ones: 24 and 120 forwards, which are the
+    # issue's 300 behind 16,384 at this bench's --long-request-forwards 16 (the server's default
+    # 256 would make each a canvas this machine decodes in minutes)
+    "none (victim: 24 forwards)": (0, None, None),
+    "120-forward requests (victim: 24)": (32, json.dumps(protocol_body(120)).encode(), "/v1/diffusion/generate"),
 }
+# a kind's own victim (the normal client's request, route), where it is not a short chat
+LONG_VICTIM = (json.dumps(protocol_body(24)).encode(), "/v1/diffusion/generate")
+VICTIMS = {"none (victim: 24 forwards)": LONG_VICTIM, "120-forward requests (victim: 24)": LONG_VICTIM}
 
 
 def proc_status(pid: int) -> dict:
@@ -87,10 +104,11 @@ def phase(port: int, pid: int, kind: str, seconds: float) -> dict:
         thread.start()
     time.sleep(min(2.0, seconds / 10) if count else 0)  # (the load is on before the first normal request)
     waits = []
+    victim, victim_route = VICTIMS.get(kind, (chat(max_tokens=8), "/v1/chat/completions"))
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         started = time.monotonic()
-        status = post(port, "/v1/chat/completions", chat(max_tokens=8), timeout=seconds * 4)
+        status = post(port, victim_route, victim, timeout=seconds * 4)
         waits.append(time.monotonic() - started if status == 200 else float("inf"))
     figures = proc_status(pid)
     stop.set()
@@ -111,8 +129,10 @@ def main() -> None:
     args = parser.parse_args()
     model = write_llada(Path(tempfile.mkdtemp()) / "llada", d_model=256, n_layers=4, max_len=2048)
     port = free_port()
+    # (the long victims' kinds are measured at --long-request-forwards 16; the others at the server's default)
+    flags = ["--long-request-forwards", "16"] if set(args.kinds) & set(VICTIMS) else []
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(model), "--port",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
         while post(port, "/v1/chat/completions", chat(max_tokens=1), timeout=30) != 200:

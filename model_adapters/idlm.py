@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache
 from model_adapters.base import Adapter as _BaseAdapter
 from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
 from model_adapters.runtime import batched
-from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
+from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, keep_first, usable
 
 
 @dataclass
@@ -113,11 +113,7 @@ class Adapter(_BaseAdapter):
 
     def keep(self, state: _State, length: int) -> None:
         """Trim the cache to its first `length` positions (the round's rejected drafts and masks)."""
-        excess = state.offset - length
-        if excess < 0:
-            raise RuntimeError(f"cache holds {state.offset} positions, cannot keep {length}")
-        for c in state.cache:
-            c.trim(excess)
+        keep_first(state.cache, length)
 
     def predict_batch(self, requests: list) -> list:
         """Many rows' rounds in one causal call (model_adapters.runtime.batched.causal_verify_batch)."""

@@ -27,7 +27,7 @@ from model_adapters.base import Adapter as _BaseAdapter
 from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults
 from model_adapters.option import Option
 from model_adapters.runtime import batched
-from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
+from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, keep_first, usable
 
 
 @dataclass
@@ -238,11 +238,7 @@ class Adapter(_BaseAdapter):
 
     def keep(self, state: _State, length: int) -> None:
         """Trim the cache to its first `length` positions (a rejected draft's keys and values)."""
-        excess = state.offset - length
-        if excess < 0:
-            raise RuntimeError(f"cache holds {state.offset} positions, cannot keep {length}")
-        for c in state.cache:
-            c.trim(excess)
+        keep_first(state.cache, length)
 
     def finish_block(self, state: _State, canvas: mx.array, start: int, end: int) -> None:
         # Encoded lazily, when the next block needs it: no pass after the last block.

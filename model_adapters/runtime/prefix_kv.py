@@ -100,3 +100,14 @@ def usable(prefix: Optional[PrefixKV], kind: str, rows: int, limit: int) -> int:
 
 
 __all__ = ["PrefixKV", "CAUSAL", "block_causal", "usable"]
+
+
+def keep_first(cache: list, length: int) -> None:
+    """Trim every layer's KVCache of `cache` to its first `length` positions (a speculative
+    round's rejected drafts and masks: self-speculation, I-DLM)."""
+    excess = cache[0].offset - length
+    if excess < 0:
+        raise RuntimeError(f"cache holds {cache[0].offset} positions, cannot keep {length}")
+    for c in cache:
+        c.trim(excess)
+
