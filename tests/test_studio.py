@@ -395,6 +395,28 @@ def test_llada2_2_inserts_and_deletes_show_on_the_canvas(browser, tmp_path):
         page.close()
 
 
+def test_idlm_rounds_show_their_drafts_as_drafts(browser, tmp_path):
+    """I-DLM (a checkpoint whose drafts are always right): each round's next drafts are dashed
+    draft cells past the committed ones, then committed by the next round; the answer is the
+    committed tokens."""
+    from mlx_lm_diffusion.testing.block_checkpoints import write_idlm
+
+    with serve(write_idlm(tmp_path / "idlm", forced=100)) as (httpd, _):
+        page = Studio(browser, f"http://127.0.0.1:{httpd.server_address[1]}")
+        page.set("a", max_tokens=12, temperature=0)
+        page.ask("hello")
+        frames = page.frames()
+        with_drafts = [k for k, f in enumerate(frames) if "d" in f["states"]]
+        assert with_drafts and len(frames) < 12  # (rounds of several tokens)
+        first = frames[with_drafts[0]]
+        assert first["states"].rstrip("m").endswith("d") and "c" in first["states"]
+        page.page.locator("#pane-a .replay").fill(str(with_drafts[0]))
+        assert page.page.locator("#pane-a .canvas .cell.d").count() == first["states"].count("d")
+        assert frames[-1]["states"].count("d") == 0
+        assert not page.problems
+        page.close()
+
+
 def test_diffusion_gemma_draws_its_uniform_canvas_with_an_image(browser, tmp_path):
     from mlx_lm_diffusion.testing.gemma_vision_checkpoints import make_image, write_gemma_with_vision
 
