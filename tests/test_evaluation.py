@@ -450,3 +450,15 @@ def test_task_yaml_that_runs_code_needs_the_confirmation(tmp_path, capsys, monke
         code, _, err = run_cli(capsys, "--model", "/nonexistent", "--tasks", f"t_{name}", "--include-path", str(folder),
                                "--confirm-run-unsafe-code")
         assert "--confirm-run-unsafe-code" not in err  # (past the gate: it fails later, on the model or the task)
+
+
+def test_task_data_that_cannot_be_read_is_one_line(tmp_path, capsys):
+    """Issue 55.8: a task whose data file holds a malformed JSON line was datasets' traceback."""
+    data = tmp_path / "addition.jsonl"
+    data.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", \n')
+    (tmp_path / "demo_addition.yaml").write_text(ADDITION.format(data=data, cache=tmp_path / "hf-datasets"))
+    code, _, err = run_cli(capsys, "--tasks", "demo_addition", "--include-path", str(tmp_path),
+                           "--output-dir", str(tmp_path / "out"))
+    assert code == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # (datasets prints its progress bar before it)
+    assert last.startswith("error: the data of task demo_addition cannot be read: ArrowInvalid")

@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api.compat import add_decode_arguments, decode_defaults
@@ -157,12 +158,14 @@ def evaluate(args: argparse.Namespace) -> list:
                          batch_size=args.batch_size, use_chat_template=args.apply_chat_template,
                          chat_template_args=args.chat_template_args, sampler=sampler, mc_samples=args.mc_samples,
                          seed=args.seed, options=run_options)
-        results = lm_eval.simple_evaluate(
-            model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_shots, limit=args.limit,
-            fewshot_as_multiturn=args.fewshot_as_multiturn, apply_chat_template=lm.use_chat_template,
-            random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
-            fewshot_random_seed=args.seed, confirm_run_unsafe_code=args.confirm_run_unsafe_code, log_samples=False,
-        )
+        with task_data_errors(tasks):
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_shots, limit=args.limit,
+                fewshot_as_multiturn=args.fewshot_as_multiturn, apply_chat_template=lm.use_chat_template,
+                random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
+                fewshot_random_seed=args.seed, confirm_run_unsafe_code=args.confirm_run_unsafe_code,
+                log_samples=False,
+            )
         speed = lm.speed.record()
         path = output_dir / f"{_file_stem(args, tasks)}_{sweep.slug(setting)}.json"
         path.write_text(json.dumps(_record(args, setting, results, speed), indent=2, default=_plain) + "\n")
@@ -170,6 +173,22 @@ def evaluate(args: argparse.Namespace) -> list:
         rows += report.rows_of(sweep.label(setting), results["results"], speed)
     _write_report(rows, output_dir)
     return rows
+
+
+@contextmanager
+def task_data_errors(tasks: Sequence[str]) -> Iterator[None]:
+    """A task whose data the datasets library cannot read (a malformed JSON line, a missing
+    column) as one ValueError naming the cause, not datasets' traceback (issue 55.8)."""
+    try:
+        yield
+    except Exception as e:
+        if not type(e).__module__.startswith("datasets"):
+            raise
+        cause = e
+        while cause.__cause__ is not None:  # (datasets wraps the reader's own error)
+            cause = cause.__cause__
+        raise ValueError(f"the data of task {', '.join(map(str, tasks))} cannot be read: "
+                         f"{type(cause).__name__}: {cause}") from None
 
 
 def warm_up(loaded: tuple, options: dict) -> None:
