@@ -202,6 +202,9 @@ def group_failures_end_the_process(group: Optional[mx.distributed.Group]) -> Ite
         yield
     except RuntimeError as e:
         if group is not None and is_group_failure(e):
+            gone = heartbeat.peer_gone()  # (the heartbeat names the rank that died, when it sees one)
+            if gone is not None:
+                fail(group, f"{gone} is gone: its connection closed (the process died or was killed)")
             fail(group, f"the distributed group failed: {e} (a peer rank died or lost its connection)")
         raise
 

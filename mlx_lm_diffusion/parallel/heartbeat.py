@@ -15,6 +15,7 @@ import atexit
 import json
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -42,6 +43,7 @@ class Heartbeat:
     def __init__(self, rank: int, size: int, share: Callable[[Any], Any], on_death: Callable[[str], None]):
         self.rank, self.size, self.on_death = rank, size, on_death
         self.links: List[socket.socket] = []
+        self.names: dict = {}  # link -> the rank it watches ("rank 1")
         self.ending = False
         if rank == 0:
             listener = socket.create_server((leader_address(), 0))
@@ -68,6 +70,7 @@ class Heartbeat:
     def _watch(self, link: socket.socket, name: str) -> None:
         link.settimeout(None)
         self.links.append(link)
+        self.names[link] = name
         threading.Thread(target=self._read, args=(link, name), name=f"heartbeat-{name}", daemon=True).start()
 
     def _read(self, link: socket.socket, name: str) -> None:
@@ -78,6 +81,21 @@ class Heartbeat:
         if data == BYE or self.ending:
             return  # (it ended normally, or this process is ending itself)
         self.on_death(f"{name} is gone: its connection closed (the process died or was killed)")
+
+    def gone(self, wait: float) -> Optional[str]:
+        """The rank whose connection has closed without a "bye" ("rank 1"), looking for up
+        to `wait` seconds, or None: a collective that failed learns which peer died."""
+        deadline = time.monotonic() + wait
+        while True:
+            readable, _, _ = select.select(self.links, [], [], max(0.0, deadline - time.monotonic()))
+            for link in readable:
+                try:
+                    if link.recv(1, socket.MSG_PEEK) == b"":
+                        return self.names[link]
+                except OSError:
+                    return self.names[link]
+            if time.monotonic() >= deadline:
+                return None
 
     def bye(self) -> None:
         """This rank ends normally: its peers stop watching it."""
@@ -124,6 +142,12 @@ def start(group: Any, share: Callable[[Any], Any], on_death: Callable[[str], Non
     if _started is None:
         _started = Heartbeat(group.rank(), group.size(), share, on_death)
     return _started
+
+
+def peer_gone(wait: float = 1.0) -> Optional[str]:
+    """Which peer of this process's group died ("rank 1"), if the heartbeat sees one within
+    `wait` seconds; None without a heartbeat or when none did."""
+    return None if _started is None or not _started.links else _started.gone(wait)
 
 
 def say_bye() -> None:
