@@ -42,7 +42,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 import numpy as np
 
-from mlx_lm_diffusion.decoding.decoders.base import Canvas, Queued, ReadBack, Verify, greedy_proposal, log_softmax
+from mlx_lm_diffusion.decoding.decoders.base import Canvas, Queued, ReadBack, Verify, log_softmax
 from mlx_lm_diffusion.decoding.decoders.speculative import REFUSED, SpeculativeDecoder
 
 # what the rounds refuse: self-speculation's list, less the sampler (rows draw with it)
@@ -51,15 +51,9 @@ ISD_REFUSED = {name: why for name, why in REFUSED.items() if name != "sampler"}
 
 class IntrospectiveDecoder(SpeculativeDecoder):
     name = "introspective"
-
-    @classmethod
-    def check_options(cls, values: dict, adapter: Any) -> None:
-        for name, why in ISD_REFUSED.items():
-            if values.get(name) not in (None, ()):
-                why = why.replace("self_spec", "introspective strided decoding")
-                raise ValueError(f"{name} does not apply to I-DLM's introspective strided decoding: {why}; drop {name}")
-        if values.get("block_length") == 1:
-            raise ValueError("I-DLM commits up to block_length tokens per round (N): give block_length >= 2")
+    refused = ISD_REFUSED
+    decoding, or_drop = "I-DLM's introspective strided decoding", ""
+    one_token_refusal = "I-DLM commits up to block_length tokens per round (N): give block_length >= 2"
 
     def block_step_bound(self, width: int) -> int:
         # the first token is the prompt's; every round writes one token at least
@@ -123,14 +117,9 @@ class IntrospectiveDecoder(SpeculativeDecoder):
     def _propose(self, scores: mx.array) -> tuple:
         """(log-probs kept or None, (1, L) tokens, (1, L) their probabilities or None): each
         row's argmax, or its draw with the request's sampler."""
-        if self.options.sampler is not None:
-            logprobs = log_softmax(scores)
-            tokens = self.sample(logprobs)
-            prob = mx.exp(mx.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0])
-            return (logprobs if self.keep_logprobs else None), tokens, prob
-        if self.keep_logprobs:
-            logprobs = log_softmax(scores)
-            tokens, prob = greedy_proposal(logprobs)
-            return logprobs, tokens, prob
-        return None, mx.argmax(scores, axis=-1).astype(mx.int32), None
-
+        if self.options.sampler is None:
+            return super()._propose(scores)
+        logprobs = log_softmax(scores)
+        tokens = self.sample(logprobs)
+        prob = mx.exp(mx.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0])
+        return (logprobs if self.keep_logprobs else None), tokens, prob

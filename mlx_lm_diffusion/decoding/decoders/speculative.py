@@ -81,6 +81,11 @@ def check_greedy(temperature: float, logits_processors: bool) -> None:
 
 class SpeculativeDecoder(Decoder):
     name = "speculative"
+    # what it refuses, and how its refusals name the decoding (and the option to drop instead)
+    refused = REFUSED
+    decoding, or_drop = "self_spec decoding", " or self_spec"
+    one_token_refusal = ("self_spec drafts at least one token per window: give block_length >= 2 "
+                         "(block_length 1 without self_spec is autoregressive decoding)")
     # (a checkpoint's own commit rule or steps belong to its diffusion decode)
     unread_defaults = frozenset(REFUSED)
 
@@ -94,12 +99,11 @@ class SpeculativeDecoder(Decoder):
 
     @classmethod
     def check_options(cls, values: dict, adapter: Any) -> None:
-        for name, why in REFUSED.items():
+        for name, why in cls.refused.items():
             if values.get(name) not in (None, ()):
-                raise ValueError(f"{name} does not apply to self_spec decoding: {why}; drop {name} or self_spec")
+                raise ValueError(f"{name} does not apply to {cls.decoding}: {why}; drop {name}{cls.or_drop}")
         if values.get("block_length") == 1:
-            raise ValueError("self_spec drafts at least one token per window: give block_length >= 2 "
-                             "(block_length 1 without self_spec is autoregressive decoding)")
+            raise ValueError(cls.one_token_refusal)
 
     @property
     def fill(self) -> int:
@@ -167,12 +171,7 @@ class SpeculativeDecoder(Decoder):
         causal = yield Verify(state, window, 0, width)  # (Adapter.verify; a batch's rows share one)
         scores = self._scores(causal)  # row i: the token after position + i
         canvas.forwards += 1
-        if self.keep_logprobs:  # (the streamed tokens' log-probs and confidences)
-            logprobs = log_softmax(scores)
-            proposed, prob = greedy_proposal(logprobs)
-        else:
-            logprobs = prob = None
-            proposed = mx.argmax(scores, axis=-1).astype(mx.int32)
+        logprobs, proposed, prob = self._propose(scores)
         yield ReadBack((window, proposed))
         drafts, verified = np.array(window)[0], np.array(proposed)[0]
         block = (position + 1, position + 1 + width)
@@ -191,6 +190,15 @@ class SpeculativeDecoder(Decoder):
         a.keep(state, position + accepted)  # the accepted positions' keys and values stay
         yield Queued(canvas.tokens, logprobs, prob, canvas.forwards, block, step + (width > 1), True, True)
         return accepted
+
+    def _propose(self, scores: mx.array) -> tuple:
+        """(log-probs kept or None, (1, L) each row's argmax, (1, L) their probabilities or
+        None): the streamed tokens' log-probs and confidences only where they are kept."""
+        if self.keep_logprobs:
+            logprobs = log_softmax(scores)
+            proposed, prob = greedy_proposal(logprobs)
+            return logprobs, proposed, prob
+        return None, mx.argmax(scores, axis=-1).astype(mx.int32), None
 
     def _scores(self, logits: mx.array) -> mx.array:
         """float32 logits with the allowed-token bias and the mask token suppressed."""
