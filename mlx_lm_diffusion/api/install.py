@@ -132,12 +132,17 @@ def _loads_no_remote_code(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_tokenizer
 
 
-def _is_diffusion_checkpoint(model_path: Any) -> bool:
-    config = Path(str(model_path)) / "config.json"
+def _diffusion_config(model_path: Any) -> Optional[dict]:
+    """config.json of a local diffusion checkpoint, or None (anything else: mlx-lm's own path, unchanged)."""
     try:
-        return json.loads(config.read_text()).get("model_type") in FAMILIES
-    except (OSError, ValueError, AttributeError):
-        return False  # (not a local checkpoint: mlx-lm's own path, unchanged)
+        config = json.loads((Path(str(model_path)) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) and config.get("model_type") in FAMILIES else None
+
+
+def _is_diffusion_checkpoint(model_path: Any) -> bool:
+    return _diffusion_config(model_path) is not None
 
 
 def _loads_generation_defaults(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,21 +150,21 @@ def _loads_generation_defaults(original: Callable[..., Any]) -> Callable[..., An
     for a diffusion checkpoint: its generation_config.json's decoding defaults are kept on
     the model, as mlx_lm_diffusion.load keeps them (generation_defaults)."""
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def load_model(model_path, *args, **kwargs):
-        if _is_diffusion_checkpoint(model_path):  # (I-DLM's "sdar" checkpoints load as I-DLM)
-            overrides = evidence.family_overrides(model_path, json.loads((Path(str(model_path)) / "config.json").read_text()))
-            if overrides:
-                args = list(args)
-                given = args[2] if len(args) > 2 else kwargs.get("model_config")
-                if len(args) > 2:
-                    args[2] = {**(given or {}), **overrides}
-                else:
-                    kwargs["model_config"] = {**(given or {}), **overrides}
+        config = _diffusion_config(model_path)
+        if config is None:
+            return original(model_path, *args, **kwargs)
+        overrides = evidence.family_overrides(model_path, config)  # (I-DLM's "sdar" checkpoints load as I-DLM)
+        if overrides:
+            call = signature.bind(model_path, *args, **kwargs)
+            call.arguments["model_config"] = {**(call.arguments.get("model_config") or {}), **overrides}
+            args, kwargs = call.args[1:], call.kwargs
         loaded = original(model_path, *args, **kwargs)
-        if _is_diffusion_checkpoint(model_path):
-            check_weights(loaded[0])
-            generation_defaults.attach(loaded[0], model_path)
+        check_weights(loaded[0])
+        generation_defaults.attach(loaded[0], model_path)
         return loaded
 
     load_model.__mlx_lm_diffusion__ = True

@@ -46,6 +46,18 @@ def check_regular_files(*folders: Any) -> None:
                 raise ValueError(f"{entry} is not a regular file (a pipe or a device): give the checkpoint's files")
 
 
+def missing_adapter_files(adapter_path: Any) -> Optional[str]:
+    """What an adapter directory lacks of what mlx-lm's load_adapters reads (adapter_config.json,
+    adapters.safetensors), or None: checked before loading, so that the message names the adapter."""
+    folder = Path(adapter_path).expanduser()
+    if not folder.is_dir():
+        return "adapter_config.json is missing (no such directory)"
+    for name in ("adapter_config.json", "adapters.safetensors"):
+        if not (folder / name).is_file():
+            return f"{name} is missing"
+    return None
+
+
 def load(
     path_or_hf_repo: str,
     tokenizer_config: Optional[Dict[str, Any]] = None,

@@ -87,6 +87,7 @@ from mlx_lm.utils import _parse_size
 from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.install import install
+from mlx_lm_diffusion.api.loading import missing_adapter_files
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import one_line_errors
 from mlx_lm_diffusion.media import images
@@ -133,12 +134,9 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
     if isinstance(model, str) and model.startswith(("/", ".", "~")) and not Path(model).expanduser().exists():
         raise StartupError(f"cannot load --model {model!r}: no such directory")
     adapter = getattr(args, "adapter_path", None)  # (checked here, so the message names the flag at fault)
-    if isinstance(adapter, str):
-        if not Path(adapter).expanduser().is_dir():
-            raise StartupError(f"cannot load --adapter-path {adapter!r}: no such directory")
-        for name in ("adapter_config.json", "adapters.safetensors"):  # (what mlx_lm's load_adapters reads)
-            if not (Path(adapter).expanduser() / name).is_file():
-                raise StartupError(f"cannot load --adapter-path {adapter!r}: it has no file {name}")
+    missing = missing_adapter_files(adapter) if isinstance(adapter, str) else None
+    if missing is not None:
+        raise StartupError(f"cannot load --adapter-path {adapter!r}: {missing}")
     install()
     provider = ModelProvider(args)
     # mlx_lm.server bounds the bytes only when it batches; here always (the KV it holds)

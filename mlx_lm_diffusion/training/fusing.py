@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mlx_lm_diffusion import kernel_cache
-from mlx_lm_diffusion.api.loading import load, read_config
+from mlx_lm_diffusion.api.loading import load, missing_adapter_files, read_config
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import exit_status, one_line_errors
 
@@ -48,8 +48,9 @@ def fuse(model_path: str, adapter_path: str, save_path: str, dequantize: bool = 
     from mlx.utils import tree_unflatten
     from mlx_lm.utils import _download, dequantize_model, save
 
-    if not Path(adapter_path, "adapter_config.json").exists():
-        raise FileNotFoundError(f"no adapters at {adapter_path}: adapter_config.json is missing")
+    missing = missing_adapter_files(adapter_path)
+    if missing is not None:
+        raise FileNotFoundError(f"no adapters at {adapter_path}: {missing}")
     source = _download(model_path)
     model, tokenizer = load(str(source), adapter_path=adapter_path, trust_remote_code=trust_remote_code)
     config = read_config(source)
