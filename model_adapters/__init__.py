@@ -28,6 +28,7 @@ FAMILIES: dict[str, str] = {
     "nemotron_labs_diffusion": f"{__name__}.nemotron_labs_diffusion",
     "diffusion_gemma": f"{__name__}.diffusion_gemma",
     "idlm": f"{__name__}.idlm",  # (its checkpoints say "sdar": model_adapters.evidence picks it)
+    "qwen3_5_diffusion": f"{__name__}.qwen3_5_diffusion",  # (Qwen3.5 + block_diffusion.json: evidence)
 }
 
 

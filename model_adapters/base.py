@@ -360,7 +360,7 @@ class Adapter:
         (mlx_lm_diffusion.decoding.decoders.Forward), from as few model calls as the family can
         batch (model_adapters.runtime.batched); here, one call per request. A request marked
         `verify` (self-speculation's verify pass) is answered by `verify`."""
-        return [self.verify(r.state, r.canvas[:, r.start : r.end]) if getattr(r, "verify", False)
+        return [self.verify(r.state, r.canvas[:, r.start : r.end], r.clean) if getattr(r, "verify", False)
                 else self.predict(r.state, r.canvas, r.start, r.end) for r in requests]
 
 

@@ -11,29 +11,70 @@ I-DLM's `use_regular_causal` switch, which SDAR's configuration does not have: i
 configuration_sdar.py (I-DLM's SDARConfig declares it, default True: thuEcstasy/I-DLM
 training/model/Qwen3-8B-b1-allmasked/configuration_sdar.py).
 
+Trida2.0 and FLARE (model_adapters.qwen3_5_diffusion) are mlx-lm's own Qwen3.5 (`model_type
+"qwen3_5_text"` in Trida2.0-4B's raw layout, "qwen3_5" in FLARE's) with a mask token and a
+self-speculative decoder: what tells them from an ordinary Qwen3.5 is the `block_diffusion.json`
+sidecar {bd_size, mask_id} (trillion-labs/trida-stack inference/mlx/trida_mlx/model.py
+`mask_id_of`) or FLARE's architecture name. Without either a Qwen3.5 checkpoint stays mlx-lm's.
+
 `family_overrides(model_path, config)` gives the config fields that load such a checkpoint as
 what it is (`{"model_type": "idlm"}`: model_adapters.idlm); every load (mlx_lm_diffusion.load, and
 mlx-lm's loader after install()) passes them as mlx-lm's `model_config`, before any weight is
-read. A checkpoint of one of mlx-lm's own model types is never looked at here.
+read. A checkpoint of another of mlx-lm's own model types is never looked at here.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 IDLM_SWITCH = "use_regular_causal"
 CODE_READ_LIMIT = 1 << 20  # (a configuration file is a few KB; nothing larger is read)
+QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text")
+BLOCK_DIFFUSION_SIDECAR = "block_diffusion.json"
+FLARE_ARCHITECTURE = "Qwen3_5DLLMForConditionalGeneration"
+QWEN3_5_MASK = 248077  # Trida's and FLARE's mask id where a checkpoint names none (../shared/DESIGN.md)
 
 
 def family_overrides(model_path: Any, config: dict) -> dict:
     """The config.json fields that make the checkpoint at `model_path` load as the family it
     is, when its model_type names another ({} otherwise)."""
+    if config.get("model_type") in QWEN3_5_TYPES:
+        return _block_diffusion(Path(str(model_path)), config)
     if config.get("model_type") != "sdar":
         return {}
     if IDLM_SWITCH in config or _declares(Path(str(model_path)) / "configuration_sdar.py", IDLM_SWITCH):
         return {"model_type": "idlm", IDLM_SWITCH: bool(config.get(IDLM_SWITCH, True))}
     return {}
+
+
+def _block_diffusion(path: Path, config: dict) -> dict:
+    """A Qwen3.5 checkpoint with the block-diffusion sidecar (or FLARE's architecture): its
+    mask id and block size from the sidecar (a FLARE config without one: its text config's)."""
+    sidecar = path / BLOCK_DIFFUSION_SIDECAR
+    flare = FLARE_ARCHITECTURE in (config.get("architectures") or ())
+    if not sidecar.is_file() and not flare:
+        return {}
+    facts: dict = {}
+    if sidecar.is_file():
+        try:
+            if sidecar.stat().st_size > CODE_READ_LIMIT:
+                raise ValueError("it is larger than 1 MB")
+            facts = json.loads(sidecar.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"the checkpoint's {BLOCK_DIFFUSION_SIDECAR} cannot be read: {e}") from None
+        if not isinstance(facts, dict):
+            raise ValueError(f"the checkpoint's {BLOCK_DIFFUSION_SIDECAR} must hold a JSON object")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    mask_id = facts.get("mask_id", text.get("mask_token_id", config.get("mask_token_id", QWEN3_5_MASK)))
+    if not isinstance(mask_id, int) or isinstance(mask_id, bool):
+        raise ValueError(f"a Qwen3.5 block-diffusion checkpoint needs an integer mask_id in its "
+                         f"{BLOCK_DIFFUSION_SIDECAR}, got {mask_id!r}")
+    overrides = {"model_type": "qwen3_5_diffusion", "mask_token_id": mask_id}
+    if "bd_size" in facts:
+        overrides["bd_size"] = facts["bd_size"]
+    return overrides
 
 
 def _declares(file: Path, name: str) -> bool:
@@ -46,4 +87,4 @@ def _declares(file: Path, name: str) -> bool:
         return False
 
 
-__all__ = ["family_overrides", "IDLM_SWITCH"]
+__all__ = ["family_overrides", "IDLM_SWITCH", "BLOCK_DIFFUSION_SIDECAR"]

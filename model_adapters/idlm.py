@@ -106,9 +106,10 @@ class Adapter(_BaseAdapter):
     def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
         raise RuntimeError("I-DLM decodes by introspective strided decoding, whose forwards are verify passes")
 
-    def verify(self, state: _State, window: mx.array) -> mx.array:
+    def verify(self, state: _State, window: mx.array, clean: Optional[int] = None) -> mx.array:
         """Causal logits (B, L, V) of `window`, the L positions after the cache's, whose keys
-        and values are stored: row i proposes the token after window position i."""
+        and values are stored: row i proposes the token after window position i. Every row is
+        causal (`clean`, the drafts' end, changes nothing here)."""
         return self.model(window, cache=state.cache)
 
     def keep(self, state: _State, length: int) -> None:

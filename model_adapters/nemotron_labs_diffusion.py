@@ -228,10 +228,11 @@ class Adapter(_BaseAdapter):
         kinds = [[i for i, r in enumerate(requests) if r.verify == verify] for verify in (False, True)]
         return batched.answered(requests, kinds, answer)
 
-    def verify(self, state: _State, window: mx.array) -> mx.array:
+    def verify(self, state: _State, window: mx.array, clean: Optional[int] = None) -> mx.array:
         """Causal logits (B, L, V) of `window`, the L positions after the cache's, whose keys
         and values are stored (self-speculation's verify pass): row i proposes the token
-        after window position i. `keep` then trims what was not accepted."""
+        after window position i (every row causal: `clean` changes nothing). `keep` then trims
+        what was not accepted."""
         self._flush(state, window)  # (nothing pending: self-speculation finishes no block early)
         mask = create_attention_mask(window, state.cache[0])
         return self.model.head(self.model.backbone(window, mask, state.cache))

@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from bigram import BIGRAM, distance, make_bigram, sequences
 from cli_run import run_main
 from safetensors.numpy import load_file, save_file
 from serving import post_json, running_server
@@ -175,45 +176,14 @@ def test_the_cli_and_the_server_decode_it(checkpoints):
     assert sampled[0] == 200 and sampled[1]["usage"]["completion_tokens"] > 0
 
 
-# -- sampling: a bigram checkpoint whose distributions are known exactly
-
-A, B = 65, 66  # the only tokens it writes
-BIGRAM = {"other": (0.5, 0.5), A: (0.7, 0.3), B: (0.2, 0.8)}  # P(A), P(B) after a token of each kind
+# -- sampling: a bigram checkpoint whose distributions are known exactly (tests/bigram.py)
 
 
 def _bigram(path: Path) -> Path:
-    """Attention and MLP outputs zeroed, so position i's logits depend on token i alone: after
-    A, P(A) = 0.7; after B, 0.2; after any other token (the prompt, a mask) 0.5."""
     write_idlm(path)
-    w = load_file(str(path / "model.safetensors"))
-    for name in w:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w[name] = np.zeros_like(w[name])
-    embed, hidden = w["model.embed_tokens.weight"], w["model.embed_tokens.weight"].shape[1]
-    embed[:] = 0.0
-    embed[:, 0], embed[A, 0], embed[B, 0] = 1.0, 0.0, 0.0  # (RMSNorm: sqrt(hidden) times the unit vector)
-    embed[A, 1] = embed[B, 2] = 1.0
-    w["model.norm.weight"] = np.ones_like(w["model.norm.weight"])
-    head = np.full_like(w["lm_head.weight"], -40.0 / np.sqrt(hidden))
-    head[:, 3:] = 0.0
-    for column, kind in enumerate(("other", A, B)):
-        p = BIGRAM[kind]
-        head[A, column], head[B, column] = np.log(p[0]) / np.sqrt(hidden), np.log(p[1]) / np.sqrt(hidden)
-    w["lm_head.weight"] = head
+    w = make_bigram(load_file(str(path / "model.safetensors")), norm_one=1.0)
     save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
-
-
-def _exact(length: int, first: tuple) -> dict:
-    """P(sequence) of `length` tokens under the bigram chain, from `first` = P(A), P(B)."""
-    out = {(): 1.0}
-    for _ in range(length):
-        step = {}
-        for seq, p in out.items():
-            pa = (BIGRAM[seq[-1]] if seq else first)[0]
-            step[seq + (A,)], step[seq + (B,)] = p * pa, p * (1 - pa)
-        out = step
-    return out
 
 
 def test_sampled_decoding_draws_from_the_autoregressive_distribution(tmp_path):
@@ -231,13 +201,12 @@ def test_sampled_decoding_draws_from_the_autoregressive_distribution(tmp_path):
     counts: dict = {}
     for tokens in batch.token_ids:
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-    exact = _exact(5, BIGRAM["other"])
+    exact = sequences(5, BIGRAM["other"])
     assert set(counts) <= set(exact)
-    distance = 0.5 * sum(abs(counts.get(seq, 0) / runs - p) for seq, p in exact.items())
-    assert distance < 0.06, distance
+    assert distance(counts, exact) < 0.06, distance(counts, exact)
     unchecked = {}  # (the first two tokens from the chain, then the masks' 0.5 / 0.5 drafts kept)
-    for seq, p in _exact(2, BIGRAM["other"]).items():
-        for tail, q in _exact(3, (0.5, 0.5)).items():
+    for seq, p in sequences(2, BIGRAM["other"]).items():
+        for tail, q in sequences(3, (0.5, 0.5)).items():
             unchecked[seq + tail] = p * 0.5 ** 3
     assert 0.5 * sum(abs(unchecked.get(seq, 0) - p) for seq, p in exact.items()) > 0.15
     assert sum(batch.forwards) < sum(len(t) - 1 for t in batch.token_ids)  # (drafts were accepted)

@@ -133,12 +133,18 @@ def _loads_no_remote_code(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _diffusion_config(model_path: Any) -> Optional[dict]:
-    """config.json of a local diffusion checkpoint, or None (anything else: mlx-lm's own path, unchanged)."""
+    """config.json of a local diffusion checkpoint, or None (anything else, an ordinary Qwen3.5
+    included: mlx-lm's own path, unchanged)."""
     try:
         config = json.loads((Path(str(model_path)) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    return config if isinstance(config, dict) and config.get("model_type") in FAMILIES else None
+    if not isinstance(config, dict):
+        return None
+    # (a checkpoint of one of mlx-lm's own types that is a family by its evidence: Trida's sidecar)
+    if config.get("model_type") in FAMILIES or evidence.family_overrides(model_path, config):
+        return config
+    return None
 
 
 def _is_diffusion_checkpoint(model_path: Any) -> bool:

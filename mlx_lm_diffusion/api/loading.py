@@ -122,10 +122,12 @@ def read_config(model_path: Any) -> dict:
 
 def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code, group):
     config = read_config(model_path)
-    if not autoregressive or str(config.get("model_type")) in FAMILIES:
-        family_module(str(config.get("model_type")))  # clear error for other model types
-    # a checkpoint that borrows a family's model_type (I-DLM's "sdar") loads as what it is
-    model_config = {**(model_config or {}), **evidence.family_overrides(model_path, config)}
+    # a checkpoint that borrows a model_type (I-DLM's "sdar", Trida's "qwen3_5_text") loads as what it is
+    overrides = evidence.family_overrides(model_path, config)
+    model_type = str(overrides.get("model_type", config.get("model_type")))
+    if not autoregressive or model_type in FAMILIES:
+        family_module(model_type)  # clear error for other model types
+    model_config = {**(model_config or {}), **overrides}
     with quiet_config_warnings():
         sharded = group is not None and group.size() > 1
         model, tokenizer = mlx_lm_load(

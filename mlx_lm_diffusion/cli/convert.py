@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from mlx_lm_diffusion import kernel_cache
-from mlx_lm_diffusion.api.install import quiet_config_warnings
+from mlx_lm_diffusion.api.install import install, installed, quiet_config_warnings, uninstall
 from mlx_lm_diffusion.api.loading import _check_local_path, checkpoint_errors, read_config
 from mlx_lm_diffusion.flags import exit_status, one_line_errors
-from model_adapters import check_weights, family_module, register
+from model_adapters import FAMILIES, check_weights, evidence, family_module, register
 
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
 DEFAULT_HEAD_BITS = 8
@@ -79,7 +79,11 @@ def convert(
 
     register()
     _check_local_path(hf_path)  # (a missing local path: said so, not the Hub's repo-id rules)
-    family_module(str(read_config(_download(hf_path, revision=revision)).get("model_type")))
+    source = Path(_download(hf_path, revision=revision))
+    # (a checkpoint of one of mlx-lm's own types that is a family by its evidence loads as that family)
+    source_config = read_config(source)
+    overrides = evidence.family_overrides(source, source_config)
+    family_module(str(overrides.get("model_type", source_config.get("model_type"))))
     for name, bits in (("q_bits", q_bits), ("q_head_bits", q_head_bits)):
         if bits is not None and bits not in QUANT_BITS:
             raise ValueError(f"{name} must be one of {', '.join(map(str, QUANT_BITS))}, got {bits}")
@@ -88,12 +92,40 @@ def convert(
     if Path(mlx_path).exists():
         raise ValueError(f"{mlx_path} already exists; choose a new --mlx-path")
 
-    source = Path(_download(hf_path, revision=revision))
     with quiet_config_warnings(), checkpoint_errors(source):  # (mlx-lm's convert loads the tokenizer too)
-        check_weights(load_model(source, lazy=True)[0])  # (a config the weights contradict: refused, not converted)
-        _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
-                 upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
+        # (a config the weights contradict: refused, not converted)
+        check_weights(load_model(source, lazy=True, model_config=overrides)[0])
+        borrowed = bool(overrides) and source_config.get("model_type") not in FAMILIES
+        was_installed = installed()
+        if borrowed:
+            install()  # (mlx-lm's convert then loads it as the family: a type mlx-lm does not know, or its own)
+        try:
+            _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
+                     upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
+        finally:
+            if borrowed and not was_installed:
+                uninstall()
+    if borrowed:
+        keep_identity(source, Path(mlx_path), overrides)
     keep_vision(source, Path(mlx_path))
+    keep_vision(source, Path(mlx_path))
+
+
+def keep_identity(source: Path, converted: Path, overrides: dict) -> None:
+    """The converted copy says what the source said (its model_type, the block-diffusion
+    sidecar), not the family's overrides: it reloads as the family by the same evidence, and
+    the checkpoint's own tools still read it."""
+    import json
+    import shutil
+
+    config_path = converted / "config.json"
+    config = json.loads(config_path.read_text())
+    for key in overrides:
+        config.pop(key, None)
+    config.update({k: v for k, v in read_config(source).items() if k in overrides})
+    config_path.write_text(json.dumps(config, indent=4))
+    if (source / evidence.BLOCK_DIFFUSION_SIDECAR).is_file():
+        shutil.copy(source / evidence.BLOCK_DIFFUSION_SIDECAR, converted / evidence.BLOCK_DIFFUSION_SIDECAR)
 
 
 # the processor's files (mlx-vlm's and transformers' names), copied with a vision tower

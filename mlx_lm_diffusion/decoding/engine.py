@@ -207,7 +207,7 @@ class Engine:
 
     def _predict(self, f: Forward) -> mx.array:
         if f.verify:
-            return self.adapter.verify(f.state, f.canvas[:, f.start : f.end])
+            return self.adapter.verify(f.state, f.canvas[:, f.start : f.end], f.clean)
         if f.rows is None:
             return self.adapter.predict(f.state, f.canvas, f.start, f.end)
         return self.adapter.predict_rows(f.state, f.canvas, f.start, f.end, f.rows)

@@ -13,7 +13,7 @@ from mlx_lm_diffusion.flags import one_line_errors
 def writers() -> Dict[str, Callable[[Path], Path]]:
     """Family name -> the writer of its checkpoint (imported when used: DiffusionGemma's
     need torch, its vision checkpoint mlx-vlm)."""
-    from mlx_lm_diffusion.testing import block_checkpoints, checkpoints, nemotron_gemma_checkpoints
+    from mlx_lm_diffusion.testing import block_checkpoints, checkpoints, hybrid_checkpoints, nemotron_gemma_checkpoints
 
     def gemma_vision(path: Path) -> Path:
         from mlx_lm_diffusion.testing.gemma_vision_checkpoints import write_gemma_with_vision
@@ -25,6 +25,7 @@ def writers() -> Dict[str, Callable[[Path], Path]]:
         "dream": checkpoints.write_dream,
         "sdar": block_checkpoints.write_sdar,
         "idlm": block_checkpoints.write_idlm,
+        "trida": hybrid_checkpoints.write_trida,
         "llada2": block_checkpoints.write_llada2,
         "llada2_2": block_checkpoints.write_llada2_2,
         "nemotron_labs_diffusion": nemotron_gemma_checkpoints.write_nemotron,

@@ -147,6 +147,10 @@ class Verify(Forward):
     one: a running batch answers its rows' verify passes with one call (`predict_batch`)."""
 
     verify: ClassVar[bool] = True
+    # the window's leading rows that are ordinary causal rows (the pending token and the drafts);
+    # the rows after them are masks, which a family may let see the whole window (Trida2.0's
+    # self-speculation); None: every row
+    clean: Optional[int] = None
 
 
 @dataclass

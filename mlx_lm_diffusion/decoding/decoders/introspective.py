@@ -31,6 +31,11 @@ with a residual resample, thuEcstasy/I-DLM `idlm_blockN.py`, which needs the pro
 probabilities that an mlx-lm sampler does not expose): a draft drawn from q is kept with
 probability sum_x q(x) p(x) rather than sum_x min(p(x), q(x)).
 
+Trida2.0 / FLARE (model_adapters.qwen3_5_diffusion: the Qwen3.5 hybrid) decode with these rounds
+too. Their mask rows see the whole window and read the gated-delta state at its end, so each
+round's request says which leading rows are the causal ones (`Verify.clean`: the pending token
+and the drafts; every row in a cold round, as trillion-labs/trida-stack's `selfspec_generate`).
+
 The checks, scores and draft display are SpeculativeDecoder's (temperature schedules, commit
 rules and logits processors are refused as there).
 """
@@ -52,8 +57,8 @@ ISD_REFUSED = {name: why for name, why in REFUSED.items() if name != "sampler"}
 class IntrospectiveDecoder(SpeculativeDecoder):
     name = "introspective"
     refused = ISD_REFUSED
-    decoding, or_drop = "I-DLM's introspective strided decoding", ""
-    one_token_refusal = "I-DLM commits up to block_length tokens per round (N): give block_length >= 2"
+    decoding, or_drop = "{family}'s introspective strided decoding", ""
+    one_token_refusal = "{family} commits up to block_length tokens per round (N): give block_length >= 2"
 
     def block_step_bound(self, width: int) -> int:
         # the first token is the prompt's; every round writes one token at least
@@ -83,7 +88,9 @@ class IntrospectiveDecoder(SpeculativeDecoder):
         window = mx.concatenate([pending, mx.array(drafts[None]), mx.full((1, masks), a.mask_id, mx.int32)],
                                 axis=1).astype(mx.int32)
         width = window.shape[1]
-        logits = yield Verify(state, window, 0, width)  # (Adapter.verify; a batch's rows share one)
+        # (Adapter.verify; a batch's rows share one). The pending token and the drafts are the
+        # causal rows; a cold round (no drafts) is causal in every row, as the references'
+        logits = yield Verify(state, window, 0, width, clean=1 + K if K else width)
         scores = self._scores(logits)  # row i: the token at position + 1 + i
         canvas.forwards += 1
         logprobs, proposed, prob = self._propose(scores)

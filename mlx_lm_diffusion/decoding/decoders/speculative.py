@@ -81,7 +81,8 @@ def check_greedy(temperature: float, logits_processors: bool) -> None:
 
 class SpeculativeDecoder(Decoder):
     name = "speculative"
-    # what it refuses, and how its refusals name the decoding (and the option to drop instead)
+    # what it refuses, and how its refusals name the decoding (`{family}`: the adapter's) and the
+    # option to drop instead
     refused = REFUSED
     decoding, or_drop = "self_spec decoding", " or self_spec"
     one_token_refusal = ("self_spec drafts at least one token per window: give block_length >= 2 "
@@ -101,9 +102,10 @@ class SpeculativeDecoder(Decoder):
     def check_options(cls, values: dict, adapter: Any) -> None:
         for name, why in cls.refused.items():
             if values.get(name) not in (None, ()):
-                raise ValueError(f"{name} does not apply to {cls.decoding}: {why}; drop {name}{cls.or_drop}")
+                raise ValueError(f"{name} does not apply to {cls.decoding.format(family=adapter.family)}: {why}; "
+                                 f"drop {name}{cls.or_drop}")
         if values.get("block_length") == 1:
-            raise ValueError(cls.one_token_refusal)
+            raise ValueError(cls.one_token_refusal.format(family=adapter.family))
 
     @property
     def fill(self) -> int:
