@@ -29,6 +29,7 @@ FAMILIES: dict[str, str] = {
     "diffusion_gemma": f"{__name__}.diffusion_gemma",
     "idlm": f"{__name__}.idlm",  # (its checkpoints say "sdar": model_adapters.evidence picks it)
     "qwen3_5_diffusion": f"{__name__}.qwen3_5_diffusion",  # (Qwen3.5 + block_diffusion.json: evidence)
+    "lfm2_diffusion": f"{__name__}.lfm2_diffusion",
 }
 
 

@@ -32,6 +32,7 @@ from model_adapters.base import Adapter as _BaseAdapter
 from model_adapters.base import DiffusionModel, FamilyDefaults, _stop_ids
 from model_adapters.option import Option
 from model_adapters.runtime.batched import answered, by_width, stacked_head, stacked_prefix_views, token_matrix
+from model_adapters.runtime.embeddings import weighted_rows
 from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
 from model_adapters.runtime.sharding import SummedOverRanks, VocabShardedEmbedding, shard_in_place, shard_mlp
 from model_adapters.runtime.vocab_top_k import top_k_ids
@@ -258,9 +259,9 @@ class Model(DiffusionModel):
         table = self.model.decoder.embed_tokens
         probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
         if isinstance(table, VocabShardedEmbedding):
-            soft = table.weighted_rows(probs, _weighted_rows)
+            soft = table.weighted_rows(probs, weighted_rows)
         else:
-            soft = _weighted_rows(table, probs)
+            soft = weighted_rows(table, probs)
         return soft * self.embed_scale
 
     # -- tensor parallelism (model_adapters.runtime.sharding)
@@ -401,16 +402,6 @@ def _materialize_buffers(model: nn.Module) -> None:
     buffers = [v for _, m in model.named_modules() for k, v in m.items()
                if k.startswith("_") and isinstance(v, mx.array)]
     mx.eval(buffers)
-
-
-def _weighted_rows(table: nn.Module, weights: mx.array) -> mx.array:
-    """weights @ table's rows (an Embedding or a QuantizedEmbedding)."""
-    if isinstance(table, nn.QuantizedEmbedding):
-        return mx.quantized_matmul(
-            weights, table.weight, table.scales, table.biases, transpose=False,
-            group_size=table.group_size, bits=table.bits, mode=getattr(table, "mode", "affine"),
-        )
-    return weights.astype(table.weight.dtype) @ table.weight
 
 
 @dataclass

@@ -10,7 +10,7 @@ from cli_run import run, run_main
 
 from mlx_lm_diffusion.testing.__main__ import writers
 
-FAMILY_TYPES = {"llada": "llada", "dream": "Dream", "sdar": "sdar", "idlm": "sdar", "trida": "qwen3_5_text", "llada2": "llada2_moe", "llada2_2": "llada2_moe",
+FAMILY_TYPES = {"llada": "llada", "dream": "Dream", "sdar": "sdar", "idlm": "sdar", "trida": "qwen3_5_text", "lfm2_diffusion": "lfm2_diffusion", "llada2": "llada2_moe", "llada2_2": "llada2_moe",
                 "nemotron_labs_diffusion": "nemotron_labs_diffusion", "diffusion_gemma": "diffusion_gemma",
                 "diffusion_gemma_vision": "diffusion_gemma"}
 

@@ -26,6 +26,7 @@ def writers() -> Dict[str, Callable[[Path], Path]]:
         "sdar": block_checkpoints.write_sdar,
         "idlm": block_checkpoints.write_idlm,
         "trida": hybrid_checkpoints.write_trida,
+        "lfm2_diffusion": hybrid_checkpoints.write_lfm2_diffusion,
         "llada2": block_checkpoints.write_llada2,
         "llada2_2": block_checkpoints.write_llada2_2,
         "nemotron_labs_diffusion": nemotron_gemma_checkpoints.write_nemotron,

@@ -1,5 +1,6 @@
-"""Tiny random Trida2.0 / FLARE checkpoints (the Qwen3.5 hybrid with a block-diffusion sidecar),
-written offline in the released layout.
+"""Tiny random checkpoints of the hybrid families, written offline in their released layouts:
+Trida2.0 / FLARE (the Qwen3.5 hybrid with a block-diffusion sidecar) and LFM2.5-Diffusion (the
+LFM2 convolution / attention hybrid with sigma conditioning; `write_lfm2_diffusion`).
 
 Trida2.0-4B ships a raw transformers text checkpoint: config.json with `model_type "qwen3_5_text"`
 and architectures ["Qwen3_5ForCausalLM"] (flat, no text_config), Qwen3.5's weight names (gated
@@ -149,3 +150,69 @@ def force_bigram(path: Path, scale: float = 1.0, forced: Optional[int] = None) -
                 weights[name] = np.zeros_like(weights[name])  # (1 + 0: the plain RMS norm)
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+LFM2_REAL_VOCAB = 300  # (the table's last 20 rows are padding, as LFM2.5's 64,400 of 65,536)
+
+
+def write_lfm2_diffusion(path: Path, seed: int = 11, hidden: int = 64, n_heads: int = 4, n_kv_heads: int = 2,
+                         inter: int = 128, layer_types: tuple = ("conv", "full_attention", "conv", "conv"),
+                         conv_cache: int = 3, cond: int = 32, frequencies: int = 16, block: int = 32) -> Path:
+    """LFM2.5-350M-Diffusion's layout (Liquid4All/sglang-diffusion-lfm python/sglang/srt/models/
+    lfm2_diffusion.py): transformers' LFM2 names (`conv.conv.weight` as (C, 1, L), tied head),
+    plus `model.sigma_embed.mlp.{0,2}`, `model.adaln_proj.1`, `model.adaln_block_emb`,
+    `model.selfcond_norm`, `model.selfcond_ffn.{0,2}`; config `model_type "lfm2_diffusion"`,
+    `real_vocab_size` below the table's rows, mlx-lm's LFM2 block fields."""
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    hd = hidden // n_heads
+    w = {"model.embed_tokens.weight": (rng.standard_normal((VOCAB, hidden)) * 0.5).astype(np.float32),
+         "model.embedding_norm.weight": _ones_jitter(rng, hidden)}
+    for i, kind in enumerate(layer_types):
+        b = f"model.layers.{i}."
+        if kind == "conv":
+            w[b + "conv.in_proj.weight"] = _linear(rng, 3 * hidden, hidden)
+            w[b + "conv.conv.weight"] = (rng.standard_normal((hidden, 1, conv_cache)) * 0.5).astype(np.float32)
+            w[b + "conv.out_proj.weight"] = _linear(rng, hidden, hidden)
+        else:
+            w[b + "self_attn.q_proj.weight"] = _linear(rng, n_heads * hd, hidden)
+            w[b + "self_attn.k_proj.weight"] = _linear(rng, n_kv_heads * hd, hidden)
+            w[b + "self_attn.v_proj.weight"] = _linear(rng, n_kv_heads * hd, hidden)
+            w[b + "self_attn.out_proj.weight"] = _linear(rng, hidden, n_heads * hd)
+            w[b + "self_attn.q_layernorm.weight"] = _ones_jitter(rng, hd)
+            w[b + "self_attn.k_layernorm.weight"] = _ones_jitter(rng, hd)
+        w[b + "feed_forward.w1.weight"] = _linear(rng, inter, hidden)
+        w[b + "feed_forward.w3.weight"] = _linear(rng, inter, hidden)
+        w[b + "feed_forward.w2.weight"] = _linear(rng, hidden, inter)
+        w[b + "operator_norm.weight"] = _ones_jitter(rng, hidden)
+        w[b + "ffn_norm.weight"] = _ones_jitter(rng, hidden)
+    w["model.sigma_embed.mlp.0.weight"] = _linear(rng, cond, frequencies)
+    w["model.sigma_embed.mlp.0.bias"] = (0.1 * rng.standard_normal(cond)).astype(np.float32)
+    w["model.sigma_embed.mlp.2.weight"] = _linear(rng, cond, cond)
+    w["model.sigma_embed.mlp.2.bias"] = (0.1 * rng.standard_normal(cond)).astype(np.float32)
+    w["model.adaln_proj.1.weight"] = _linear(rng, 3 * hidden, cond, 0.3)
+    w["model.adaln_proj.1.bias"] = (0.05 * rng.standard_normal(3 * hidden)).astype(np.float32)
+    w["model.adaln_block_emb"] = (0.05 * rng.standard_normal((len(layer_types), 3 * hidden))).astype(np.float32)
+    w["model.selfcond_norm.weight"] = _ones_jitter(rng, hidden)
+    w["model.selfcond_ffn.0.weight"] = _linear(rng, hidden, hidden)
+    w["model.selfcond_ffn.0.bias"] = (0.1 * rng.standard_normal(hidden)).astype(np.float32)
+    w["model.selfcond_ffn.2.weight"] = _linear(rng, hidden, hidden)
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["Lfm2ForBlockDiffusion"], "model_type": "lfm2_diffusion",
+        "vocab_size": VOCAB, "real_vocab_size": LFM2_REAL_VOCAB, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": len(layer_types), "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
+        "max_position_embeddings": 2048, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": conv_cache,
+        "block_dim": hidden, "block_ff_dim": inter, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False, "layer_types": list(layer_types), "rope_theta": 1000000.0,
+        "tie_embedding": True, "eos_token_id": HYBRID_EOS, "pad_token_id": HYBRID_EOS,
+        "sigma_cond_dim": cond, "sigma_freq_embedding_size": frequencies, "selfcond_ffn_bias": True,
+        "self_conditioning": True, "adaln_conditioning": True, "diffusion_block_size": block,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(path, HYBRID_SPECIALS, "<|endoftext|>", "<|mask|>", SDAR_TEMPLATE)
+    return path
+
+
+def _ones_jitter(rng, dim: int) -> np.ndarray:
+    return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)

@@ -6,6 +6,7 @@ from typing import Any, Mapping, Optional
 
 from mlx_lm_diffusion.decoding.decoders.base import BlockState, Canvas, Decoder, Forward, Queued, ReadBack
 from mlx_lm_diffusion.decoding.decoders.block_edits import BlockEditsDecoder
+from mlx_lm_diffusion.decoding.decoders.duo_block import DuoBlockDecoder
 from mlx_lm_diffusion.decoding.decoders.introspective import IntrospectiveDecoder
 from mlx_lm_diffusion.decoding.decoders.masked_block import MaskedBlockDecoder
 from mlx_lm_diffusion.decoding.decoders.speculative import SpeculativeDecoder
@@ -13,7 +14,7 @@ from mlx_lm_diffusion.decoding.decoders.uniform_canvas import UniformCanvasDecod
 
 DECODERS: dict[str, type[Decoder]] = {
     d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SpeculativeDecoder, BlockEditsDecoder,
-                        IntrospectiveDecoder)
+                        IntrospectiveDecoder, DuoBlockDecoder)
 }
 
 
