@@ -11,6 +11,13 @@ I-DLM's `use_regular_causal` switch, which SDAR's configuration does not have: i
 configuration_sdar.py (I-DLM's SDARConfig declares it, default True: thuEcstasy/I-DLM
 training/model/Qwen3-8B-b1-allmasked/configuration_sdar.py).
 
+LFM2.5-Diffusion saved under LFM2's model type (its own says "lfm2_diffusion") is told by its
+architecture (Lfm2ForBlockDiffusion) or its noise-conditioning fields.
+
+A checkpoint that carries the evidence of two families is refused with a message naming
+`family=` (mlx_lm_diffusion.load's keyword), which decides; `family=` also loads any checkpoint as
+the family named, whatever its evidence.
+
 Trida2.0 and FLARE (model_adapters.qwen3_5_diffusion) are mlx-lm's own Qwen3.5 (`model_type
 "qwen3_5_text"` in Trida2.0-4B's raw layout, "qwen3_5" in FLARE's) with a mask token and a
 self-speculative decoder: what tells them from an ordinary Qwen3.5 is the `block_diffusion.json`
@@ -37,15 +44,42 @@ FLARE_ARCHITECTURE = "Qwen3_5DLLMForConditionalGeneration"
 QWEN3_5_MASK = 248077  # Trida's and FLARE's mask id where a checkpoint names none (../shared/DESIGN.md)
 
 
-def family_overrides(model_path: Any, config: dict) -> dict:
+LFM2_DIFFUSION_ARCHITECTURE = "Lfm2ForBlockDiffusion"
+SIGMA_FIELDS = ("sigma_cond_dim", "adaln_conditioning")  # (LFM2.5-Diffusion's config: the noise conditioning)
+
+
+def family_overrides(model_path: Any, config: dict, family: Any = None) -> dict:
     """The config.json fields that make the checkpoint at `model_path` load as the family it
-    is, when its model_type names another ({} otherwise)."""
-    if config.get("model_type") in QWEN3_5_TYPES:
-        return _block_diffusion(Path(str(model_path)), config)
+    is, when its model_type names another ({} otherwise). Evidence of two families at once is
+    refused (ValueError) unless `family` (a model type of model_adapters.FAMILIES) decides."""
+    path = Path(str(model_path))
+    claims = {name: overrides for name, overrides in (
+        ("idlm", _idlm(path, config)), ("qwen3_5_diffusion", _block_diffusion(path, config)),
+        ("lfm2_diffusion", _lfm2_diffusion(config))) if overrides}
+    if family is not None:
+        return claims.get(family, {"model_type": family} if family != config.get("model_type") else {})
+    if len(claims) > 1:
+        raise ValueError(f"the checkpoint at {model_path} carries the evidence of {' and '.join(sorted(claims))}; "
+                         f"load it with family= one of them (mlx_lm_diffusion.load(path, family=...))")
+    return next(iter(claims.values()), {})
+
+
+def _idlm(path: Path, config: dict) -> dict:
+    """I-DLM: model_type "sdar" with I-DLM's switch (config.json, or its configuration_sdar.py)."""
     if config.get("model_type") != "sdar":
         return {}
-    if IDLM_SWITCH in config or _declares(Path(str(model_path)) / "configuration_sdar.py", IDLM_SWITCH):
+    if IDLM_SWITCH in config or _declares(path / "configuration_sdar.py", IDLM_SWITCH):
         return {"model_type": "idlm", IDLM_SWITCH: bool(config.get(IDLM_SWITCH, True))}
+    return {}
+
+
+def _lfm2_diffusion(config: dict) -> dict:
+    """LFM2.5-Diffusion saved under LFM2's model type: its architecture or its noise conditioning."""
+    if config.get("model_type") == "lfm2_diffusion":
+        return {}
+    architecture = LFM2_DIFFUSION_ARCHITECTURE in (config.get("architectures") or ())
+    if architecture or (config.get("model_type") == "lfm2" and all(k in config for k in SIGMA_FIELDS)):
+        return {"model_type": "lfm2_diffusion"}
     return {}
 
 
@@ -54,7 +88,7 @@ def _block_diffusion(path: Path, config: dict) -> dict:
     mask id and block size from the sidecar (a FLARE config without one: its text config's)."""
     sidecar = path / BLOCK_DIFFUSION_SIDECAR
     flare = FLARE_ARCHITECTURE in (config.get("architectures") or ())
-    if not sidecar.is_file() and not flare:
+    if not (flare or config.get("model_type") in QWEN3_5_TYPES and sidecar.is_file()):
         return {}
     facts: dict = {}
     if sidecar.is_file():

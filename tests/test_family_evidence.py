@@ -4,7 +4,8 @@ I-DLM's checkpoints say `model_type "sdar"`; loaded as SDAR they decoded garbage
 error. Its `use_regular_causal` switch (in config.json, or declared by the checkpoint's own
 configuration_sdar.py) tells them apart: such a checkpoint loads as I-DLM (model_adapters.idlm,
 tests/test_idlm.py) through every load. SDAR's own checkpoints load as before, and install() leaves mlx-lm's
-own model types (Qwen3, Qwen3.5, LFM2) to mlx-lm.
+own model types (Qwen3, Qwen3.5, LFM2) to mlx-lm. LFM2.5-Diffusion saved as LFM2 is told by its noise
+conditioning; evidence of two families is refused and `family=` decides.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mlx.utils import tree_flatten
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.testing.block_checkpoints import write_sdar
+from model_adapters import evidence
 
 # I-DLM's SDARConfig declares the switch (thuEcstasy/I-DLM configuration_sdar.py); SDAR's does not
 IDLM_CONFIGURATION = "class SDARConfig(PretrainedConfig):\n    def __init__(self, use_regular_causal=True, **kw): ...\n"
@@ -108,3 +110,35 @@ def test_install_leaves_mlx_lms_own_model_types_to_mlx_lm(tmp_path):
             assert not hasattr(model, "generation_defaults")
     finally:
         mld.uninstall()
+
+
+def test_lfm2_diffusion_saved_as_lfm2_loads_by_its_noise_conditioning(tmp_path):
+    """LFM2.5-Diffusion under LFM2's model type: its architecture or its noise-conditioning fields
+    make it the diffusion family; mlx-lm's own LFM2 without them stays mlx-lm's."""
+    from mlx_lm_diffusion.testing.hybrid_checkpoints import write_lfm2_diffusion
+
+    path = _edit_config(write_lfm2_diffusion(tmp_path / "as-lfm2"), model_type="lfm2",
+                        architectures=["Lfm2ForCausalLM"])
+    assert type(mld.load(str(path))[0]).__module__ == "model_adapters.lfm2_diffusion"
+    assert evidence.family_overrides(path, {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"]}) == {}
+
+
+def test_evidence_of_two_families_is_refused_and_family_decides(tmp_path):
+    """A Qwen3.5 checkpoint with Trida's sidecar whose config also names LFM2.5-Diffusion's
+    architecture: refused, naming family=; family= loads it as the family named."""
+    from mlx_lm_diffusion.testing.hybrid_checkpoints import write_trida
+
+    path = write_trida(tmp_path / "both")
+    _edit_config(path, architectures=["Qwen3_5ForCausalLM", "Lfm2ForBlockDiffusion"])
+    with pytest.raises(ValueError, match=r"evidence of lfm2_diffusion and qwen3_5_diffusion; load it with family="):
+        mld.load(str(path))
+    model, _ = mld.load(str(path), family="qwen3_5_diffusion")
+    assert type(model).__module__ == "model_adapters.qwen3_5_diffusion"
+    with pytest.raises(ValueError, match="family must be one of"):
+        mld.load(str(path), family="qwen3_5")
+
+
+def test_family_loads_a_checkpoint_as_the_family_named(checkpoints):
+    """An SDAR checkpoint read as I-DLM (the same Qwen3 weights) when the caller says so."""
+    model, _ = mld.load(str(checkpoints["sdar"]), family="idlm")
+    assert type(model).__module__ == "model_adapters.idlm"

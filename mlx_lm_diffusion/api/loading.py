@@ -67,6 +67,7 @@ def load(
     adapter_path: Optional[str] = None,
     trust_remote_code: bool = False,
     group: Any = None,
+    family: Optional[str] = None,
 ):
     """Load a diffusion checkpoint (Hugging Face layout or converted MLX) with mlx-lm's
     own loader; returns (model, tokenizer) as `mlx_lm.load` does, or (model, processor)
@@ -89,13 +90,20 @@ def load(
 
     With `group` (an `mx.distributed.Group` of more than one process, e.g.
     `mx.distributed.init()` under mlx.launch) the weights are loaded lazily and only
-    this rank's shard is read (tensor parallelism: mlx_lm_diffusion.parallel.distributed)."""
+    this rank's shard is read (tensor parallelism: mlx_lm_diffusion.parallel.distributed).
+
+    The family comes from config.json's model_type and, where a checkpoint borrows another
+    model's type, its evidence (model_adapters.evidence: I-DLM's "sdar", Trida's sidecar); a
+    checkpoint with the evidence of two families is refused unless `family` (a model type of
+    `mlx_lm_diffusion.FAMILIES`, e.g. "idlm") decides."""
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(sorted(FAMILIES))}; got {family!r}")
     _check_local_path(path_or_hf_repo)
     model_path = _download(path_or_hf_repo, revision=revision)
     check_regular_files(model_path, adapter_path)
     with checkpoint_errors(model_path):
         return _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code,
-                     group)
+                     group, family)
 
 
 @contextmanager
@@ -120,10 +128,11 @@ def read_config(model_path: Any) -> dict:
     return load_config(Path(model_path))
 
 
-def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code, group):
+def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code, group,
+          family=None):
     config = read_config(model_path)
     # a checkpoint that borrows a model_type (I-DLM's "sdar", Trida's "qwen3_5_text") loads as what it is
-    overrides = evidence.family_overrides(model_path, config)
+    overrides = evidence.family_overrides(model_path, config, family)
     model_type = str(overrides.get("model_type", config.get("model_type")))
     if not autoregressive or model_type in FAMILIES:
         family_module(model_type)  # clear error for other model types
