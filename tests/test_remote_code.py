@@ -34,8 +34,8 @@ def auto_map_path(llada_path, tmp_path_factory):
 
 
 LOAD_SCRIPT = (
-    "import sys, time; import mlx_lm_diffusion as mld; t = time.monotonic(); "
-    "m, tok = mld.load(sys.argv[1]); print(f'LOADED in {time.monotonic() - t:.2f}s', flush=True)"
+    "import sys, time; import mlx_lm_diffusion as mld; load = mld.load; t = time.monotonic(); "  # (imports first)
+    "m, tok = load(sys.argv[1]); print(f'LOADED in {time.monotonic() - t:.2f}s', flush=True)"
 )
 
 
