@@ -116,6 +116,37 @@ def test_a_block_over_the_cached_context_matches_a_torch_forward_of_the_whole_se
         assert state.length == len(prompt)  # (the block never enters the cache)
 
 
+def test_without_conditioning_it_is_transformers_lfm2(tmp_path):
+    """The adaLN weights zeroed (scale = shift = gate = 0: h + (layer(h) - h)), the clean causal
+    forward is transformers' own Lfm2ForCausalLM on the same weights (the real rows)."""
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    path = write_lfm2_diffusion(tmp_path / "plain")
+    weights = load_file(str(path / "model.safetensors"))
+    for name in ("model.adaln_proj.1.weight", "model.adaln_proj.1.bias", "model.adaln_block_emb"):
+        weights[name] = np.zeros_like(weights[name])
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    hf = Lfm2Config(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+                    intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
+                    num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+                    norm_eps=config["norm_eps"], conv_L_cache=config["conv_L_cache"], layer_types=config["layer_types"],
+                    block_auto_adjust_ff_dim=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                    tie_word_embeddings=True)
+    reference = Lfm2ForCausalLM(hf).eval()
+    state = {k: torch.tensor(v) for k, v in weights.items() if k.startswith("model.") and "sigma" not in k
+             and "adaln" not in k and "selfcond" not in k}
+    reference.load_state_dict({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
+    model, tokenizer = mld.load(str(path))
+    tokens = tokenizer.encode("The quick brown fox jumps")
+    with torch.no_grad():
+        expected = reference(torch.tensor([tokens])).logits[0, :, :LFM2_REAL_VOCAB].numpy()
+    got = np.array(model(mx.array([tokens]))[0])
+    assert np.abs(got - expected).max() < TOL * max(1.0, np.abs(expected).max())
+
+
 def test_the_self_conditioning_input_is_the_expected_embedding(checkpoint):
     _, (model, _) = checkpoint
     logprobs = mx.log(mx.softmax(mx.random.normal((1, 3, LFM2_REAL_VOCAB)), axis=-1))
