@@ -15,8 +15,8 @@ import sys
 from typing import Any, Optional, TextIO
 
 from mlx_lm_diffusion.decoding.engine import Step
+from mlx_lm_diffusion.output.frames import MASK_GLYPH
 
-MASK_GLYPH = "\u2591"  # light shade: a position still masked
 EMPTY_GLYPH = "\u00b7"  # middle dot: a committed token without text (the demo's <blank> padding)
 NEWLINE_GLYPH = "\u21b5"  # a newline inside the canvas
 CLEAR_LINE = "\r\x1b[2K"

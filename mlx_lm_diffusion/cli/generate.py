@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shutil
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 from mlx_lm.sample_utils import make_sampler
@@ -35,6 +37,7 @@ from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import exit_status, flag_of, one_line, one_line_errors, refuse_flags, refused_flag  # noqa: F401
 from mlx_lm_diffusion.media.images import require_vision, text_tokenizer
 from mlx_lm_diffusion.output import unmask_order
+from mlx_lm_diffusion.output.frames import FrameRecorder
 from mlx_lm_diffusion.parallel import distributed
 from model_adapters import adapter_for
 
@@ -91,6 +94,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-png", default=None, metavar="FILE",
                    help="Save the unmask-order picture (position x forward, coloured by the confidence "
                         "at commit) to FILE (.png, .svg or .pdf; needs matplotlib: the plot extra)")
+    p.add_argument("--trace-anim", default=None, metavar="FILE",
+                   help="Save the decode as an animation, the canvas after every forward, to FILE (.gif or .webp; "
+                        ".mp4 with ffmpeg installed; needs Pillow: the plot extra)")
     p.add_argument("--suffix", default=None,
                    help="Infill: the text after the generated span (prompt, at most --max-tokens "
                         "generated tokens, then this); the families that cannot attend to it refuse it")
@@ -193,6 +199,8 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
         require_vision()  # (without the extra: which one to install, before any loading)
     if args.trace_png is not None:
         _check_trace_path(args.trace_png)
+    if args.trace_anim is not None:
+        _check_anim_path(args.trace_anim)
 
     args.model = model_or_demo(args.model)
     model, loaded = load_for_cli(args, group)
@@ -207,20 +215,21 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
         if isinstance(ids, str):  # no chat template: the images go with the text
             options.update(image=list(args.image) or None, video=list(args.video) or None)
     sampler = make_cli_sampler(args, text_tokenizer(tokenizer))
-    mask_id = adapter_for(model, text_tokenizer(tokenizer)).mask_id
+    adapter = adapter_for(model, text_tokenizer(tokenizer))
+    mask_id, title = adapter.mask_id, trace_title(args.model, adapter.family, options)
     if not args.show_canvas:
-        callback = _traced(args, mask_id, run.progress())
+        callback = _traced(args, mask_id, run.progress(), text_tokenizer(tokenizer))
         text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
                         sampler=sampler, seed=args.seed, draft_callback=callback, **options)
         run.finished(text)
         if not args.verbose:
             print(text)
-        _save_trace(args, callback, text_tokenizer(tokenizer), group)
+        _save_trace(args, callback, text_tokenizer(tokenizer), group, title)
         return
     # The canvas on stderr, the answer on stdout once final: they never share a line.
     view = CanvasView(text_tokenizer(tokenizer), mask_id)
     shown = view if distributed.is_leader(group) else None  # (rank 0 draws the canvas)
-    callback = _traced(args, mask_id, run.progress(shown))
+    callback = _traced(args, mask_id, run.progress(shown), text_tokenizer(tokenizer))
     text, last = "", None
     try:
         for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
@@ -235,7 +244,7 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
         print_stats(last)
     else:
         print(text)
-    _save_trace(args, callback, text_tokenizer(tokenizer), group)
+    _save_trace(args, callback, text_tokenizer(tokenizer), group, title)
 
 
 def _check_trace_path(path: str) -> None:
@@ -249,19 +258,51 @@ def _check_trace_path(path: str) -> None:
                          "(from a clone: pip install -e \".[plot]\")") from None
 
 
-def _traced(args: argparse.Namespace, mask_id, then):
-    """The draft callback `then`, recorded for --trace-png's picture when asked for."""
-    return unmask_order.OrderRecorder(mask_id, then) if args.trace_png else then
+def _check_anim_path(path: str) -> None:
+    """--trace-anim's file: a format it writes, and what writes it there (before loading)."""
+    from mlx_lm_diffusion.output import animation
+
+    if not path.lower().endswith(animation.FORMATS):
+        raise ValueError(f"--trace-anim {path!r}: name a {', '.join(animation.FORMATS)} file")
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        raise ValueError("--trace-anim needs Pillow: pip install 'mlx-lm-diffusion[plot]'") from None
+    if path.lower().endswith(".mp4") and shutil.which("ffmpeg") is None:
+        raise ValueError("--trace-anim: an .mp4 needs ffmpeg on PATH; name a .gif or .webp file")
 
 
-def _save_trace(args: argparse.Namespace, callback, tokenizer, group) -> None:
+def _traced(args: argparse.Namespace, mask_id, then, tokenizer):
+    """The draft callback `then`, recorded for --trace-png's picture and --trace-anim's
+    animation when asked for."""
+    if args.trace_png:
+        then = unmask_order.OrderRecorder(mask_id, then)
+    if args.trace_anim:
+        then = FrameRecorder(tokenizer, mask_id, then)
+    return then
+
+
+def _save_trace(args: argparse.Namespace, callback, tokenizer, group, title: str) -> None:
     """The unmask-order picture of row 0, over the positions the decode committed (a
-    decode that ends early leaves its later blocks out)."""
-    if not isinstance(callback, unmask_order.OrderRecorder) or not distributed.is_leader(group):
+    decode that ends early leaves its later blocks out), and the animation."""
+    if not distributed.is_leader(group):
         return
-    order = callback.order(callback.committed_span())
-    labels = [tokenizer.decode([t]) for t in callback.tokens[: len(order.forward)]]
-    unmask_order.draw(order, args.trace_png, labels=labels)
+    if isinstance(callback, FrameRecorder):
+        from mlx_lm_diffusion.output.animation import save_animation
+
+        save_animation(callback.frames, args.trace_anim, title=title)
+        callback = callback.then
+    if isinstance(callback, unmask_order.OrderRecorder):
+        order = callback.order(callback.committed_span())
+        labels = [tokenizer.decode([t]) for t in callback.tokens[: len(order.forward)]]
+        unmask_order.draw(order, args.trace_png, labels=labels, title=title)
+
+
+def trace_title(model: str, family: str, options: dict) -> str:
+    """A picture's title: the model's name, its family and the decoding settings given."""
+    shown = {k: v for k, v in options.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(shown.items()))
+    return f"{Path(str(model)).name} ({family})" + (f": {settings}" if settings else "")
 
 
 def print_stats(response) -> None:

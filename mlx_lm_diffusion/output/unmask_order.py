@@ -1,10 +1,10 @@
 """The unmask-order picture: the generated positions across, the forwards down, a cell
 coloured where a position was committed (its confidence then), grey after, blank before.
 
-One picture from three sources: a decode's steps (`OrderRecorder`, a `draft_callback`;
-the generate CLI's `--trace-png`), a step-schedule protocol response (`from_protocol`,
-or `python -m mlx_lm_diffusion.output.unmask_order RESPONSE.json OUT.png`), and the
-studio page, which draws the same cells in the browser from the server's draft frames.
+One picture from three sources, drawn by `draw`: a decode's steps (`OrderRecorder`, a
+`draft_callback`; the generate CLI's `--trace-png`), a step-schedule protocol response
+(`from_protocol`, or `python -m mlx_lm_diffusion.output.unmask_order RESPONSE.json OUT.png`),
+and a decode's draft frames (`from_frames`: the studio page's, rendered by the server).
 Drawing needs matplotlib (the `plot` extra); recording does not.
 """
 
@@ -109,6 +109,28 @@ def from_protocol(response: dict) -> UnmaskOrder:
     return UnmaskOrder(forward, confidence, max(last, 1))
 
 
+def from_frames(frames: list) -> UnmaskOrder:
+    """The order of a decode's draft frames (output.frames.draft_frame): each position's first
+    frame showing it committed, its confidence from that frame's block."""
+    if not isinstance(frames, list) or not frames or not all(isinstance(f, dict) for f in frames):
+        raise ValueError("frames must be a non-empty list of draft frames")
+    try:
+        width = max(len(str(f.get("states", ""))) for f in frames)
+        forward, confidence = np.zeros(width, dtype=np.int64), np.full(width, np.nan)
+        for frame in frames:
+            start = int(frame.get("block", [0, 0])[0])
+            block_confidence = [float(c) for c in frame.get("confidence", [])]
+            for i, state in enumerate(str(frame.get("states", ""))):
+                if state == "c" and forward[i] == 0:
+                    forward[i] = max(int(frame["forwards"]), 1)
+                    if 0 <= i - start < len(block_confidence):
+                        confidence[i] = min(max(block_confidence[i - start], 0.0), 1.0)
+        forwards = max(int(f["forwards"]) for f in frames)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a draft frame: {type(e).__name__}: {e}") from None
+    return UnmaskOrder(forward, confidence, max(forwards, 1))
+
+
 def draw(order: UnmaskOrder, path: str, labels: Optional[list[str]] = None, title: str = "") -> None:
     """Save the picture to `path` (PNG, SVG or PDF by its suffix) with matplotlib."""
     try:
@@ -133,7 +155,8 @@ def draw(order: UnmaskOrder, path: str, labels: Optional[list[str]] = None, titl
     ax.set_yticks(range(f), [str(i + 1) for i in range(f)] if f <= 40 else None)
     if labels is not None and n <= 64:
         ax.set_xticks(range(n), [repr(t)[1:-1] for t in labels[:n]], rotation=90)
-    ax.set_title(title or f"unmask order: {int((order.forward > 0).sum())} tokens in {f} forwards")
+    summary = f"{int((order.forward > 0).sum())} tokens in {f} forwards"
+    ax.set_title(f"{title}\n{summary}" if title else f"unmask order: {summary}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
