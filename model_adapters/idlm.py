@@ -26,6 +26,7 @@ from mlx_lm.models import qwen3
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from model_adapters import idlm_lora
 from model_adapters.base import Adapter as _BaseAdapter
 from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
 from model_adapters.runtime import batched
@@ -59,8 +60,36 @@ class Model(DiffusionModel):
     def attention_mask(self, inputs: mx.array, cache: Optional[list]) -> Any:
         return create_attention_mask(inputs, cache[0] if cache else None)
 
+    # -- the LoRA flavour (model_adapters.idlm_lora): the adapter acts on the mask rows only
+
+    def attach_mask_row_lora(self, path: Any, tokenizer: Any = None) -> None:
+        """Wrap the adapter's target layers; a stock Qwen3's config names no mask token, so the
+        tokenizer's (or I-DLM's 151669) is the one whose rows take the adapter."""
+        if self.args.mask_token_id is None:
+            self.args.mask_token_id = _tokenizer_mask(tokenizer)
+        self._lora_rows = idlm_lora.attach(self, path)
+
+    def backbone(self, inputs: mx.array, mask: Any = None, cache: Optional[list] = None) -> mx.array:
+        rows = getattr(self, "_lora_rows", None)
+        if rows is None:
+            return super().backbone(inputs, mask, cache)
+        rows.gate = (inputs == self.args.mask_token_id)[..., None].astype(mx.float32)
+        try:  # (the graph holds the gate; the layers see it only during this call)
+            return super().backbone(inputs, mask, cache)
+        finally:
+            rows.gate = None
+
     def make_kv_cache(self) -> list:
         return [KVCache() for _ in self.layers]
+
+
+IDLM_MASK = 151669  # I-DLM's mask id (thuEcstasy/I-DLM training/model/*/config.json)
+
+
+def _tokenizer_mask(tokenizer: Any) -> int:
+    token = getattr(tokenizer, "mask_token", None)
+    mask = tokenizer.convert_tokens_to_ids(token) if token is not None else None
+    return int(mask) if isinstance(mask, int) and mask >= 0 else IDLM_MASK
 
 
 @dataclass

@@ -251,3 +251,79 @@ def test_frames_show_the_drafts_as_drafts(checkpoints):
             assert start >= int(step.final[0]) and frame["states"][start:end] == "d" * (end - start)
             drafted += 1
     assert drafted >= 3 and frames[-1]["states"] == "c" * 16  # (the last frame: all accepted, no draft)
+
+
+# -- the LoRA flavour: a stock Qwen3 whose mask rows take a PEFT LoRA (model_adapters.idlm_lora)
+
+
+@pytest.fixture(scope="module")
+def lora_flavour(tmp_path_factory):
+    import mlx_lm
+
+    from mlx_lm_diffusion.testing.block_checkpoints import write_idlm_lora
+
+    root = tmp_path_factory.mktemp("idlm-lora")
+    base = idlm_as_qwen3(write_idlm(root / "idlm"), root / "qwen3")
+    lora = write_idlm_lora(root / "lora", base)
+    return base, lora, mld.load(str(base), adapter_path=str(lora)), mlx_lm.load(str(base))
+
+
+def _torch_with_mask_row_lora(base: Path, lora: Path, tokens: list, mask_id: int):
+    """transformers' Qwen3ForCausalLM on the base weights, each adapted projection's output plus
+    scale * B(A x) on the rows whose input token is the mask (forward hooks): the reference's
+    conditional LoRA, written here."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    config = json.loads((lora / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    adapter = {k: torch.tensor(v) for k, v in load_file(str(lora / "adapter_model.safetensors")).items()}
+    rows = (torch.tensor(tokens) == mask_id).float()[None, :, None]
+    for name, module in model.named_modules():
+        key = f"base_model.model.{name}.lora_A.weight"
+        if key in adapter:
+            a, b = adapter[key], adapter[key.replace("lora_A", "lora_B")]
+            module.register_forward_hook(lambda m, inp, out, a=a, b=b: out + scale * (inp[0] @ a.T @ b.T) * rows)
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def test_the_lora_flavour_matches_a_torch_conditional_lora(lora_flavour):
+    """A stock Qwen3 plus a PEFT LoRA loads as I-DLM (the tokenizer's mask token); a window's
+    logits equal transformers' Qwen3 with the LoRA added on the mask rows only; the verify rows
+    are the base model's, the mask rows are not."""
+    base, lora, (model, tokenizer), _ = lora_flavour
+    assert type(model).__module__ == "model_adapters.idlm" and model.args.mask_token_id == SDAR_MASK
+    tokens = tokenizer.encode("The quick brown fox") + [40, 41, 42] + [SDAR_MASK] * 3
+    got = np.array(model(mx.array([tokens]))[0])
+    expected = _torch_with_mask_row_lora(base, lora, tokens, SDAR_MASK)
+    assert np.abs(got - expected).max() < TOL * max(1.0, np.abs(expected).max())
+    plain = _torch_with_mask_row_lora(base, lora, tokens, -1)  # (no row adapted: the base model)
+    assert np.abs(got[:-3] - plain[:-3]).max() < TOL * max(1.0, np.abs(plain).max())
+    assert np.abs(got[-3:] - plain[-3:]).max() > 1e-2
+
+
+@pytest.mark.parametrize("strides", [2, 4])
+def test_the_lora_flavour_decodes_as_the_base_models_greedy_decoding(lora_flavour, strides):
+    base, lora, pair, ar = lora_flavour
+    for prompt in PROMPTS[:3]:
+        ids = pair[1].encode(prompt)
+        tokens, forwards = _isd(pair, ids, 20, block_length=strides)
+        assert tokens == _greedy_ar(ar, ids, 20), prompt
+        assert forwards <= len(tokens) - 1
+
+
+def test_the_lora_flavour_through_the_cli_and_its_refusals(lora_flavour, tmp_path):
+    base, lora, (model, tokenizer), _ = lora_flavour
+    expected = mld.generate(model, tokenizer, "abc", max_tokens=10)
+    r = run_main("mlx_lm_diffusion.generate", "--model", str(base), "--adapter-path", str(lora), "--prompt", "abc",
+                 "--max-tokens", "10", "--ignore-chat-template", "--verbose", "False")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == expected
+    sdar = write_idlm(tmp_path / "sdar-like")
+    config = json.loads((sdar / "config.json").read_text())
+    config.pop("use_regular_causal")
+    (sdar / "config.json").write_text(json.dumps(config))  # (an SDAR checkpoint: not I-DLM)
+    with pytest.raises(ValueError, match="PEFT LoRA adapter, read only as I-DLM's LoRA flavour"):
+        mld.load(str(sdar), adapter_path=str(lora))

@@ -18,7 +18,7 @@ from mlx_lm_diffusion.api.install import quiet_config_warnings
 from mlx_lm_diffusion.decoding import generation_defaults
 from mlx_lm_diffusion.media.images import load_processor
 from mlx_lm_diffusion.parallel.distributed import shard_loaded
-from model_adapters import FAMILIES, check_weights, evidence, family_module
+from model_adapters import FAMILIES, check_weights, evidence, family_module, idlm_lora
 
 
 def _check_local_path(path_or_hf_repo: str) -> None:
@@ -52,6 +52,8 @@ def missing_adapter_files(adapter_path: Any) -> Optional[str]:
     folder = Path(adapter_path).expanduser()
     if not folder.is_dir():
         return "adapter_config.json is missing (no such directory)"
+    if idlm_lora.is_peft_lora(folder):  # (I-DLM's LoRA flavour: model_adapters.idlm_lora)
+        return None
     for name in ("adapter_config.json", "adapters.safetensors"):
         if not (folder / name).is_file():
             return f"{name} is missing"
@@ -131,9 +133,16 @@ def read_config(model_path: Any) -> dict:
 def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code, group,
           family=None):
     config = read_config(model_path)
+    # I-DLM's LoRA flavour: a stock Qwen3 (or an I-DLM) with a PEFT LoRA for its mask rows
+    mask_row_lora = adapter_path is not None and idlm_lora.is_peft_lora(adapter_path)
+    if mask_row_lora and family is None and config.get("model_type") == "qwen3":
+        family = "idlm"
     # a checkpoint that borrows a model_type (I-DLM's "sdar", Trida's "qwen3_5_text") loads as what it is
     overrides = evidence.family_overrides(model_path, config, family)
     model_type = str(overrides.get("model_type", config.get("model_type")))
+    if mask_row_lora and model_type != "idlm":
+        raise ValueError(f"{adapter_path} is a PEFT LoRA adapter, read only as I-DLM's LoRA flavour (a Qwen3 whose "
+                         "mask rows take the adapter); convert other adapters to mlx-lm's format")
     if not autoregressive or model_type in FAMILIES:
         family_module(model_type)  # clear error for other model types
     model_config = {**(model_config or {}), **overrides}
@@ -143,10 +152,12 @@ def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_pa
             str(model_path),
             tokenizer_config={"trust_remote_code": bool(trust_remote_code), **(tokenizer_config or {})},
             model_config=model_config,
-            adapter_path=adapter_path,
+            adapter_path=None if mask_row_lora else adapter_path,
             lazy=sharded,
             trust_remote_code=bool(trust_remote_code),
         )
+        if mask_row_lora:
+            model.attach_mask_row_lora(adapter_path, tokenizer)
         check_weights(model)
         if not sharded:
             warn_non_finite(model, model_path)

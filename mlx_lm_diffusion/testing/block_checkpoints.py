@@ -255,3 +255,32 @@ def write_llada2_2(path: Path, seed: int = 5, block_size: int = 8, expert_capaci
     generation = {"eos_token_id": LLADA2_2_EOS, "pad_token_id": LLADA2_EOS}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path
+
+
+IDLM_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_idlm_lora(path: Path, base: Path, rank: int = 4, alpha: float = 8.0, seed: int = 9) -> Path:
+    """A PEFT LoRA adapter for the Qwen3 checkpoint at `base` (I-DLM's LoRA flavour: the
+    adapter acts on the mask rows only, model_adapters.idlm_lora): adapter_config.json and
+    adapter_model.safetensors with PEFT's names for every attention and MLP projection."""
+    from safetensors.numpy import load_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    weights = load_file(str(base / "model.safetensors"))
+    adapter = {}
+    for name, value in weights.items():
+        module = name[: -len(".weight")]
+        if not name.endswith(".weight") or module.rpartition(".")[2] not in IDLM_LORA_TARGETS:
+            continue
+        out_dim, in_dim = value.shape
+        prefix = f"base_model.model.{module}"
+        adapter[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+        adapter[f"{prefix}.lora_B.weight"] = (rng.standard_normal((out_dim, rank)) * 0.5).astype(np.float32)
+    save_file(adapter, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(IDLM_LORA_TARGETS), "lora_dropout": 0.0, "bias": "none",
+              "base_model_name_or_path": str(base)}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
