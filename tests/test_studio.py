@@ -436,6 +436,13 @@ def test_diffusion_gemma_draws_its_uniform_canvas_with_an_image(browser, tmp_pat
         assert renoised, "a random uniform canvas changes its drafts between forwards"
         page.page.locator("#pane-a .replay").fill(str(min(renoised_frame(frames), len(frames) - 1)))
         assert page.page.locator("#pane-a .canvas .cell.edited").count() > 0
+        # the draws the rule kept at a forward (the Step's accepted set), drawn apart from the re-noised
+        kept = [k for k, f in enumerate(frames) if f.get("accepted")]
+        assert kept and all(0 <= i < len(frames[k]["states"]) for k in kept for i in frames[k]["accepted"])
+        page.page.locator("#pane-a .replay").fill(str(kept[0]))
+        shown = page.page.locator("#pane-a .canvas .cell.accepted")
+        assert shown.count() == len([i for i in frames[kept[0]]["accepted"] if i < len(frames[kept[0]]["tokens"])])
+        assert "accepted" in shown.first.get_attribute("title")
         assert not page.problems
         page.close()
 

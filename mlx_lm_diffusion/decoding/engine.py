@@ -56,6 +56,9 @@ class Step:
     # canvas positions [start, end) of row 0 that show a speculative decoder's drafts, not
     # committed tokens (self-speculation, I-DLM); None: none
     drafted: Optional[tuple] = None
+    # (B, block) the block positions whose drawn token this step accepted (a uniform canvas:
+    # DiffusionGemma's rule keeps them, the rest is noised again); None: the decoder accepts none
+    accepted: Optional[np.ndarray] = None
 
     @property
     def block_logprobs(self) -> Optional[mx.array]:
@@ -230,7 +233,7 @@ class Engine:
         self._finality(canvas, host, horizon)
         return Step(self.decoder.draft(host, end), canvas.prompt_len, canvas.final, canvas.done.copy(),
                     q.forwards, q.block, q.step, q.kept, q.ran_forward, q.confidence, q.edits,
-                    self.decoder.drafted())
+                    self.decoder.drafted(), None if q.accepted is None else np.array(q.accepted))
 
     def _finality(self, canvas: Canvas, host: np.ndarray, horizon: int) -> None:
         """Final = the committed prefix of the generation before `horizon`, up to and

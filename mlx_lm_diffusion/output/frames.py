@@ -43,7 +43,9 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
     `block`: the current block's [start, end) among the generated positions, and
     `confidence`: each of its positions' confidence at commit (0: not yet). With LLaDA2.2's
     structural edits, `inserted` (the generated positions of the masks a SPLIT put in) and
-    `deleted` (how many positions a DELETE dropped) this forward. `texts` caches each token
+    `deleted` (how many positions a DELETE dropped) this forward; on a uniform canvas
+    (DiffusionGemma), `accepted`: the generated positions whose drawn token the step kept (the
+    others are noised again; with a mask schedule, the positions committed so far). `texts` caches each token
     id's text across a decode's frames."""
     row = step.canvas[0, step.prompt_len :].tolist()
     final = int(step.final[0])
@@ -69,6 +71,9 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
         "block": [max(start, 0), max(end, 0)],
         "confidence": [round(float(c), 4) for c in np.clip(confidence, 0.0, 1.0)],
     }
+    if step.accepted is not None:  # (a uniform canvas: the positions whose draw the rule kept)
+        offset = step.block[0] - step.prompt_len
+        frame["accepted"] = [int(i) + offset for i in np.flatnonzero(step.accepted[0])]
     if step.edits is not None:
         offset = step.block[0] - step.prompt_len
         frame["inserted"] = [int(i) + offset for i in np.flatnonzero(step.edits.inserted[0])]

@@ -109,6 +109,9 @@ class Queued:
     block_over: bool
     ran_forward: bool
     edits: Any = None  # a step's structural edits (BlockEdits), from a decoder that makes them
+    # (B, width) the block positions whose drawn token the step accepted (a uniform canvas:
+    # kept, not noised again), from a decoder that accepts some; None otherwise
+    accepted: Any = None
 
 
 @dataclass

@@ -24,6 +24,7 @@ reference (at temperature 0 the raw ones).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -164,10 +165,11 @@ class UniformCanvasDecoder(Decoder):
                 kept = logprobs if kept is None else mx.where(frozen[..., None], kept, logprobs)
             stopped = stopped | stop(argmax, entropy)
             canvas.tokens = mx.concatenate([canvas.tokens[:, :start], argmax, canvas.tokens[:, end:]], axis=1)
-            yield ReadBack((canvas.tokens, noisy, stopped, kept, b.confidence))
-            mx.eval(canvas.tokens, noisy, stopped, kept, b.confidence)
+            accepted = accepted & ~frozen  # (a stopped row accepts nothing more)
+            yield ReadBack((canvas.tokens, noisy, stopped, kept, b.confidence, accepted))
+            mx.eval(canvas.tokens, noisy, stopped, kept, b.confidence, accepted)
             canvas.sync()
-            yield queue(canvas, b, kept, False)
+            yield dataclasses.replace(queue(canvas, b, kept, False), accepted=accepted)
             if bool(mx.all(stopped).item()):
                 break
         # the canvas is final: one more event releases its tokens
@@ -228,7 +230,7 @@ class UniformCanvasDecoder(Decoder):
             yield ReadBack((canvas.tokens, open_, kept, b.confidence))
             mx.eval(canvas.tokens, open_, kept, b.confidence)
             canvas.sync()
-            yield queue(canvas, b, kept, False)
+            yield dataclasses.replace(queue(canvas, b, kept, False), accepted=~open_)  # (committed for good)
             if not bool(mx.any(open_ & live).item()):
                 break
         b.step += 1

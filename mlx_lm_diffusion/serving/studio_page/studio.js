@@ -253,12 +253,17 @@ function showFrame(pane, k, live = false) {
     if (edited[i]) cell.classList.add("edited");
     const inserted = (frame.inserted || []).includes(i);  // LLaDA2.2: a mask a SPLIT put in
     if (inserted) cell.classList.add("inserted");
+    // a uniform canvas (DiffusionGemma): the draws the step's rule kept, apart from the re-noised
+    const accepted = s === "d" && (frame.accepted || []).includes(i);
+    if (accepted) cell.classList.add("accepted");
     if (s === "c") {
       const c = confidence[i] ?? 1;
       Object.assign(cell.style, forwardColour(commit[i], lastForward, c));
       cell.title = `position ${i}: committed at forward ${commit[i]}, confidence ${c.toFixed(3)}`;
     } else {
-      cell.title = `position ${i}: ${s === "m" ? (inserted ? "masked (inserted by a SPLIT)" : "masked") : "draft"}`;
+      const what = s === "m" ? (inserted ? "masked (inserted by a SPLIT)" : "masked")
+        : accepted ? "draft, its draw accepted at this forward" : "draft";
+      cell.title = `position ${i}: ${what}`;
     }
     canvas.append(cell);
   });
