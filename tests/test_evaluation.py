@@ -462,3 +462,55 @@ def test_task_data_that_cannot_be_read_is_one_line(tmp_path, capsys):
     assert code == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]  # (datasets prints its progress bar before it)
     assert last.startswith("error: the data of task demo_addition cannot be read: ArrowInvalid")
+
+
+# -- the plot (evaluation.report.figure; issue 56.5)
+
+
+def _rows(grid: bool) -> list:
+    from mlx_lm_diffusion.evaluation.report import Row
+
+    rows = []
+    for k, (threshold, block) in enumerate([(0.5, 4), (0.5, 8), (0.9, 4), (0.9, 8)]):
+        setting = {"threshold": threshold, "block_length": block} if grid else {"threshold": threshold + k / 100}
+        label = " ".join(f"{n}={v}" for n, v in setting.items())
+        rows.append(Row(label, "demo_addition", "exact_match", 0.9 + 0.02 * k, 0.01 * (k + 1), 5.0 - k, 100.0 * (4 - k),
+                        100, tuple(setting.items())))
+    return rows
+
+
+def test_pareto_front():
+    from mlx_lm_diffusion.evaluation.report import pareto_front
+
+    assert pareto_front([(1, 0.9), (2, 0.8), (3, 0.95), (0.5, 1.0), (3, 0.5)]) == [(0.5, 1.0), (3, 0.95)]
+    assert pareto_front([]) == []
+
+
+@pytest.mark.parametrize("grid", [False, True])
+def test_the_plot_names_its_metric_with_error_bars_a_legend_and_the_front(grid):
+    """The y axis names the metric and the task, every point carries its standard error, the
+    settings are named in a legend (no label on the points), the Pareto front is drawn; a sweep
+    over two options adds its heatmap."""
+    import matplotlib.pyplot as plt
+    from matplotlib.container import ErrorbarContainer
+
+    from mlx_lm_diffusion.evaluation.report import figure
+
+    fig = figure(_rows(grid))
+    try:
+        panels = fig.axes
+        scatter = panels[:2]
+        for ax in scatter:
+            assert ax.get_ylabel() == "exact_match (demo_addition)"
+            bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+            assert len(bars) == 4 and not ax.texts
+            assert "Pareto front" in [line.get_label() for line in ax.lines]
+        legend = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert set(r.setting for r in _rows(grid)) <= set(legend)
+        heatmaps = [ax for ax in panels if ax.images]
+        assert len(heatmaps) == (1 if grid else 0)
+        if grid:
+            assert (heatmaps[0].get_xlabel(), heatmaps[0].get_ylabel()) == ("block_length", "threshold")
+            assert len(heatmaps[0].texts) == 4
+    finally:
+        plt.close(fig)

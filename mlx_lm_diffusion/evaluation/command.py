@@ -170,7 +170,7 @@ def evaluate(args: argparse.Namespace) -> list:
         path = output_dir / f"{_file_stem(args, tasks)}_{sweep.slug(setting)}.json"
         path.write_text(json.dumps(_record(args, setting, results, speed), indent=2, default=_plain) + "\n")
         print(f"wrote {path}", file=sys.stderr)
-        rows += report.rows_of(sweep.label(setting), results["results"], speed)
+        rows += report.rows_of(sweep.label(setting), results["results"], speed, tuple(setting.items()))
     _write_report(rows, output_dir)
     return rows
 
