@@ -244,7 +244,7 @@ def test_a_narrow_screen_stacks_the_panes(browser, demo):
     page = Studio(browser, demo)
     try:
         page.page.set_viewport_size({"width": 420, "height": 900})
-        page.page.check("#compare")
+        page.page.select_option("#compare", "2")
         page.ask("357+468=")
         a, b = (page.page.locator(f"#pane-{p}").bounding_box() for p in "ab")
         assert a["y"] + a["height"] <= b["y"]  # (one above the other)
@@ -272,7 +272,7 @@ def test_the_page_follows_a_dark_system_theme(browser, demo):
 
 
 def test_compare_runs_two_settings_side_by_side(studio):
-    studio.page.check("#compare")
+    studio.page.select_option("#compare", "2")
     studio.set("b", threshold=0.9, cache="dual")
     studio.ask("1234+4321=")
     answers = [studio.text(f"#pane-{p} .answer") for p in "ab"]
@@ -287,6 +287,43 @@ def test_compare_runs_two_settings_side_by_side(studio):
         out = Path(os.environ["STUDIO_PICTURES"])
         out.mkdir(parents=True, exist_ok=True)
         studio.page.screenshot(path=str(out / "studio.png"))
+
+
+def test_compare_runs_four_settings_and_their_controls_never_overlap(browser, demo):
+    """Four settings on one prompt: each pane its own answer, forwards, tokens/forward and time;
+    at 1280 px and at 420 px no control of one pane lies over another pane."""
+    page = Studio(browser, demo)
+    try:
+        page.page.select_option("#compare", "4")
+        assert all(page.page.locator(f"#pane-{p}").is_visible() for p in "abcd")
+        for p, threshold in zip("bcd", (0.5, 0.7, 0.9)):
+            page.set(p, threshold=threshold)
+        page.ask("1234+4321=")
+        for p in "abcd":
+            assert page.text(f"#pane-{p} .answer") == "5555"
+            assert int(page.text(f"#pane-{p} .forwards")) == len(page.frames(p)) > 0
+            assert page.text(f"#pane-{p} .tpf") != "–" and page.text(f"#pane-{p} .time").endswith(" s")
+        for width in (1280, 420):
+            page.page.set_viewport_size({"width": width, "height": 900})
+            boxes = {p: page.page.locator(f"#pane-{p}").bounding_box() for p in "abcd"}
+            for p in "abcd":
+                for control in page.page.locator(f"#pane-{p} input, #pane-{p} select, #pane-{p} button").all():
+                    box = control.bounding_box()
+                    if box is None:
+                        continue
+                    for q, other in boxes.items():
+                        if q != p:
+                            assert not _overlap(box, other), (width, p, q)
+        page.page.select_option("#compare", "1")
+        assert not page.page.locator("#pane-b").is_visible()
+        assert not page.problems, page.problems
+    finally:
+        page.close()
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return (a["x"] < b["x"] + b["width"] - 1 and b["x"] < a["x"] + a["width"] - 1
+            and a["y"] < b["y"] + b["height"] - 1 and b["y"] < a["y"] + a["height"] - 1)
 
 
 def test_the_replay_slider_redraws_the_canvas(studio):

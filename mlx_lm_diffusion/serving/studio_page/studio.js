@@ -301,6 +301,7 @@ function figures(pane, frame) {
   $(".frames", pane.root).textContent = String(pane.frames.length);
   $(".tpf", pane.root).textContent = forwards ? (committed / forwards).toFixed(2) : "–";
   $(".tps", pane.root).textContent = seconds > 0 ? (committed / seconds).toFixed(1) : "–";
+  $(".time", pane.root).textContent = seconds > 0 ? `${seconds.toFixed(2)} s` : "–";
 }
 
 // -- the unmask-order picture: positions across, forwards down
@@ -387,6 +388,18 @@ function addTurn(role, text) {
   $("#history").append(el("div", { className: `turn ${role}`, textContent: text }));
 }
 
+const PANE_KEYS = ["a", "b", "c", "d"]; // 1 to 4 settings side by side (#compare)
+
+function comparedPanes() {
+  return PANE_KEYS.slice(0, Number($("#compare").value) || 1).map((key) => state.panes[key]);
+}
+
+function showPanes() {
+  const shown = new Set(comparedPanes());
+  for (const key of PANE_KEYS) state.panes[key].root.hidden = !shown.has(state.panes[key]);
+  $("#panes").dataset.count = String(shown.size);
+}
+
 async function send() {
   const text = $("#prompt").value;
   if (!text.trim()) return;
@@ -398,11 +411,13 @@ async function send() {
   state.abort = new AbortController();
   try {
     const answer = await run(state.panes.a, messages);
-    if ($("#compare").checked && state.abort.signal.aborted) {  // (B's old results are not this prompt's)
-      clearPane(state.panes.b);
-      showError(state.panes.b, "not run: stopped");
-    } else if ($("#compare").checked) {
-      await run(state.panes.b, messages);
+    for (const pane of comparedPanes().slice(1)) {  // (the same prompt, each pane's settings, in turn)
+      if (state.abort.signal.aborted) {  // (a pane's old results are not this prompt's)
+        clearPane(pane);
+        showError(pane, "not run: stopped");
+      } else {
+        await run(pane, messages);
+      }
     }
     if (answer !== null) {
       state.history = messages.concat([{ role: "assistant", content: answer }]);
@@ -433,9 +448,9 @@ async function start() {
     $("#examples").append(el("button", { type: "button", textContent: example,
                                           onclick: () => { $("#prompt").value = example; $("#prompt").focus(); } }));
   }
-  makePane("a", "A");
-  makePane("b", "B").root.hidden = true;
-  $("#compare").addEventListener("change", (e) => { state.panes.b.root.hidden = !e.target.checked; });
+  for (const key of PANE_KEYS) makePane(key, key.toUpperCase());
+  showPanes();
+  $("#compare").addEventListener("change", showPanes);
   $("#run").addEventListener("click", send);
   $("#stop").addEventListener("click", () => state.abort && state.abort.abort()); // (the server cancels the decode)
   $("#prompt").addEventListener("keydown", (e) => {
