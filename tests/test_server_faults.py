@@ -384,7 +384,8 @@ def health(port: int):
 @pytest.mark.parametrize("mode", ["batched", "serial"])
 def test_health_says_not_ready_after_running_out_of_memory(mode, monkeypatch):
     """/health said ok while every generation failed for want of memory; now it is a 503
-    from a generation that ran out of memory until one completes again."""
+    from a generation that ran out of memory until one completes again, and the request that
+    ran out a 503 (the server's state, not the request: retry later), not a 500."""
     import mlx_lm.server
 
     from mlx_lm_diffusion.serving import scheduler
@@ -399,7 +400,8 @@ def test_health_says_not_ready_after_running_out_of_memory(mode, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(scheduler.Scheduler, "_step", out_of_memory)
             m.setattr(mlx_lm.server, "stream_generate", out_of_memory)  # (the serial path's decode)
-            assert chat(port, {"messages": [{"role": "user", "content": "1+2="}]})[0] == 500
+            status, body = chat(port, {"messages": [{"role": "user", "content": "1+2="}]})
+            assert status == 503 and body["error"]["code"] == "out_of_memory", body
         status, body = health(port)
         assert status == 503 and "out of memory" in body["reason"], body
         assert chat(port, {"messages": [{"role": "user", "content": "1+2="}]})[0] == 200

@@ -28,7 +28,7 @@ from mlx_lm_diffusion.decoding.kv_reuse import CachedTokensTap, cache_occupancy
 from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.output import request_constraints
 from mlx_lm_diffusion.parallel import distributed
-from mlx_lm_diffusion.serving import distributed_server, openai_requests, peers, template_sandbox
+from mlx_lm_diffusion.serving import distributed_server, memory, openai_requests, peers, template_sandbox
 from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone, RequestError, StartupError
 from mlx_lm_diffusion.serving.openai_requests import (
     DiffusionRequest,
@@ -65,10 +65,6 @@ def _model_id(name: str) -> str:
     (a client can send it back; the server's paths stay its own), else the name as given."""
     path = Path(name).expanduser()
     return path.resolve().name if path.exists() else name
-
-
-# what MLX's and the system's allocation failures say (besides Python's MemoryError)
-OUT_OF_MEMORY_WORDS = ("out of memory", "unable to allocate", "failed to allocate", "[malloc]")
 
 
 
@@ -128,6 +124,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         """Block until --model is loaded; raise StartupError if it cannot be."""
         if not self.loaded.wait(timeout):
             raise StartupError("the model did not load in time")
+        if isinstance(self.load_error, StartupError):
+            raise self.load_error
         if self.load_error is not None:
             message = str(self.load_error).strip().splitlines() or [type(self.load_error).__name__]
             raise StartupError(f"cannot load --model {self.cli_args.model!r}: {message[0]}")
@@ -204,6 +202,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             return "the model could not be loaded"
         if self.out_of_memory:
             return "the last generation ran out of memory (ready again once one completes)"
+        short = memory.shortage()
+        if short is not None:
+            return short
         directory = getattr(self.cli_args, "kernel_cache_dir", None) or tempfile.gettempdir()
         try:
             with tempfile.NamedTemporaryFile(dir=directory, prefix=".health-"):
@@ -218,8 +219,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         server not ready (/health 503) until a later one completes."""
         if error is None:
             self.out_of_memory = False
-        elif isinstance(error, MemoryError) or any(
-                words in str(error).lower() for words in OUT_OF_MEMORY_WORDS):
+        elif memory.is_out_of_memory(error):
             self.out_of_memory = True
 
     @property
@@ -300,7 +300,13 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             self.model_provider.reset()
             self.loaded.set()
             return
-        self._start_scheduler()
+        try:
+            self._start_scheduler()
+        except Exception as e:  # noqa: BLE001 (its thread cannot start: out of memory)
+            self.load_error = StartupError(f"cannot start the decoding thread: {e}")
+            self.model_provider.reset()
+            self.loaded.set()
+            return
         self.loaded.set()
         super()._generate()  # load_default again: the same model key, no reload
 

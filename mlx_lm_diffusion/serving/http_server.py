@@ -71,6 +71,10 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
             return self._refuse(request, why)
         try:
             super().process_request(request, client_address)
+        except RuntimeError as e:  # "can't start new thread": the connection is answered, not dropped
+            self._closed(client)
+            logging.error(f"{client}: refused: cannot start a thread for the connection ({e})")
+            self._refuse(request, f"the server cannot start a thread for this connection ({e}); retry later")
         except BaseException:
             self._closed(client)
             raise

@@ -15,7 +15,7 @@ from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.media import images
-from mlx_lm_diffusion.serving import choices, stream_batching, studio, template_sandbox, tool_choice
+from mlx_lm_diffusion.serving import choices, memory, stream_batching, studio, template_sandbox, tool_choice
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     _BODY_FIELDS,
@@ -181,6 +181,9 @@ class Routes:
         body = self._read_body()
         if body is NO_BODY:
             return
+        short = memory.shortage()
+        if short is not None:  # (a decode now would crash or hang: serving.memory)
+            return self._send_error(503, f"{short}; retry later", code="out_of_memory")
         if self.path == PROTOCOL_PATH:
             return self.handle_protocol(body)
         if not isinstance(body, dict):
@@ -321,13 +324,15 @@ class Routes:
         if isinstance(error, ClientGone):
             self.close_connection = True
             return
+        message = str(error) or type(error).__name__
         if isinstance(error, RequestError):
             status, param, code = error.status, error.param, error.code
         else:
             status, param, code = 500, None, None
             logging.error(f"request failed: {type(error).__name__}: {error}")
             self.response_generator.note_outcome(error)  # (out of memory: /health says so)
-        message = str(error) or type(error).__name__
+            if memory.is_out_of_memory(error):  # (the server's state, not the request: retry later)
+                status, code, message = 503, "out_of_memory", f"out of memory: {message}; retry later"
         try:
             if self._stream_started:
                 body = error_body(message, status, param, code)
@@ -493,6 +498,10 @@ class Routes:
         except (ValueError, TypeError) as e:
             return self._send_error(400, str(e))
         except Exception as e:
+            if memory.is_out_of_memory(e):
+                logging.error(f"protocol request failed: {type(e).__name__}: {e}")
+                self.response_generator.note_outcome(e)
+                return self._send_error(503, f"out of memory: {e}; retry later", code="out_of_memory")
             logging.exception("protocol request failed")
             return self._send_error(500, f"{type(e).__name__}: {e}")
         self._send_bytes(200, json.dumps(json_safe(response)).encode())

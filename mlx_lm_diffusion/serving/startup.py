@@ -43,9 +43,17 @@ What a client may do is bounded (mlx_lm.server leaves these open):
   Origin not allowed, or a Host that is a domain name this server was not told of
   (--allowed-hosts; DNS rebinding), gets a 403;
 * SIGTERM / SIGINT stop accepting, let in-flight requests finish for
-  --shutdown-grace seconds, cancel the rest with an error, and exit 0;
+  --shutdown-grace seconds, cancel the rest with an error, and exit 0; a stop that
+  takes STOP_MARGIN seconds longer than that (a decode stuck in native code, as out of
+  memory leaves one) ends the process anyway, exit 1. Before the server serves, either
+  signal ends the start-up at once: exit 130 / 143, one line (serving.starting);
 * the server fails at start (one line on stderr, exit 2, before binding the port)
-  when --model cannot be loaded or a flag cannot apply to a diffusion model.
+  when --model cannot be loaded, a flag cannot apply to a diffusion model, or memory
+  runs out (an import, a thread, less address space left than a decode needs);
+* memory: under an address-space limit a generation request that would start with less
+  than serving.memory.RESERVE_BYTES left gets a 503 and /health a 503 saying why (MLX
+  and OpenBLAS crash or hang where their allocations fail); an allocation failure a
+  request meets is a 503; a connection whose thread cannot start gets a 503.
 
 Diffusion requests are batched continuously (mlx_lm_diffusion.serving.scheduler): one running
 batch per group of requests with the same family options, rows joining at the next step
@@ -71,6 +79,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -92,7 +101,7 @@ from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import one_line_errors
 from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.parallel import distributed, heartbeat
-from mlx_lm_diffusion.serving import distributed_server
+from mlx_lm_diffusion.serving import distributed_server, memory, starting
 from mlx_lm_diffusion.serving.errors import StartupError
 from mlx_lm_diffusion.serving.generator import DEFAULT_LONG_FORWARDS, DEFAULT_MAX_FORWARDS, DiffusionResponseGenerator
 from mlx_lm_diffusion.serving.handler import DEFAULT_MAX_BODY_BYTES
@@ -105,8 +114,11 @@ from mlx_lm_diffusion.serving.http_server import (
 )
 from mlx_lm_diffusion.serving.openai_requests import DEFAULT_MAX_CHOICES
 
-PROG = "mlx_lm_diffusion.server"
+PROG = starting.PROG
 DEFAULT_SHUTDOWN_GRACE = 30.0
+# seconds a stop may take beyond --shutdown-grace (and the cancelled requests' 5 s to end)
+# before the process leaves without the threads that have not stopped
+STOP_MARGIN = 15.0
 # mlx_lm.server flags that cannot apply to a diffusion model: refused at start
 INAPPLICABLE_FLAGS = {
     "draft_model": ("--draft-model", "speculative decoding does not apply to diffusion models"),
@@ -137,6 +149,9 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
     missing = missing_adapter_files(adapter) if isinstance(adapter, str) else None
     if missing is not None:
         raise StartupError(f"cannot load --adapter-path {adapter!r}: {missing}")
+    short = memory.shortage(memory.START_RESERVE_BYTES + memory.weights_bytes(model), "load the model")
+    if short is not None:  # (MLX's loader hangs where its threads cannot start)
+        raise StartupError(short)
     install()
     provider = ModelProvider(args)
     # mlx_lm.server bounds the bytes only when it batches; here always (the KV it holds)
@@ -145,6 +160,10 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
     generator = DiffusionResponseGenerator(provider, prompt_cache, compat.decode_defaults(args))
     try:
         generator.wait_loaded()
+        _first_matmul()
+        short = memory.shortage()
+        if short is not None:  # (its first decode would crash or hang)
+            raise StartupError(short)
         if not distributed.is_leader(generator.group):
             return None, generator  # mlx.launch: rank 0 serves, this rank follows it
         try:
@@ -157,6 +176,17 @@ def start(args: argparse.Namespace) -> Tuple[DiffusionHTTPServer, DiffusionRespo
         generator.stop_and_join()
         raise
     return httpd, generator
+
+
+def _first_matmul() -> None:
+    """Under an address-space limit, OpenBLAS's one-time set-up (memory.first_matmul) here,
+    where running short is a start-up error: it retries an allocation that fails forever."""
+    if memory.address_space_limit() is None:
+        return
+    short = memory.shortage(memory.START_RESERVE_BYTES, "set up the matrix library")
+    if short is not None:
+        raise StartupError(short)
+    memory.first_matmul()
 
 
 def shutdown(httpd: DiffusionHTTPServer, generator: ResponseGenerator, grace: float,
@@ -362,17 +392,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.model = model_or_demo(args.model)  # (as the generate and chat CLIs)
     saved_tmpdir = os.environ.get("TMPDIR")
     args.kernel_cache_dir, private = use_kernel_cache(args.kernel_cache_dir)
+    if private:
+        starting.at_end(lambda: shutil.rmtree(args.kernel_cache_dir, ignore_errors=True))
     restore_nofile()
-    stop = threading.Event()
+    stop, serving = threading.Event(), threading.Event()
     signals: List[int] = []
+    command_line = argv is None
 
     def on_signal(signum, frame):
+        if command_line and not serving.is_set():
+            starting.end(signum)  # (nothing to drain yet, and a model may take minutes to load)
         signals.append(signum)
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _serve(args, stop, signals, command_line=argv is None)
+        return _serve(args, stop, serving, signals, command_line=command_line)
     finally:
         _restore_signals(previous)  # (a caller in process, e.g. a test, keeps its Ctrl-C)
         if private:
@@ -400,8 +435,9 @@ def use_kernel_cache(named: Optional[str]) -> tuple[str, bool]:
     return path, private
 
 
-def _serve(args, stop: threading.Event, signals: List[int], command_line: bool) -> int:
-    """Start, serve until `stop` (a signal) or the accept loop ends, then shut down in order."""
+def _serve(args, stop: threading.Event, serving: threading.Event, signals: List[int], command_line: bool) -> int:
+    """Start, serve (`serving` set) until `stop` (a signal) or the accept loop ends, then
+    shut down in order."""
     try:
         httpd, generator = start(args)
     except StartupError as e:
@@ -412,12 +448,19 @@ def _serve(args, stop: threading.Event, signals: List[int], command_line: bool) 
     if httpd is None:
         code = distributed_server.follow(generator)
         return _exit_now(code) if command_line else code
+    if stop.is_set():  # (a signal during the start-up, in process: it never serves)
+        shutdown(httpd, generator, 0.0)
+        return 0
+    serving.set()
+    starting.started()
+    if command_line:  # (started now: under memory pressure a thread may not start later)
+        _leave_if_stuck(stop, args.shutdown_grace + 5.0 + STOP_MARGIN)
     host, port = httpd.server_address[:2]
     logging.info(f"Starting httpd at {host} on port {port}...")
-    serving = threading.Thread(target=httpd.serve_forever, name="http-accept", daemon=True)
-    serving.start()
+    accepting = threading.Thread(target=httpd.serve_forever, name="http-accept", daemon=True)
+    accepting.start()
     while not stop.wait(0.5):
-        if not serving.is_alive():
+        if not accepting.is_alive():
             break
         if generator.group is not None and not generator.generation_available():
             distributed.fail(generator.group, "the generation loop ended: the distributed group failed "
@@ -428,11 +471,27 @@ def _serve(args, stop: threading.Event, signals: List[int], command_line: bool) 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, lambda signum, frame: hurry.set())
     shutdown(httpd, generator, args.shutdown_grace, hurry)
-    serving.join(timeout=5)
+    accepting.join(timeout=5)
     logging.info("stopped")
     if command_line:  # leave without C++ static teardown (see _exit_now)
         _exit_now(0)
     return 0
+
+
+def _leave_if_stuck(stop: threading.Event, seconds: float) -> None:
+    """Once `stop` is set, give the stop `seconds`; past them end the process (exit 1): a
+    thread stuck in native code (OpenBLAS retries an allocation that fails forever) would
+    otherwise keep the server from ending, whatever signal it gets."""
+
+    def watch() -> None:
+        stop.wait()
+        time.sleep(seconds)
+        logging.error(f"the server did not stop within {seconds:g} s of the signal (a decode stuck in native "
+                      "code, as running out of memory leaves one); exiting without it")
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="stop-deadline", daemon=True).start()
 
 
 def _restore_signals(previous: dict) -> None:
