@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from cli_run import run_main
@@ -108,3 +109,45 @@ def test_the_generate_cli_writes_the_animation(tmp_path):
     assert len(_frames_of(out)) == forwards
     bad = run_main("mlx_lm_diffusion.generate", "--prompt", "1+1=", "--trace-anim", str(tmp_path / "x.txt"))
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--trace-anim" in bad.stderr
+
+
+# -- what the model hesitated between (Engine(proposals=k), the studio's hover)
+
+
+def test_each_forward_carries_the_top_proposals_alone_and_in_a_batch():
+    """Engine(proposals=5): each forward's Step holds, per position it predicted, the 5 most
+    likely tokens with their probabilities (descending, at most 1 together); a running batch's
+    row carries the same; the frames name them with their text."""
+    from mlx_lm_diffusion.decoding.batch import RunningBatch
+    from mlx_lm_diffusion.decoding.engine import Engine
+    from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+    from mlx_lm_diffusion.output.frames import draft_frame
+
+    model, tokenizer = mld.load(str(DEMO_MODEL_PATH))
+    adapter = adapter_for(model, tokenizer)
+    prompt = tokenizer.encode("357+468=")
+    options = resolve(DecodeOptions(max_tokens=16, block_length=8), adapter, len(prompt))
+    alone = [s for s in Engine(adapter, options, proposals=5).run(mx.array([prompt])) if s.ran_forward]
+    assert alone and all(s.proposals is not None for s in alone)
+    for step in alone:
+        positions, ids, probs = step.proposals
+        assert ids.shape == probs.shape == (len(positions), 5)
+        assert all(step.block[0] <= p < step.block[1] for p in positions)
+        assert (np.diff(probs, axis=1) <= 1e-7).all() and (probs.sum(axis=1) <= 1 + 1e-5).all()
+    frame = draft_frame(tokenizer, alone[0], adapter.mask_id, {})
+    assert len(frame["proposals"]) == len(alone[0].proposals[0])
+    assert all(len(top) == 5 and all(isinstance(t, str) and 0 <= p <= 1 for t, p in top)
+               for _, top in frame["proposals"])
+    batch = RunningBatch(adapter)
+    batch.add(prompt, options, proposals=5)
+    batched = []
+    while batch.rows:
+        batched += [e.step for e in batch.step() if e.step is not None and e.step.ran_forward]
+    assert len(batched) == len(alone) and all(s.proposals is not None for s in batched)
+    # (the first forward reads the whole block on both: the same top proposal everywhere; later a
+    # single decode reads only its masked positions, a batch row the whole block)
+    assert alone[0].proposals[0].tolist() == batched[0].proposals[0].tolist()
+    assert (alone[0].proposals[1][:, 0] == batched[0].proposals[1][:, 0]).all()
+    for step in batched:
+        assert all(step.block[0] <= p < step.block[1] for p in step.proposals[0])
+    assert Engine(adapter, options).proposals == 0  # (none unless asked)

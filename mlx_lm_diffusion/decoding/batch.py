@@ -63,6 +63,7 @@ class BatchRow:
     payload: Any = None  # the caller's (a server request)
     prompt_kv: Optional[PromptReuse] = None  # the prompt KV it reused, and the KV it leaves
     error: Optional[BaseException] = None
+    engine: Optional[Engine] = None  # (its Steps' proposals are noted here: Engine.note_proposals)
 
 
 @dataclass
@@ -102,14 +103,15 @@ class RunningBatch:
 
     def add(self, prompt: Sequence[int], options: ResolvedOptions, payload: Any = None,
             seed: Optional[np.ndarray] = None, prefix: Optional[PrefixKV] = None,
-            keep_logprobs: Optional[bool] = None) -> BatchRow:
+            keep_logprobs: Optional[bool] = None, proposals: int = 0) -> BatchRow:
         """A new row; it first advances at the next `step()`. `seed` (1, W): its canvas's
         pinned tokens (an infill's suffix; Engine.run). `prefix`: the KV of leading prompt
         tokens from an earlier decode (a prompt cache's), which the row starts from where
         the family's KV is exact (`row.prompt_kv.reused` positions; kv_reuse.PromptReuse);
         `row.prompt_kv.export(tokens)` is the KV the row leaves. `keep_logprobs`: whether
         its Steps carry each token's log-probs (None: the batch's `keep_logprobs`); a row
-        whose caller reads none saves their writes and read-backs."""
+        whose caller reads none saves their writes and read-backs. `proposals`: the k most likely
+        tokens per position of each forward on its Steps (Step.proposals; 0: none)."""
         if not self.accepts(options):
             raise ValueError(
                 f"a row with the family options {dict(family_key(options))} cannot join a batch decoding "
@@ -118,7 +120,7 @@ class RunningBatch:
         if not self.rows:
             self.family = family_key(options)
         keep = self.keep_logprobs if keep_logprobs is None else keep_logprobs
-        engine = Engine(self.adapter, options, keep_logprobs=keep, pipeline=False)
+        engine = Engine(self.adapter, options, keep_logprobs=keep, pipeline=False, proposals=proposals)
         engine.decoder.queue_eagerly = False  # every row's step is evaluated at once (_settle)
         engine.decoder.fuse_commits = self.fuse_commits  # plain steps are committed by the batch
         # (a decode that draws nothing needs no key: swapping one in costs a read-back per resume)
@@ -127,7 +129,7 @@ class RunningBatch:
         prompt_kv = PromptReuse(prefix)
         reuse = prompt_kv.plan(self.adapter, engine, ids)  # (after the engine configured the adapter)
         row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(ids, seed, reuse), key,
-                       payload=payload, prompt_kv=prompt_kv)
+                       payload=payload, prompt_kv=prompt_kv, engine=engine)
         self._next_id += 1
         self.rows[row.id] = row
         return row
@@ -178,6 +180,9 @@ class RunningBatch:
             return []
         self.forwards += 1
         replies = list(logits)
+        for row, reply in zip(waiting, replies):  # (before a fused commit replaces the logits)
+            if row.engine is not None and row.engine.proposals:
+                row.engine.note_proposals(row.pending, reply)
         queued: list = []
         fused = [i for i, row in enumerate(waiting) if isinstance(row.pending, FusedForward)]
         if fused:  # their commits, all at once

@@ -22,6 +22,7 @@ dropped and not counted, as mlx-lm's generate_step computes one token past the e
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -59,6 +60,9 @@ class Step:
     # (B, block) the block positions whose drawn token this step accepted (a uniform canvas:
     # DiffusionGemma's rule keeps them, the rest is noised again); None: the decoder accepts none
     accepted: Optional[np.ndarray] = None
+    # (positions (K,), ids (K, k), probabilities (K, k)): row 0's k most likely tokens at the
+    # canvas positions of this step's forward, when the engine was asked (Engine(proposals=k))
+    proposals: Optional[tuple] = None
 
     @property
     def block_logprobs(self) -> Optional[mx.array]:
@@ -138,15 +142,22 @@ def exit_guarded(steps: Iterator[Step]) -> Iterator[Step]:
         yield step
 
 
+MAX_PROPOSALS = 20  # (the most proposals a Step carries per position: the studio asks for 5)
+
+
 class Engine:
     """Runs one resolved decode through an adapter; iterate `run()` for the steps."""
 
     def __init__(
         self, adapter: Adapter, options: ResolvedOptions, keep_logprobs: bool = True, pipeline: bool = True,
-        gather_rows: bool = True,
+        gather_rows: bool = True, proposals: int = 0,
     ):
         self.adapter = adapter
         self.options = options
+        # Step.proposals: the model's `proposals` most likely tokens at each position of row 0's
+        # latest forward (the studio's hover: what it hesitated between); 0: none
+        self.proposals = min(max(int(proposals), 0), MAX_PROPOSALS)
+        self._proposed: collections.deque = collections.deque(maxlen=8)  # (one per forward, in order)
         self.decoder = decoder_class(adapter, options.family)(adapter, options, keep_logprobs)
         self.pipeline = pipeline  # False: read every step back before building the next
         # True: a step asks for the logits of the positions it reads only (Forward.rows,
@@ -210,10 +221,33 @@ class Engine:
 
     def _predict(self, f: Forward) -> mx.array:
         if f.verify:
-            return self.adapter.verify(f.state, f.canvas[:, f.start : f.end], f.clean)
-        if f.rows is None:
-            return self.adapter.predict(f.state, f.canvas, f.start, f.end)
-        return self.adapter.predict_rows(f.state, f.canvas, f.start, f.end, f.rows)
+            logits = self.adapter.verify(f.state, f.canvas[:, f.start : f.end], f.clean)
+        elif f.rows is None:
+            logits = self.adapter.predict(f.state, f.canvas, f.start, f.end)
+        else:
+            logits = self.adapter.predict_rows(f.state, f.canvas, f.start, f.end, f.rows)
+        self.note_proposals(f, logits)
+        return logits
+
+    def note_proposals(self, f: Forward, logits: Any) -> None:
+        """Keep the top `proposals` tokens and probabilities of row 0's logits of forward `f`
+        (when asked for) for its Step. A verify pass's row i proposes position start + i + 1."""
+        if not self.proposals or not isinstance(logits, mx.array) or logits.ndim != 3:
+            return
+        first = f.start + (1 if f.verify else 0)
+        positions = np.arange(first, first + logits.shape[1]) if f.rows is None else np.array(f.rows[0]) + f.start
+        probs = mx.softmax(logits[0].astype(mx.float32), axis=-1)
+        k = min(self.proposals, probs.shape[-1])
+        ids = mx.argsort(-probs, axis=-1)[:, :k]
+        self._proposed.append((positions, ids, mx.take_along_axis(probs, ids, axis=-1)))
+
+    def _take_proposals(self) -> Optional[tuple]:
+        """The oldest forward's proposals: a pipelined decode asks for its next forward before
+        the step of the last one lands, and every forward lands as one Step."""
+        if not self._proposed:
+            return None
+        positions, ids, probs = self._proposed.popleft()
+        return positions, np.array(ids), np.array(probs)
 
     def _blocks(self, state, canvas: Canvas) -> Iterator[Queued]:
         a = self.adapter
@@ -233,7 +267,8 @@ class Engine:
         self._finality(canvas, host, horizon)
         return Step(self.decoder.draft(host, end), canvas.prompt_len, canvas.final, canvas.done.copy(),
                     q.forwards, q.block, q.step, q.kept, q.ran_forward, q.confidence, q.edits,
-                    self.decoder.drafted(), None if q.accepted is None else np.array(q.accepted))
+                    self.decoder.drafted(), None if q.accepted is None else np.array(q.accepted),
+                    self._take_proposals() if q.ran_forward else None)
 
     def _finality(self, canvas: Canvas, host: np.ndarray, horizon: int) -> None:
         """Final = the committed prefix of the generation before `horizon`, up to and

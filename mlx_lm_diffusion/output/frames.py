@@ -45,7 +45,9 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
     structural edits, `inserted` (the generated positions of the masks a SPLIT put in) and
     `deleted` (how many positions a DELETE dropped) this forward; on a uniform canvas
     (DiffusionGemma), `accepted`: the generated positions whose drawn token the step kept (the
-    others are noised again; with a mask schedule, the positions committed so far). `texts` caches each token
+    others are noised again; with a mask schedule, the positions committed so far). With the
+    engine's proposals (Engine(proposals=k)), `proposals`: per position of the forward, the
+    model's k most likely tokens and their probabilities, [position, [[text, p], ...]]. `texts` caches each token
     id's text across a decode's frames."""
     row = step.canvas[0, step.prompt_len :].tolist()
     final = int(step.final[0])
@@ -71,6 +73,11 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
         "block": [max(start, 0), max(end, 0)],
         "confidence": [round(float(c), 4) for c in np.clip(confidence, 0.0, 1.0)],
     }
+    if step.proposals is not None:  # (the studio's hover: what the model hesitated between)
+        positions, ids, probs = step.proposals
+        frame["proposals"] = [
+            [int(p) - step.prompt_len, [[_text(tokenizer, texts, int(t)), round(float(q), 4)] for t, q in zip(i, r)]]
+            for p, i, r in zip(positions, ids, probs) if int(p) >= step.prompt_len]
     if step.accepted is not None:  # (a uniform canvas: the positions whose draw the rule kept)
         offset = step.block[0] - step.prompt_len
         frame["accepted"] = [int(i) + offset for i in np.flatnonzero(step.accepted[0])]
@@ -79,6 +86,12 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
         frame["inserted"] = [int(i) + offset for i in np.flatnonzero(step.edits.inserted[0])]
         frame["deleted"] = int(step.edits.deleted[0].sum())
     return frame
+
+
+def _text(tokenizer: Any, texts: Dict[int, str], token: int) -> str:
+    if token not in texts:
+        texts[token] = tokenizer.decode([token])
+    return texts[token]
 
 
 class FrameRecorder:
