@@ -9,8 +9,9 @@ layer's `fuse` merges its low-rank update into the base weight (de-quantizing wi
 writes the checkpoint: the weights (under the model's names, which each family's
 idempotent `sanitize` reads back), the source's config.json as loaded (model_type,
 auto_map, mask and block settings kept), its remote-code *.py files and
-generation_config.json, and the tokenizer. `mlx_lm_diffusion.load` reads the result
-like the source. mlx_lm.fuse's --upload-repo and --export-gguf (llama-family GGUF
+generation_config.json, and the tokenizer, all into a directory beside --save-path that
+takes its place once everything is written (a full disk: one line, exit 2, nothing left
+half-written: api.checkpoint_dir). `mlx_lm_diffusion.load` reads the result like the source. mlx_lm.fuse's --upload-repo and --export-gguf (llama-family GGUF
 only) are refused. Without --model the embedded demo is fused.
 """
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mlx_lm_diffusion import kernel_cache
+from mlx_lm_diffusion.api.checkpoint_dir import written_whole
 from mlx_lm_diffusion.api.loading import load, missing_adapter_files, read_config
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import exit_status, one_line_errors
@@ -62,7 +64,8 @@ def fuse(model_path: str, adapter_path: str, save_path: str, dequantize: bool = 
         model = dequantize_model(model)
         config.pop("quantization", None)
         config.pop("quantization_config", None)
-    save(Path(save_path), source, model, tokenizer, config, donate_model=False)
+    with written_whole(Path(save_path)) as staging:  # (a full disk leaves nothing half-written)
+        save(staging, source, model, tokenizer, config, donate_model=False)
     return Path(save_path)
 
 
