@@ -133,6 +133,30 @@ def test_demo_draws_one_frame_per_forward_and_the_answer(studio):
     assert all(url.startswith(studio.url) for url in studio.requests)  # its own files and routes only
 
 
+def test_hovering_a_cell_shows_the_models_five_likeliest_tokens_there(studio):
+    """Each frame carries, per position its forward predicted, the 5 likeliest tokens and their
+    probabilities (the request's `proposals`); a cell's hover text lists them for the frame shown,
+    most likely first, their probabilities summing to at most 1. A server refuses proposals
+    without drafts and beyond its bound."""
+    studio.ask("357+468=")
+    frames = studio.frames()
+    assert all(f.get("proposals") for f in frames)
+    position, top = frames[0]["proposals"][0]
+    assert len(top) == 5 and sum(p for _, p in top) <= 1 + 1e-6 and top == sorted(top, key=lambda t: -t[1])
+    studio.page.locator("#pane-a .replay").fill("0")
+    cells = studio.page.locator("#pane-a .canvas .cell")
+    hover = cells.nth(position).get_attribute("title")
+    lines = [line for line in hover.splitlines() if line.startswith("  ")]
+    assert len(lines) == 5 and "likeliest here at forward 1" in hover
+    shares = [float(line.rsplit(" ", 1)[1].rstrip("%")) for line in lines]
+    assert shares == sorted(shares, reverse=True) and sum(shares) <= 100.05
+    port = int(studio.url.rsplit(":", 1)[1])
+    ask = {"messages": [{"role": "user", "content": "1+1="}]}
+    assert post_json(port, "/v1/chat/completions", {**ask, "proposals": 5})[0] == 400  # (no drafts)
+    status, body = post_json(port, "/v1/chat/completions", {**ask, "stream": True, "drafts": True, "proposals": 99})
+    assert status == 400 and body["error"]["param"] == "proposals"
+
+
 def test_a_threshold_takes_fewer_forwards(studio):
     studio.ask("357+468=")
     one_per_forward = int(studio.text("#pane-a .forwards"))

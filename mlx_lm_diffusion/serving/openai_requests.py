@@ -68,6 +68,7 @@ class DiffusionRequest(CompletionRequest):
 
     options: dict = field(default_factory=dict)
     drafts: bool = False
+    proposals: int = 0  # per draft frame, the k most likely tokens at each predicted position (the studio's hover)
     draft_sink: Optional[Callable[[dict], None]] = None
     error_status: Optional[int] = None
     ctx: Any = None  # mlx_lm.server's GenerationContext once generation starts
@@ -108,6 +109,9 @@ def check_unknown_fields(body: dict, known: Sequence[str]) -> None:
             raise RequestError(f"unknown field {name[:60]!r}; did you mean {near[0]!r}?", param=name[:60])
 
 
+MAX_PROPOSALS = 20  # (the engine's own bound: decoding.engine.MAX_PROPOSALS)
+
+
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
     """The decoding fields and the `drafts` flag of a JSON body, checked (ValueError)."""
     options = compat.check_decode_fields({k: body[k] for k in compat.DECODE_FIELDS if k in body})
@@ -118,6 +122,19 @@ def parse_request_options(body: dict) -> Tuple[dict, bool]:
     if not isinstance(drafts, bool):
         raise ValueError(f"drafts must be a boolean, got {drafts!r}")
     return options, drafts
+
+
+def parse_proposals(body: dict, drafts: bool) -> int:
+    """The `proposals` field: per draft frame, the k most likely tokens at each position the
+    forward predicted (0 to MAX_PROPOSALS; it needs drafts)."""
+    k = body.get("proposals", 0)
+    if k is None:
+        return 0
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_PROPOSALS:
+        raise RequestError(f"proposals must be an integer from 0 to {MAX_PROPOSALS}, got {k!r}", param="proposals")
+    if k and not drafts:
+        raise RequestError("proposals come with the draft frames: set drafts to true", param="proposals")
+    return k
 
 
 def prompt_characters(body: dict) -> tuple[int, int]:
@@ -179,7 +196,7 @@ _BODY_FIELDS = (
     "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
     "xtc_probability", "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed",
     "stop", "tools", "tool_choice", "role_mapping", "chat_template_kwargs", "draft_model", "adapters",
-    "num_draft_tokens", "drafts", "n", "echo", "best_of",
+    "num_draft_tokens", "drafts", "proposals", "n", "echo", "best_of",
 )
 
 
@@ -358,6 +375,7 @@ class RequestFields:
         self.top_logprobs = top_logprobs
         check_prompt_length(self.body, self.response_generator)
         self.decode_options, self.drafts = parse_request_options(self.body)
+        self.proposals = parse_proposals(self.body, self.drafts)
         forced = tool_choice.forced_call_format(self.body) if self.path != "/v1/completions" else None
         if forced is not None:
             self.decode_options["response_format"] = forced  # (checked and compiled as any other)

@@ -268,6 +268,7 @@ class Routes:
             **stock,
             options=self.decode_options,
             drafts=self.drafts,
+            proposals=self.proposals,
             draft_sink=self._send_draft if self.drafts else None,
             connection=self.connection,
             peer_probe=self._interim_answer if not self.stream and self.request_version == "HTTP/1.1" else None,

@@ -96,6 +96,7 @@ class Job:
     submitted: float = field(default_factory=time.monotonic)
     forwards: int = 0  # the most forwards its decode can take (options.forward_bound)
     sender: Optional[ResponseSender] = None  # the way to rqueue: tokens in mailboxes (stream_batching)
+    proposals: int = 0  # its draft frames carry the k most likely tokens per position (the studio's hover)
 
     def __post_init__(self):
         if self.sender is None:
@@ -175,7 +176,8 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
         job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
                   args.top_logprobs, answer_detokenizer(tokenizer), cache_entry=_cache_writer(generator),
                   cache_lookup=_cache_reader(generator), logprobs=bool(args.logprobs), sender=sender,
-                  forwards=forward_bound(options, adapter, len(prompt)))
+                  forwards=forward_bound(options, adapter, len(prompt)),
+                  proposals=getattr(req, "proposals", 0) if drafts is not None else 0)
     except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
         rqueue.put(e)
         return None
@@ -361,7 +363,7 @@ class Scheduler:
                 job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
             else:
                 job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix,
-                                    keep_logprobs=job.keeps_logprobs)
+                                    keep_logprobs=job.keeps_logprobs, proposals=job.proposals)
                 job.prefix = None
                 job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
             if lane not in self.turns:

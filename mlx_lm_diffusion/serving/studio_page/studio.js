@@ -101,7 +101,9 @@ async function run(pane, messages) {
 }
 
 async function stream(pane, messages) {
-  const body = Object.assign({ model: state.model, messages, stream: true, drafts: true }, settingsOf(pane));
+  // (proposals: each frame's 5 likeliest tokens per position, shown on hovering a cell)
+  const body = Object.assign({ model: state.model, messages, stream: true, drafts: true, proposals: PROPOSALS },
+                             settingsOf(pane));
   const started = performance.now();
   const stopped = () => {
     showError(pane, "stopped: the request was cancelled");
@@ -265,6 +267,9 @@ function showFrame(pane, k, live = false) {
         : accepted ? "draft, its draw accepted at this forward" : "draft";
       cell.title = `position ${i}: ${what}`;
     }
+    const top = proposalsAt(frame, i);
+    if (top) cell.title += `\nthe model's likeliest here at forward ${frame.forwards}:\n` +
+      top.map(([text, p]) => `  ${JSON.stringify(text)} ${(100 * p).toFixed(1)}%`).join("\n");
     canvas.append(cell);
   });
   if (frame.deleted) {  // LLaDA2.2: positions a DELETE dropped this forward (the block shifted left)
@@ -278,6 +283,13 @@ function showFrame(pane, k, live = false) {
   $(".replay-at", pane.root).textContent = `${frame.forwards} / ${frames[frames.length - 1].forwards}`;
   figures(pane, frame);
   drawOrder(pane);
+}
+
+function proposalsAt(frame, i) {
+  // the frame's proposals at generated position i ([[text, p], ...]), or null
+  if (!frame.proposals) return null;
+  if (!frame.proposalsAt) frame.proposalsAt = new Map(frame.proposals);
+  return frame.proposalsAt.get(i) || null;
 }
 
 function visibleLength(frame) {
@@ -388,6 +400,7 @@ function addTurn(role, text) {
   $("#history").append(el("div", { className: `turn ${role}`, textContent: text }));
 }
 
+const PROPOSALS = 5; // the likeliest tokens a frame carries per position (the hover)
 const PANE_KEYS = ["a", "b", "c", "d"]; // 1 to 4 settings side by side (#compare)
 
 function comparedPanes() {
