@@ -362,20 +362,31 @@ def test_the_replay_slider_redraws_the_canvas(studio):
     assert studio.page.locator("#pane-a .canvas .cell.m").count() < first
 
 
-def test_the_unmask_order_downloads_as_png_and_svg(studio, tmp_path):
+def test_the_downloads_are_the_one_renderers_pictures(studio, tmp_path):
+    """PNG and SVG: the unmask order drawn by the server with the CLI's renderer (axes, a colour
+    bar, a title naming the model and the pane's settings), within 2000 px; GIF: the decode as an
+    animation with one frame per forward, which Pillow decodes. Bad render requests are a 400."""
+    studio.set("a", threshold=0.5)
     studio.ask("357+468=")
     frames = studio.frames()
     with studio.page.expect_download() as download:
         studio.page.click("#pane-a .png")
     png = picture(Path(download.value.path()).read_bytes())
-    width = len(frames[-1]["tokens"][:8])  # (the answer's positions, shown up to the last token)
-    assert png.shape[0] == 12 * len(frames) and png.shape[1] >= 12 * 6
-    assert len(np.unique(png.reshape(-1, 3), axis=0)) >= 3  # white, grey and the commits: not blank
+    assert max(png.shape[:2]) <= 2000 and len(np.unique(png.reshape(-1, 3), axis=0)) > 10
+    grey = png.mean(axis=2)
+    assert (grey[:, : png.shape[1] // 12] < 128).any() and (grey[-png.shape[0] // 8 :] < 128).any()  # (axes text)
     with studio.page.expect_download() as download:
         studio.page.click("#pane-a .svg")
-    svg = ET.parse(download.value.path()).getroot()
-    rects = [r for r in svg if r.tag.endswith("rect")]
-    assert len(rects) > width  # the background and a cell per commit and after
+    svg = Path(download.value.path()).read_text()
+    assert "<svg" in svg and "threshold=0.5" in svg and "generated position" in svg
+    with studio.page.expect_download() as download:
+        studio.page.click("#pane-a .gif")
+    animated = Image.open(download.value.path())
+    assert animated.format == "GIF" and animated.n_frames == len(frames) == int(studio.text("#pane-a .forwards"))
+    port = int(studio.url.rsplit(":", 1)[1])
+    assert post_json(port, "/v1/studio/render", {"format": "bmp", "frames": frames})[0] == 400
+    status, body = post_json(port, "/v1/studio/render", {"format": "png", "frames": [{"states": 3}]})
+    assert status == 400 and body["error"]["param"] == "frames"
     if os.environ.get("STUDIO_PICTURES"):
         out = Path(os.environ["STUDIO_PICTURES"])
         out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.media import images
-from mlx_lm_diffusion.serving import choices, memory, stream_batching, studio, template_sandbox, tool_choice
+from mlx_lm_diffusion.serving import choices, memory, pictures, stream_batching, studio, template_sandbox, tool_choice
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     _BODY_FIELDS,
@@ -150,7 +150,7 @@ class Routes:
             demo = str(provider.cli_args.model) == str(DEMO_MODEL_PATH)
             return self._send_json(200, studio.options_listing(provider.model, provider.tokenizer, generator.defaults,
                                                                provider.cli_args.max_tokens, demo=demo))
-        if path in POST_PATHS or path == PROTOCOL_PATH:
+        if path in POST_PATHS or path in (PROTOCOL_PATH, pictures.RENDER_PATH):
             return self._method_not_allowed("POST")
         if not (self.path.startswith("/v1/models") or self.path == "/health"):
             return self._send_error(404, f"no such endpoint: GET {self.path[:200]}")
@@ -172,6 +172,8 @@ class Routes:
         self._request = None
         if not self._gate():
             return
+        if self.path == pictures.RENDER_PATH:
+            return self._render_picture()
         if self.path != PROTOCOL_PATH and self.path not in POST_PATHS:
             self.close_connection = True
             path = self.path.split("?", 1)[0]
@@ -455,6 +457,24 @@ class Routes:
                             entry(t["id"], t["logprob"], decode([t["id"]])) for t in top]
             entries.append({**entry(gen.token, gen.logprob, text), "top_logprobs": alternatives})
         return entries
+
+    def _render_picture(self) -> None:
+        """The studio's picture of its frames (serving.pictures), as a download."""
+        body = self._read_body()
+        if body is NO_BODY:
+            return
+        try:
+            data, content_type, name = pictures.render(body)
+        except RequestError as e:
+            return self._send_error(e.status, str(e), param=e.param, code=e.code)
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Disposition", f'attachment; filename="{name}"')
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
 
     def _send_static(self, status: int, body: bytes, content_type: str) -> None:
         """A studio file, under the page's Content-Security-Policy."""

@@ -60,6 +60,7 @@ function makePane(key, title) {
   $(".replay", root).addEventListener("input", (e) => showFrame(pane, Number(e.target.value)));
   $(".png", root).addEventListener("click", () => download(pane, "png"));
   $(".svg", root).addEventListener("click", () => download(pane, "svg"));
+  $(".gif", root).addEventListener("click", () => download(pane, "gif"));
   state.panes[key] = pane;
   return pane;
 }
@@ -82,7 +83,7 @@ function clearPane(pane) {
   const order = $(".order", pane.root);
   order.width = 10;
   order.height = 10;
-  for (const b of pane.root.querySelectorAll(".png, .svg")) b.disabled = true;
+  for (const b of pane.root.querySelectorAll(".png, .svg, .gif")) b.disabled = true;
   const slider = $(".replay", pane.root);
   Object.assign(slider, { max: "0", value: "0", disabled: true });
   $(".replay-at", pane.root).textContent = "–";
@@ -359,28 +360,29 @@ function drawOrder(pane) {
   g.fillStyle = "#ffffff";
   g.fillRect(0, 0, width, height);
   for (const r of rects) { g.fillStyle = r.fill; g.fillRect(r.x, r.y, CELL, r.h); }
-  for (const b of pane.root.querySelectorAll(".png, .svg")) b.disabled = false;
+  for (const b of pane.root.querySelectorAll(".png, .svg, .gif")) b.disabled = false;
 }
 
 function download(pane, kind) {
-  const name = `unmask-order-${pane.key}.${kind}`;
-  const save = (blob) => {
-    const url = URL.createObjectURL(blob);
-    const link = el("a", { href: url, download: name });
-    document.body.append(link);
-    link.click();
-    link.remove();
-    setTimeout(() => URL.revokeObjectURL(url), 10000);
-  };
-  if (kind === "png") {
-    $(".order", pane.root).toBlob(save, "image/png");
-    return;
-  }
-  const { width, height, rects } = orderRects(pane);
-  const cells = rects.map((r) => `<rect x="${r.x}" y="${r.y}" width="${CELL}" height="${r.h}" fill="${r.fill}"/>`);
-  const svg = `<svg xmlns="http://www.w3.org/2000/svg" width="${width}" height="${height}">` +
-    `<rect width="${width}" height="${height}" fill="#ffffff"/>${cells.join("")}</svg>`;
-  save(new Blob([svg], { type: "image/svg+xml" }));
+  // the server draws it with the CLI's renderer (POST /v1/studio/render): the unmask order
+  // with axes, colour bar and a title naming the model and the pane's settings (png, svg),
+  // or the decode as an animation, the canvas after every forward (gif)
+  const settings = Object.entries(settingsOf(pane)).map(([k, v]) => `${k}=${v}`).join(", ");
+  const title = `${state.model} (${state.listing.family || "autoregressive"})${settings ? ": " + settings : ""}`;
+  const frames = pane.frames.map(({ proposalsAt, ...frame }) => frame);
+  const name = `${kind === "gif" ? "decode" : "unmask-order"}-${pane.key}.${kind}`;
+  fetch("/v1/studio/render", { method: "POST", headers: { "Content-Type": "application/json" },
+                               body: JSON.stringify({ format: kind, frames, title }) })
+    .then(async (response) => {
+      if (!response.ok) throw new Error((await response.json()).error.message);
+      const url = URL.createObjectURL(await response.blob());
+      const link = el("a", { href: url, download: name });
+      document.body.append(link);
+      link.click();
+      link.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 10000);
+    })
+    .catch((e) => showError(pane, `the picture could not be made: ${e.message}`));
 }
 
 // -- the chat
