@@ -7,7 +7,8 @@ same picture from the CLI (--trace-png) and from a protocol response.
 
 .ci/run installs Debian's chromium; Playwright's Python package drives it
 (`executable_path`), so no browser is downloaded. STUDIO_PICTURES=DIR keeps the run's
-screenshot and exported picture there (the README's pictures come from this run)."""
+screenshots and exported picture there (docs/images: the docs' pictures come from this run, and
+tests/test_evaluation.py's plot)."""
 
 from __future__ import annotations
 
@@ -111,6 +112,16 @@ def studio(browser, demo):
     yield page
     page.close()
     assert not page.problems, page.problems  # no script error, no refused resource
+
+
+def keep_screenshot(page, name: str) -> None:
+    """With STUDIO_PICTURES=DIR, the page as it is now (the docs' pictures are made by these tests)."""
+    if os.environ.get("STUDIO_PICTURES"):
+        for box in page.locator("details.settings-box").all():
+            box.evaluate("e => e.open = false")  # (the canvases, not the controls)
+        out = Path(os.environ["STUDIO_PICTURES"])
+        out.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(out / name))
 
 
 def picture(data: bytes) -> np.ndarray:
@@ -291,6 +302,9 @@ def test_the_page_follows_a_dark_system_theme(browser, demo):
         assert max(r, g, b) < 64  # (dark)
         text = page.page.evaluate("getComputedStyle(document.body).color")
         assert min(int(v) for v in text[4:-1].split(",")) > 180  # (light text on it)
+        if os.environ.get("STUDIO_PICTURES"):
+            page.ask("357+468=")
+            keep_screenshot(page.page, "studio-dark.png")
     finally:
         page.close()
 
@@ -305,12 +319,7 @@ def test_compare_runs_two_settings_side_by_side(studio):
     assert forwards[1] < forwards[0]
     assert [len(studio.frames(p)) for p in "ab"] == forwards
     assert studio.page.locator("#pane-b").is_visible()
-    if os.environ.get("STUDIO_PICTURES"):
-        for box in studio.page.locator("details.settings-box").all():
-            box.evaluate("e => e.open = false")  # (the canvases, not the controls)
-        out = Path(os.environ["STUDIO_PICTURES"])
-        out.mkdir(parents=True, exist_ok=True)
-        studio.page.screenshot(path=str(out / "studio.png"))
+    keep_screenshot(studio.page, "studio.png")
 
 
 def test_compare_runs_four_settings_and_their_controls_never_overlap(browser, demo):
@@ -338,6 +347,8 @@ def test_compare_runs_four_settings_and_their_controls_never_overlap(browser, de
                     for q, other in boxes.items():
                         if q != p:
                             assert not _overlap(box, other), (width, p, q)
+        page.page.set_viewport_size({"width": 1280, "height": 900})
+        keep_screenshot(page.page, "studio-compare.png")
         page.page.select_option("#compare", "1")
         assert not page.page.locator("#pane-b").is_visible()
         assert not page.problems, page.problems
@@ -441,6 +452,7 @@ def test_llada2_1_edits_show_as_edits(browser, tmp_path):
                   enumerate(zip(frames[k - 1]["tokens"], frames[k]["tokens"])) if a is not None and a != b]
         assert edited, "the tiny LLaDA2.1 checkpoint edits under editing_threshold 0.5"
         assert page.page.locator("#pane-a .canvas .cell.edited").count() > 0
+        keep_screenshot(page.page, "studio-edit.png")
         assert not page.problems
         page.close()
 
@@ -515,6 +527,7 @@ def test_diffusion_gemma_draws_its_uniform_canvas_with_an_image(browser, tmp_pat
         shown = page.page.locator("#pane-a .canvas .cell.accepted")
         assert shown.count() == len([i for i in frames[kept[0]]["accepted"] if i < len(frames[kept[0]]["tokens"])])
         assert "accepted" in shown.first.get_attribute("title")
+        keep_screenshot(page.page, "studio-gemma.png")
         assert not page.problems
         page.close()
 
