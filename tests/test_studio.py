@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -217,9 +218,10 @@ def test_the_defaults_shown_are_the_checkpoints(studio):
     assert len(frames[-1]["tokens"]) == config["max_new_tokens"] and frames[0]["block"] == [0, config["block_length"]]
 
 
-def test_stop_cancels_a_long_request(studio):
-    """Stop ends the request (the server cancels its decode: nothing runs after it); the
-    live tokens/forward counts a block's committed positions before the block ends."""
+def test_stop_cancels_a_long_request(studio, caplog):
+    """Stop ends the request (the server cancels its decode: nothing runs after it, and it logs
+    the cancel); the live tokens/forward counts a block's committed positions before the block ends."""
+    caplog.set_level(logging.INFO)
     port = int(studio.url.rsplit(":", 1)[1])
     studio.set("a", max_tokens=110, block_length=110, steps=110)  # one block of the demo's whole context: seconds
     studio.page.fill("#prompt", "357+468=")
@@ -246,6 +248,7 @@ def test_stop_cancels_a_long_request(studio):
         time.sleep(0.1)
     else:
         pytest.fail("the decode still runs 30 s after Stop")
+    assert any("a decode stopped:" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     studio.problems.clear()  # (the browser's own line about the aborted fetch, if any)
 
 

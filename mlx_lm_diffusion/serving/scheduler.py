@@ -58,7 +58,7 @@ from mlx_lm_diffusion.decoding.interpreter_exit import thread_streams
 from mlx_lm_diffusion.decoding.options import DecodeOptions, ResolvedOptions, forward_bound, named_options, resolve
 from mlx_lm_diffusion.output.detokenize import answer_detokenizer
 from mlx_lm_diffusion.serving import peers
-from mlx_lm_diffusion.serving.errors import Cancelled, RequestError
+from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone, RequestError
 from mlx_lm_diffusion.serving.stream_batching import ResponseSender
 from model_adapters import adapter_for
 from model_adapters.runtime.prompt_cache import TokenCache
@@ -489,6 +489,9 @@ class Scheduler:
 
     def _end(self, batch: RunningBatch, job: Job, error: Optional[BaseException]) -> None:
         job.ended = True
+        if isinstance(error, (Cancelled, ClientGone)):  # (the operator sees what stopped a decode)
+            last = job.row.last if job.row is not None else None
+            logging.info(f"a decode stopped: {error} (after {last.forwards if last is not None else 0} forwards)")
         batch.remove(job.row)
         if isinstance(job, ProtocolJob):
             job.end(error)
