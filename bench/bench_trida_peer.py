@@ -30,7 +30,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 PEER = Path(os.environ.get("TRIDA_STACK_MLX", "/tmp/trida_peer"))
@@ -39,12 +38,6 @@ SIZE = dict(hidden=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, inter=
             linear_v_heads=8, linear_k_dim=32, linear_v_dim=32, tied=False)
 PROMPT = "Hello world"  # (random weights: no EOS in 128 greedy tokens; "The quick brown fox..." meets one at 67)
 MASK_ID = 259  # write_trida's mask (its block_diffusion.json)
-
-
-def timed(fn):
-    tic = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - tic, out
 
 
 def main():
@@ -57,6 +50,8 @@ def main():
 
     import mlx_lm_diffusion as mld
     from mlx_lm_diffusion.testing.hybrid_checkpoints import force_bigram, trida_as_qwen3_5, write_trida
+    from mlx_lm_diffusion.testing.speculative_race import ours as ours_of
+    from mlx_lm_diffusion.testing.speculative_race import timed
 
     peer_model = importlib.import_module("trida_mlx.model")
     peer_decode = importlib.import_module("trida_mlx.decode")
@@ -78,10 +73,7 @@ def main():
             ar = [r.token for r in mlx_lm.stream_generate(stock, stock_tok, ids, max_tokens=TOKENS,
                                                           sampler=make_sampler(0.0))]
             for strides in (2, 4, 8):
-                def ours():
-                    out = [(r.token, r.forwards) for r in mld.stream_generate(model, tok, ids, max_tokens=TOKENS,
-                                                                              block_length=strides)]
-                    return [t for t, _ in out], out[-1][1]
+                ours = ours_of(model, tok, ids, TOKENS, block_length=strides)
 
                 def theirs():
                     stats = peer_decode.DecodeStats()

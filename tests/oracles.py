@@ -154,3 +154,25 @@ def threshold_with_editing(model, prompt, *, gen_length, block_length, threshold
             if not has_mask and not edit.any():
                 break
     return x[0, P:].tolist(), forwards
+
+
+def greedy_ar(pair, ids: list, max_tokens: int) -> list:
+    """mlx-lm's own greedy decode (`pair` = (model, tokenizer) loaded by mlx_lm.load): the oracle
+    of every decoder that must be greedy autoregressive decoding token for token."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = pair
+    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_tokens,
+                                                    sampler=make_sampler(0.0))]
+
+
+def decoded(pair, ids: list, max_tokens: int, **options) -> tuple:
+    """(tokens, forwards) of this package's stream_generate over `pair` = (model, tokenizer)."""
+    import mlx_lm_diffusion as mld
+
+    model, tokenizer = pair
+    tokens, last = [], None
+    for last in mld.stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **options):
+        tokens.append(last.token)
+    return tokens, last.forwards

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from bigram import BIGRAM, distance, make_bigram, sequences
 from cli_run import run_main
+from oracles import decoded, greedy_ar
 from safetensors.numpy import load_file, save_file
 from serving import post_json, running_server
 
@@ -59,23 +60,6 @@ def checkpoints(tmp_path_factory):
     return loaded
 
 
-def _greedy_ar(pair, ids: list, max_tokens: int) -> list:
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
-
-    model, tokenizer = pair
-    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_tokens,
-                                                    sampler=make_sampler(0.0))]
-
-
-def _isd(pair, ids: list, max_tokens: int, **options) -> tuple:
-    model, tokenizer = pair
-    tokens, last = [], None
-    for last in mld.stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **options):
-        tokens.append(last.token)
-    return tokens, last.forwards
-
-
 def test_it_loads_as_idlm_from_its_sdar_config(checkpoints):
     path, (model, tokenizer), _ = checkpoints["random"]
     assert json.loads((path / "config.json").read_text())["model_type"] == "sdar"
@@ -112,8 +96,8 @@ def test_greedy_is_greedy_autoregressive(checkpoints, name, strides):
     tokenizer = pair[1]
     for prompt, max_tokens in zip(PROMPTS, (24, 9, 17, 5)):
         ids = tokenizer.encode(prompt)
-        tokens, forwards = _isd(pair, ids, max_tokens, block_length=strides)
-        assert tokens == _greedy_ar(stock, ids, max_tokens), (prompt, strides)
+        tokens, forwards = decoded(pair, ids, max_tokens, block_length=strides)
+        assert tokens == greedy_ar(stock, ids, max_tokens), (prompt, strides)
         assert forwards <= max(len(tokens) - 1, 0)  # (a round commits one token at least)
 
 
@@ -121,12 +105,12 @@ def test_rounds_reject_where_the_drafts_go_wrong(checkpoints):
     """Random weights: the drafts are wrong at once, one token per round; the alternating
     checkpoint: a draft accepted, the next rejected, two tokens per round after the first."""
     _, pair, _ = checkpoints["random"]
-    tokens, forwards = _isd(pair, pair[1].encode("abc"), 24)
+    tokens, forwards = decoded(pair, pair[1].encode("abc"), 24)
     assert len(tokens) == 24 and forwards == 23
     _, pair, stock = checkpoints["alternating"]
     ids = pair[1].encode("abc")
-    tokens, forwards = _isd(pair, ids, 24)
-    assert tokens[:4] == [FORCED, ANSWER, FORCED, ANSWER] and tokens == _greedy_ar(stock, ids, 24)
+    tokens, forwards = decoded(pair, ids, 24)
+    assert tokens[:4] == [FORCED, ANSWER, FORCED, ANSWER] and tokens == greedy_ar(stock, ids, 24)
     assert forwards < len(tokens) - 1
 
 
@@ -134,8 +118,8 @@ def test_rounds_reject_where_the_drafts_go_wrong(checkpoints):
 def test_a_checkpoint_whose_masks_predict_the_continuation_commits_n_per_round(checkpoints, strides):
     _, pair, stock = checkpoints["forced"]
     ids = pair[1].encode("abc")
-    tokens, forwards = _isd(pair, ids, 24, block_length=strides)
-    assert tokens == _greedy_ar(stock, ids, 24) == [FORCED] * 24
+    tokens, forwards = decoded(pair, ids, 24, block_length=strides)
+    assert tokens == greedy_ar(stock, ids, 24) == [FORCED] * 24
     # the first token is the prompt's; the cold round adds one and drafts; every later round N
     assert forwards == 1 + math.ceil((24 - 2) / strides)
 
@@ -146,7 +130,7 @@ def test_a_row_alone_equals_the_row_in_a_ragged_batch(checkpoints):
         prompts = ["abc", "The quick brown fox jumps", "x y"]
         batch = mld.generate_batch(model, tokenizer, prompts, max_tokens=[12, 7, 16], return_token_ids=True)
         for prompt, limit, row in zip(prompts, (12, 7, 16), batch.token_ids):
-            alone, _ = _isd((model, tokenizer), tokenizer.encode(prompt), limit)
+            alone, _ = decoded((model, tokenizer), tokenizer.encode(prompt), limit)
             assert row == [t for t in alone if t not in adapter_for(model, tokenizer).eos_ids]
 
 
@@ -222,11 +206,11 @@ def test_convert_and_quantize_keep_it_idlm(checkpoints, tmp_path):
     convert(str(path), str(tmp_path / "mlx"))
     convert(str(path), str(tmp_path / "q4"), quantize=True, q_bits=4)
     ids = tokenizer.encode("abc")
-    expected, _ = _isd((model, tokenizer), ids, 12)
+    expected, _ = decoded((model, tokenizer), ids, 12)
     for name in ("mlx", "q4"):
         copy = mld.load(str(tmp_path / name))
         assert type(copy[0]).__module__ == "model_adapters.idlm"
-        tokens, forwards = _isd(copy, ids, 12)
+        tokens, forwards = decoded(copy, ids, 12)
         assert 0 < len(tokens) <= 12 and forwards <= len(tokens) - 1
         if name == "mlx":
             assert tokens == expected
@@ -309,8 +293,8 @@ def test_the_lora_flavour_decodes_as_the_base_models_greedy_decoding(lora_flavou
     base, lora, pair, ar = lora_flavour
     for prompt in PROMPTS[:3]:
         ids = pair[1].encode(prompt)
-        tokens, forwards = _isd(pair, ids, 20, block_length=strides)
-        assert tokens == _greedy_ar(ar, ids, 20), prompt
+        tokens, forwards = decoded(pair, ids, 20, block_length=strides)
+        assert tokens == greedy_ar(ar, ids, 20), prompt
         assert forwards <= len(tokens) - 1
 
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from bigram import BIGRAM, distance, make_bigram, sequences
+from oracles import decoded, greedy_ar
 from safetensors.numpy import load_file, save_file
 
 import mlx_lm_diffusion as mld
@@ -41,23 +42,6 @@ def checkpoints(tmp_path_factory):
         path = write_trida(root / name, tied=tied)
         loaded[name] = (path, mld.load(str(path)), mlx_lm.load(str(trida_as_qwen3_5(path, root / f"{name}-ar"))))
     return loaded
-
-
-def _greedy_ar(pair, ids: list, max_tokens: int) -> list:
-    import mlx_lm
-    from mlx_lm.sample_utils import make_sampler
-
-    model, tokenizer = pair
-    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_tokens,
-                                                    sampler=make_sampler(0.0))]
-
-
-def _decode(pair, ids: list, max_tokens: int, **options) -> tuple:
-    model, tokenizer = pair
-    tokens, last = [], None
-    for last in mld.stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **options):
-        tokens.append(last.token)
-    return tokens, last.forwards
 
 
 # -- the family choice
@@ -227,8 +211,8 @@ def test_greedy_is_greedy_autoregressive(checkpoints, name, strides):
     _, pair, ar = checkpoints[name]
     for prompt in PROMPTS:
         ids = pair[1].encode(prompt)
-        tokens, forwards = _decode(pair, ids, 24, block_length=strides)
-        assert tokens == _greedy_ar(ar, ids, 24), prompt
+        tokens, forwards = decoded(pair, ids, 24, block_length=strides)
+        assert tokens == greedy_ar(ar, ids, 24), prompt
         assert forwards <= len(tokens) - 1
 
 
@@ -267,7 +251,7 @@ def test_drafts_made_right_are_accepted_whole_and_change_nothing(checkpoints, st
 
     _, (model, tokenizer), ar = checkpoints["untied"]
     ids = tokenizer.encode("abc")
-    expected = _greedy_ar(ar, ids, 30)
+    expected = greedy_ar(ar, ids, 30)
     for right, whole in ((lambda p: True, True), (lambda p: p % 3 != 0, False)):
         adapter = adapter_for(model, tokenizer)
         _with_oracle_drafts(adapter, ids + expected, right)
@@ -285,7 +269,7 @@ def test_a_row_alone_equals_the_row_in_a_ragged_batch(checkpoints):
     prompts = ["abc", "The quick brown fox jumps", "x y"]
     batch = mld.generate_batch(model, tokenizer, prompts, max_tokens=[12, 7, 16], return_token_ids=True)
     for prompt, limit, row in zip(prompts, (12, 7, 16), batch.token_ids):
-        alone, _ = _decode((model, tokenizer), tokenizer.encode(prompt), limit)
+        alone, _ = decoded((model, tokenizer), tokenizer.encode(prompt), limit)
         assert row == [t for t in alone if t not in adapter_for(model, tokenizer).eos_ids]
 
 
@@ -329,11 +313,11 @@ def test_convert_and_quantize_keep_it_the_family(checkpoints, tmp_path):
     assert json.loads((tmp_path / "mlx" / "config.json").read_text())["model_type"] == "qwen3_5_text"
     assert (tmp_path / "q4" / "block_diffusion.json").exists()
     ids = tokenizer.encode("abc")
-    expected, _ = _decode((model, tokenizer), ids, 12)
+    expected, _ = decoded((model, tokenizer), ids, 12)
     for name in ("mlx", "q4"):
         copy = mld.load(str(tmp_path / name))
         assert type(copy[0]).__module__ == "model_adapters.qwen3_5_diffusion"
-        tokens, forwards = _decode(copy, ids, 12)
+        tokens, forwards = decoded(copy, ids, 12)
         assert 0 < len(tokens) <= 12 and forwards <= len(tokens) - 1
         if name == "mlx":
             assert tokens == expected
