@@ -7,9 +7,12 @@ mlx_lm_diffusion/testing/fuzz_bodies.py, seeded), and prints the table of the cl
     tried / clean (2xx or 4xx, strict JSON) / 5xx / non-JSON / dropped (no answer, a cut
     connection or stream) / hung (no answer within --timeout) / crashed (the server died)
 
-and, at the end, whether the server still answers a plain request right.
+and, at the end, whether the server still answers a plain request right, and the server's
+resident memory (VmRSS) every --rss-every requests: the curve that shows a leak. --route
+sends one route's bodies only, to find which kind of request grows it.
 
     python bench/soak_server.py --requests 3000 --clients 4
+    python bench/soak_server.py --requests 2000 --route /v1/completions
 """
 
 import argparse
@@ -70,6 +73,15 @@ def send(port: int, route: str, data: bytes, timeout: float) -> str:
     return "5xx" if problem.startswith("status 5") else "non-JSON"
 
 
+def rss_mb(pid: int) -> float:
+    """The process's resident memory (VmRSS) in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def plain_answer(port: int) -> str:
     body = json.dumps({"messages": [{"role": "user", "content": "357+468="}], "temperature": 0}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -84,6 +96,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request counts as hung")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--route", choices=ROUTES, default=None, help="send this route's bodies only")
+    parser.add_argument("--rss-every", type=int, default=200, help="sample the server's VmRSS every N requests")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="passed on to the server (repeat), e.g. --server-arg=--no-batch")
     args = parser.parse_args()
@@ -98,15 +112,18 @@ def main() -> None:
         rng = random.Random(args.seed)
         jobs = []
         for _ in range(args.requests):
-            route = rng.choice(ROUTES)
+            route = args.route or rng.choice(ROUTES)
             body_rng = random.Random(rng.getrandbits(64))
             jobs.append((route, encode(random_body(body_rng, route), body_rng)))
         tally = collections.Counter()
+        rss = [(0, rss_mb(proc.pid))]
         started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
-            for outcome in pool.map(lambda job: send(port, *job, args.timeout), jobs):
+            for done, outcome in enumerate(pool.map(lambda job: send(port, *job, args.timeout), jobs), 1):
                 tally[outcome.split("-")[0]] += 1
                 tally["2xx"] += outcome == "clean-2xx"
+                if done % args.rss_every == 0 and proc.poll() is None:
+                    rss.append((done, rss_mb(proc.pid)))
         elapsed = time.monotonic() - started
         crashed = proc.poll() is not None
         after = None if crashed else plain_answer(port)
@@ -118,6 +135,7 @@ def main() -> None:
     print(f"| {args.requests} | {tally['clean']} ({tally['2xx']}) | {tally['5xx']} | {tally['non-JSON']} | {tally['dropped']} "
           f"| {tally['hung']} | {int(crashed)} | {elapsed:.0f} |")
     print(f"plain request before: {before!r}, after: {after!r}, server exit code {proc.returncode}")
+    print("RSS MB by requests done: " + ", ".join(f"{n}: {mb:.0f}" for n, mb in rss))
 
 
 if __name__ == "__main__":

@@ -290,3 +290,52 @@ def test_protocol_requests_join_the_scheduler(served, client, llada):
         assert body == alone, sent
     assert watch.most >= 2 and chat[0]  # batched, and chat went on beside it
     assert scheduler.stats()["running_rows"] == before["running_rows"] == 0
+
+
+def test_a_group_keeps_its_adapter_and_compiled_forwards_across_its_batches(served, client, monkeypatch):
+    """Eight rounds of three concurrent requests, each round's max_tokens another of four
+    (its own lane: a new batch each round): the group's batches share one adapter, so its
+    batched forward compiles once (one trace per input shape). A fresh adapter per batch
+    compiled it again for every batch (8 here); the churn grew the server's resident memory
+    by ~26 MB per 1,000 mixed requests, still rising (bench/soak_server.py, issue 55.8)."""
+    import mlx.core as mx
+
+    from mlx_lm_diffusion.serving.scheduler import MAX_ADAPTERS
+
+    scheduler = served[1].scheduler
+    compiled = []
+    real = mx.compile
+    monkeypatch.setattr(mx, "compile", lambda f, *a, **k: compiled.append(f) or real(f, *a, **k))
+    for i in range(8):
+        kw = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=[1, 4, 8, 12][i % 4], temperature=0.0,
+                  stream=False)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda _: ask(client, kw), range(3)))
+    adapters = list(scheduler.adapters.values())
+    assert 1 <= len(adapters) <= MAX_ADAPTERS
+    # (the commit functions are compiled per rule and quota, for every adapter alike)
+    forwards = [f for f in compiled if "_pure_commit" not in getattr(f, "__qualname__", "")]
+    assert len(forwards) <= 1, forwards  # (before: one per batch, 8)
+
+
+def test_the_schedulers_adapters_are_bounded(llada):
+    """At most MAX_ADAPTERS groups keep their adapter (least recently used dropped); a group
+    gets the same adapter again."""
+    from types import SimpleNamespace
+
+    from mlx_lm_diffusion.serving.scheduler import MAX_ADAPTERS, Scheduler
+    from mlx_lm_diffusion.serving.turns import TurnLock
+
+    scheduler = Scheduler(*llada, TurnLock())
+    try:
+        first = scheduler.adapter(SimpleNamespace(group=("g", 0)))
+        for i in range(1, 3 * MAX_ADAPTERS):
+            scheduler.adapter(SimpleNamespace(group=("g", i)))
+            assert len(scheduler.adapters) <= MAX_ADAPTERS
+            if i < MAX_ADAPTERS - 1:  # (kept while it is among the most recent)
+                assert scheduler.adapter(SimpleNamespace(group=("g", 0))) is first
+        assert ("g", 0) not in scheduler.adapters
+        last = scheduler.adapter(SimpleNamespace(group=("g", 3 * MAX_ADAPTERS - 1)))
+        assert scheduler.adapter(SimpleNamespace(group=("g", 3 * MAX_ADAPTERS - 1))) is last
+    finally:
+        scheduler.stop()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from queue import Queue
@@ -62,6 +62,8 @@ from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone, RequestError
 from mlx_lm_diffusion.serving.stream_batching import ResponseSender
 from model_adapters import adapter_for
 from model_adapters.runtime.prompt_cache import TokenCache
+
+MAX_ADAPTERS = 16  # groups whose adapter (and the forwards it compiled) the scheduler keeps
 
 
 def lane_of(job: Any) -> tuple:
@@ -264,6 +266,7 @@ class Scheduler:
         self.used: dict = {}  # lane -> seconds of steps it has run (the fair share's measure)
         self.last: dict = {}  # lane -> seconds its latest step took
         self.peak_rows = 0  # the most rows decoded at once since the start
+        self.adapters: OrderedDict = OrderedDict()  # group -> its adapter, kept across its batches (adapter)
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="diffusion-scheduler", daemon=True)
@@ -356,9 +359,8 @@ class Scheduler:
                 continue
             batch = self.batches.get(lane)
             if batch is None:
-                protocol = isinstance(job, ProtocolJob)  # (its adapter ignores EOS)
-                adapter = job.decode.adapter if protocol else adapter_for(self.model, self.tokenizer)
-                batch = self.batches[lane] = RunningBatch(adapter, keep_logprobs=not protocol)
+                batch = self.batches[lane] = RunningBatch(self.adapter(job),
+                                                          keep_logprobs=not isinstance(job, ProtocolJob))
             if isinstance(job, ProtocolJob):
                 job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
             else:
@@ -373,6 +375,21 @@ class Scheduler:
                 self.turns.append(lane)
         self.queued = waiting
         self.peak_rows = max(self.peak_rows, sum(len(b) for b in self.batches.values()))
+
+    def adapter(self, job: Any) -> Any:
+        """The adapter of `job`'s group, the same for each batch the group runs (at most
+        MAX_ADAPTERS groups kept, the least recently used dropped). An adapter compiles its
+        forwards once per input shape (model_adapters.runtime.batched): made afresh for each
+        batch, as lanes emptied and filled again, they were compiled again and again, and the
+        churn grew the server's resident memory by ~26 MB per 1,000 mixed requests, still
+        rising (issue 55.8). A group's rows configure its adapter alike (`family_key`)."""
+        adapter = self.adapters.pop(job.group, None)
+        if adapter is None:  # (a protocol row's adapter ignores EOS: its decode's own)
+            adapter = job.decode.adapter if isinstance(job, ProtocolJob) else adapter_for(self.model, self.tokenizer)
+        self.adapters[job.group] = adapter
+        while len(self.adapters) > MAX_ADAPTERS:
+            self.adapters.popitem(last=False)
+        return adapter
 
     def _long(self, job: Any) -> bool:
         return self.long_forwards is not None and job.forwards > self.long_forwards
