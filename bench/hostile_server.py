@@ -4,9 +4,13 @@ Starts `python -m mlx_lm_diffusion.server` (from the current directory's checkou
 from another worktree to measure another commit) on a tiny random LLaDA wide enough that a
 forward costs something, then, per kind of hostile load, runs that load for --seconds while
 one normal client sends short chat requests one after another (or the kind's own victim: a
-long request beside much longer ones), and prints per kind: the
-normal requests' p50 / p99 / max wait, how many completed, and the server's threads and
-resident memory (from /proc) at the end of the phase.
+long request beside much longer ones, a completion, GET /health), and prints per kind: the
+normal requests' p50 / p99 / max wait, how many completed, the p50's ratio to the same
+victim's p50 with no load (where that phase ran), and the server's threads and resident
+memory (from /proc) at the end of the phase. Two kinds are not a body sent again and again:
+9.9 MB prompts (under the 10 MB body limit; far past the model's context) and 520 idle
+sockets held open from 127.0.0.2 (reopened as the server closes them; the victims connect
+from 127.0.0.1).
 
     python bench/hostile_server.py --seconds 30
     (cd /tmp/before && python /work/main/bench/hostile_server.py --seconds 30)   # another commit
@@ -39,9 +43,13 @@ def free_port() -> int:
 
 
 def post(port: int, path: str, body: bytes, timeout: float = 300):
+    """The status of one request (POST `body`, or GET where `body` is None), None if none came."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("POST", path, body, {"Content-Type": "application/json"})
+        if body is None:
+            conn.request("GET", path)
+        else:
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
         response = conn.getresponse()
         response.read()
         return response.status
@@ -61,7 +69,14 @@ def protocol_body(forwards: int) -> dict:
             "temperature_schedule": [0.0] * forwards}
 
 
-# each kind: (threads, the body a hostile thread sends again and again, the route)
+# a prompt of 9.9 MB, under the server's 10 MB body limit (issue 55.1: tokenized in full, 15-30 s
+# each, while a normal request waited 15.1 s and a chat 29.5 s)
+HUGE_PROMPT = json.dumps({"prompt": "Hello " * 1_650_000, "max_tokens": 8}).encode()
+IDLE_SOCKETS = 520  # held open from 127.0.0.2 (issue 55.3: everyone 503, /health 503, until they closed)
+COMPLETION = json.dumps({"prompt": "Hi", "max_tokens": 8}).encode()
+
+# each kind: (threads, the body a hostile thread sends again and again, the route); IDLE: held sockets
+IDLE = "idle sockets"
 KINDS = {
     "none": (0, None, None),
     "protocol flood": (4, json.dumps(PROMPT).encode(), "/v1/diffusion/generate"),
@@ -76,10 +91,55 @@ KINDS = {
     # 256 would make each a canvas this machine decodes in minutes)
     "none (victim: 24 forwards)": (0, None, None),
     "120-forward requests (victim: 24)": (32, json.dumps(protocol_body(120)).encode(), "/v1/diffusion/generate"),
+    "none (victim: completion)": (0, None, None),
+    "none (victim: /health)": (0, None, None),
+    "9.9 MB prompts": (2, HUGE_PROMPT, "/v1/completions"),
+    "9.9 MB prompts (victim: completion)": (2, HUGE_PROMPT, "/v1/completions"),
+    f"{IDLE_SOCKETS} idle sockets from 127.0.0.2": (IDLE_SOCKETS, IDLE, None),
+    f"{IDLE_SOCKETS} idle sockets from 127.0.0.2 (victim: /health)": (IDLE_SOCKETS, IDLE, None),
 }
 # a kind's own victim (the normal client's request, route), where it is not a short chat
 LONG_VICTIM = (json.dumps(protocol_body(24)).encode(), "/v1/diffusion/generate")
-VICTIMS = {"none (victim: 24 forwards)": LONG_VICTIM, "120-forward requests (victim: 24)": LONG_VICTIM}
+VICTIMS = {"none (victim: 24 forwards)": LONG_VICTIM, "120-forward requests (victim: 24)": LONG_VICTIM,
+           "none (victim: completion)": (COMPLETION, "/v1/completions"),
+           "9.9 MB prompts (victim: completion)": (COMPLETION, "/v1/completions"),
+           "none (victim: /health)": (None, "/health"),
+           f"{IDLE_SOCKETS} idle sockets from 127.0.0.2 (victim: /health)": (None, "/health")}
+ALONE = {}  # a kind -> the kind that measures its victim with no load (its ratio's denominator)
+for _kind in KINDS:
+    _victim = VICTIMS.get(_kind)
+    ALONE[_kind] = next((k for k in KINDS if k.startswith("none") and VICTIMS.get(k) == _victim), None)
+
+
+def hold_idle_sockets(port: int, count: int, stop: threading.Event) -> None:
+    """Keep `count` connections from 127.0.0.2 open, sending nothing; those the server closed
+    (or answered: a 503) are opened again once a second."""
+    import select
+
+    def connect():
+        sock = socket.socket()
+        sock.bind(("127.0.0.2", 0))
+        sock.settimeout(5)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            return None
+        return sock
+
+    held = [s for s in (connect() for _ in range(count)) if s is not None]
+    while not stop.wait(1.0):  # (once a second: a refill, not a storm of reconnections)
+        readable, _, _ = select.select(held, [], [], 0) if held else ([], [], [])
+        for sock in readable:  # (closed, or answered: either way no longer idle)
+            held.remove(sock)
+            sock.close()
+        while len(held) < count and not stop.is_set():
+            sock = connect()
+            if sock is None:
+                break
+            held.append(sock)
+    for sock in held:
+        sock.close()
 
 
 def proc_status(pid: int) -> dict:
@@ -99,7 +159,10 @@ def phase(port: int, pid: int, kind: str, seconds: float) -> dict:
         while not stop.is_set():
             post(port, route, body, timeout=seconds + 5)
 
-    threads = [threading.Thread(target=hostile, daemon=True) for _ in range(count)]
+    if body is IDLE:
+        threads = [threading.Thread(target=hold_idle_sockets, args=(port, count, stop), daemon=True)]
+    else:
+        threads = [threading.Thread(target=hostile, daemon=True) for _ in range(count)]
     for thread in threads:
         thread.start()
     time.sleep(min(2.0, seconds / 10) if count else 0)  # (the load is on before the first normal request)
@@ -130,7 +193,7 @@ def main() -> None:
     model = write_llada(Path(tempfile.mkdtemp()) / "llada", d_model=256, n_layers=4, max_len=2048)
     port = free_port()
     # (the long victims' kinds are measured at --long-request-forwards 16; the others at the server's default)
-    flags = ["--long-request-forwards", "16"] if set(args.kinds) & set(VICTIMS) else []
+    flags = ["--long-request-forwards", "16"] if any(VICTIMS.get(k) == LONG_VICTIM for k in args.kinds) else []
     proc = subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(model), "--port",
                              str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -144,11 +207,14 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=60)
     print(f"commit {os.popen('git rev-parse --short HEAD').read().strip()}, {args.seconds:.0f} s per phase")
-    print("| hostile load | normal requests | failed | p50 s | p99 s | max s | threads | RSS MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    alone = {r["kind"]: r["p50 s"] for r in rows}
+    print("| hostile load | normal requests | failed | p50 s | p99 s | max s | p50 / alone | threads | RSS MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['kind']} | {r['normal requests']} | {r['failed']} | {r['p50 s']:.2f} | {r['p99 s']:.2f} "
-              f"| {r['max s']:.2f} | {r['threads']} | {r['rss_mb']:.0f} |")
+        base = alone.get(ALONE[r["kind"]])
+        ratio = f"{r['p50 s'] / base:.1f}x" if base and r["kind"] != ALONE[r["kind"]] else ""
+        print(f"| {r['kind']} | {r['normal requests']} | {r['failed']} | {r['p50 s']:.3f} | {r['p99 s']:.3f} "
+              f"| {r['max s']:.3f} | {ratio} | {r['threads']} | {r['rss_mb']:.0f} |")
 
 
 if __name__ == "__main__":
