@@ -1,4 +1,5 @@
-"""`mlx_lm_diffusion.fuse` on a full disk (issue 55.8): one line, exit 2, nothing half-written.
+"""`mlx_lm_diffusion.fuse` and `mlx_lm_diffusion.convert` on a full disk (issue 55.8): one line, exit 2, nothing
+half-written.
 
 Before (a 200 KiB, 452 KiB and 460 KiB tmpfs under --save-path, measured): MLX's traceback
 ("[write] Unable to write 11099 bytes to file") beside a truncated model.safetensors; the
@@ -114,3 +115,21 @@ def test_written_whole_passes_other_errors_on_and_cleans_up(tmp_path):
     with pytest.raises(NotADirectoryError):
         with written_whole(tmp_path / "file"):
             pass
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_convert_on_a_full_disk_says_one_line_and_leaves_nothing(failure, adapted, tmp_path, monkeypatch):
+    """mlx_lm_diffusion.convert writes through the same steps (mlx_lm.utils.save): before, a full
+    disk was blamed on loading the model ("the checkpoint ... cannot be loaded"), or ended in a
+    traceback, beside the files written so far."""
+    model, _ = adapted
+    name, fail = FAILURES[failure]
+    monkeypatch.setattr(mlx_lm.utils, name, fail)
+    out = tmp_path / "out"
+    out.mkdir()
+    r = run_main("mlx_lm_diffusion.convert", "--hf-path", str(model), "--mlx-path", str(out / "converted"))
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.strip().splitlines() if not line.startswith("[INFO]")]
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot write {out / 'converted'}: "), r.stderr
+    assert "cannot be loaded" not in lines[0]
+    assert _leftovers(out) == []

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.utils import _download, load_config
 from mlx_lm.utils import load as mlx_lm_load
 
+from mlx_lm_diffusion.api.checkpoint_dir import is_write_failure
 from mlx_lm_diffusion.api.install import quiet_config_warnings
 from mlx_lm_diffusion.decoding import generation_defaults
 from mlx_lm_diffusion.media.images import load_processor
@@ -116,6 +117,8 @@ def checkpoint_errors(model_path: Any) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, ArithmeticError, TypeError, AttributeError, KeyError, IndexError) as e:
+        if is_write_failure(e):  # (a write that failed, convert's on a full disk: not the checkpoint's fault)
+            raise
         raise ValueError(f"the checkpoint at {model_path} cannot be loaded: {type(e).__name__}: {e}") from e
 
 

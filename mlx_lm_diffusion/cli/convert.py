@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 from mlx_lm_diffusion import kernel_cache
+from mlx_lm_diffusion.api.checkpoint_dir import written_whole
 from mlx_lm_diffusion.api.install import install, installed, quiet_config_warnings, uninstall
 from mlx_lm_diffusion.api.loading import _check_local_path, checkpoint_errors, read_config
 from mlx_lm_diffusion.flags import exit_status, one_line_errors
@@ -99,15 +100,17 @@ def convert(
         was_installed = installed()
         if borrowed:
             install()  # (mlx-lm's convert then loads it as the family: a type mlx-lm does not know, or its own)
-        try:
-            _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
-                     upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
+        try:  # (a full disk leaves nothing half-written, and says so in one line)
+            with written_whole(Path(mlx_path)) as staging:
+                staging.rmdir()  # (mlx-lm's convert makes its directory, and refuses one that exists)
+                _convert(hf_path, str(staging), quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
+                         upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
+                if borrowed:
+                    keep_identity(source, staging, overrides)
+                keep_vision(source, staging)
         finally:
             if borrowed and not was_installed:
                 uninstall()
-    if borrowed:
-        keep_identity(source, Path(mlx_path), overrides)
-    keep_vision(source, Path(mlx_path))
     keep_vision(source, Path(mlx_path))
 
 
