@@ -162,6 +162,8 @@ def test_hovering_a_cell_shows_the_models_five_likeliest_tokens_there(studio):
     assert len(lines) == 5 and "likeliest here at forward 1" in hover
     shares = [float(line.rsplit(" ", 1)[1].rstrip("%")) for line in lines]
     assert shares == sorted(shares, reverse=True) and sum(shares) <= 100.05
+    cells.nth(position).click()  # (a tap: a touch screen shows no hover text)
+    assert studio.page.locator("#pane-a .detail").inner_text().strip() == hover.strip()
     port = int(studio.url.rsplit(":", 1)[1])
     ask = {"messages": [{"role": "user", "content": "1+1="}]}
     assert post_json(port, "/v1/chat/completions", {**ask, "proposals": 5})[0] == 400  # (no drafts)

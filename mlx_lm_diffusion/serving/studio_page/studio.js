@@ -58,6 +58,13 @@ function makePane(key, title) {
   $("#panes").append(root);
   const pane = { key, root, frames: [], history: emptyHistory(), answer: "", forwards: 0, seconds: 0 };
   $(".replay", root).addEventListener("input", (e) => showFrame(pane, Number(e.target.value)));
+  // a tap (a touch screen shows no hover text) or a click: the cell's text under the canvas
+  $(".canvas", root).addEventListener("click", (e) => {
+    const cell = e.target.closest(".cell");
+    const detail = $(".detail", root);
+    detail.textContent = cell ? cell.title : "";
+    detail.hidden = !cell;
+  });
   $(".png", root).addEventListener("click", () => download(pane, "png"));
   $(".svg", root).addEventListener("click", () => download(pane, "svg"));
   $(".gif", root).addEventListener("click", () => download(pane, "gif"));
