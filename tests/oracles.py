@@ -176,3 +176,22 @@ def decoded(pair, ids: list, max_tokens: int, **options) -> tuple:
     for last in mld.stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **options):
         tokens.append(last.token)
     return tokens, last.forwards
+
+
+def check_converted_copies(path, pair, out, module: str, prompt: str = "abc", max_tokens: int = 12) -> None:
+    """A speculative family's checkpoint at `path` converted by mlx_lm_diffusion.convert (float, and
+    4-bit under `out`): each copy loads as `module` and decodes, the float one the same tokens."""
+    import mlx_lm_diffusion as mld
+    from mlx_lm_diffusion.cli.convert import convert
+
+    convert(str(path), str(out / "mlx"))
+    convert(str(path), str(out / "q4"), quantize=True, q_bits=4)
+    ids = pair[1].encode(prompt)
+    expected, _ = decoded(pair, ids, max_tokens)
+    for name in ("mlx", "q4"):
+        copy = mld.load(str(out / name))
+        assert type(copy[0]).__module__ == module
+        tokens, forwards = decoded(copy, ids, max_tokens)
+        assert 0 < len(tokens) <= max_tokens and forwards <= len(tokens) - 1
+        if name == "mlx":
+            assert tokens == expected

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from bigram import BIGRAM, distance, make_bigram, sequences
 from cli_run import run_main
-from oracles import decoded, greedy_ar
+from oracles import check_converted_copies, decoded, greedy_ar
 from safetensors.numpy import load_file, save_file
 from serving import post_json, running_server
 
@@ -200,20 +200,8 @@ def test_convert_and_quantize_keep_it_idlm(checkpoints, tmp_path):
     """mlx_lm_diffusion.convert writes the checkpoint's own config (model_type "sdar" and the
     switch): the MLX copy loads as I-DLM and decodes the same tokens; a 4-bit copy loads and
     decodes too."""
-    from mlx_lm_diffusion.cli.convert import convert
-
-    path, (model, tokenizer), _ = checkpoints["random"]
-    convert(str(path), str(tmp_path / "mlx"))
-    convert(str(path), str(tmp_path / "q4"), quantize=True, q_bits=4)
-    ids = tokenizer.encode("abc")
-    expected, _ = decoded((model, tokenizer), ids, 12)
-    for name in ("mlx", "q4"):
-        copy = mld.load(str(tmp_path / name))
-        assert type(copy[0]).__module__ == "model_adapters.idlm"
-        tokens, forwards = decoded(copy, ids, 12)
-        assert 0 < len(tokens) <= 12 and forwards <= len(tokens) - 1
-        if name == "mlx":
-            assert tokens == expected
+    path, pair, _ = checkpoints["random"]
+    check_converted_copies(path, pair, tmp_path, "model_adapters.idlm")
 
 
 def test_frames_show_the_drafts_as_drafts(checkpoints):

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from bigram import BIGRAM, distance, make_bigram, sequences
-from oracles import decoded, greedy_ar
+from oracles import check_converted_copies, decoded, greedy_ar
 from safetensors.numpy import load_file, save_file
 
 import mlx_lm_diffusion as mld
@@ -305,22 +305,10 @@ def test_sampled_decoding_draws_from_the_autoregressive_distribution(tmp_path):
 def test_convert_and_quantize_keep_it_the_family(checkpoints, tmp_path):
     """The MLX copy keeps the source's config (qwen3_5_text) and its sidecar, reloads as the
     family and decodes the same tokens; a 4-bit copy loads and decodes."""
-    from mlx_lm_diffusion.cli.convert import convert
-
-    path, (model, tokenizer), _ = checkpoints["tied"]
-    convert(str(path), str(tmp_path / "mlx"))
-    convert(str(path), str(tmp_path / "q4"), quantize=True, q_bits=4)
+    path, pair, _ = checkpoints["tied"]
+    check_converted_copies(path, pair, tmp_path, "model_adapters.qwen3_5_diffusion")
     assert json.loads((tmp_path / "mlx" / "config.json").read_text())["model_type"] == "qwen3_5_text"
     assert (tmp_path / "q4" / "block_diffusion.json").exists()
-    ids = tokenizer.encode("abc")
-    expected, _ = decoded((model, tokenizer), ids, 12)
-    for name in ("mlx", "q4"):
-        copy = mld.load(str(tmp_path / name))
-        assert type(copy[0]).__module__ == "model_adapters.qwen3_5_diffusion"
-        tokens, forwards = decoded(copy, ids, 12)
-        assert 0 < len(tokens) <= 12 and forwards <= len(tokens) - 1
-        if name == "mlx":
-            assert tokens == expected
 
 
 def test_the_cli_and_the_server_decode_it(checkpoints):
