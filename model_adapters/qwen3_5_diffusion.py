@@ -82,9 +82,6 @@ class Model(qwen3_5.Model):
     """mlx-lm's qwen3_5 model (the same weights, names, sanitising and quantisation), plus the
     self-speculative window forward (`window`) and its commit (`keep`)."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-
     @property
     def vocab_size(self) -> int:
         return self.args.text.vocab_size

@@ -195,3 +195,17 @@ def check_converted_copies(path, pair, out, module: str, prompt: str = "abc", ma
         assert 0 < len(tokens) <= max_tokens and forwards <= len(tokens) - 1
         if name == "mlx":
             assert tokens == expected
+
+
+def check_ragged_batch(pair, prompts=("abc", "The quick brown fox jumps", "x y"), limits=(12, 7, 16)) -> None:
+    """A row alone equals the row in a ragged batch (generate_batch of prompts of other lengths
+    and other max_tokens), its end tokens aside."""
+    import mlx_lm_diffusion as mld
+    from model_adapters import adapter_for
+
+    model, tokenizer = pair
+    batch = mld.generate_batch(model, tokenizer, list(prompts), max_tokens=list(limits), return_token_ids=True)
+    eos = adapter_for(model, tokenizer).eos_ids
+    for prompt, limit, row in zip(prompts, limits, batch.token_ids):
+        alone, _ = decoded(pair, tokenizer.encode(prompt), limit)
+        assert row == [t for t in alone if t not in eos], prompt

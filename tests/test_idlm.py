@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from bigram import BIGRAM, distance, make_bigram, sequences
 from cli_run import run_main
-from oracles import check_converted_copies, decoded, greedy_ar
+from oracles import check_converted_copies, check_ragged_batch, decoded, greedy_ar
 from safetensors.numpy import load_file, save_file
 from serving import post_json, running_server
 
@@ -126,12 +126,7 @@ def test_a_checkpoint_whose_masks_predict_the_continuation_commits_n_per_round(c
 
 def test_a_row_alone_equals_the_row_in_a_ragged_batch(checkpoints):
     for name in ("random", "forced"):
-        _, (model, tokenizer), _ = checkpoints[name]
-        prompts = ["abc", "The quick brown fox jumps", "x y"]
-        batch = mld.generate_batch(model, tokenizer, prompts, max_tokens=[12, 7, 16], return_token_ids=True)
-        for prompt, limit, row in zip(prompts, (12, 7, 16), batch.token_ids):
-            alone, _ = decoded((model, tokenizer), tokenizer.encode(prompt), limit)
-            assert row == [t for t in alone if t not in adapter_for(model, tokenizer).eos_ids]
+        check_ragged_batch(checkpoints[name][1])
 
 
 def test_commit_rules_and_temperature_schedules_are_refused(checkpoints):

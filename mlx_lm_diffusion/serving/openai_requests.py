@@ -15,6 +15,7 @@ from mlx_lm.server import (
 )
 
 from mlx_lm_diffusion.api import compat
+from mlx_lm_diffusion.decoding.engine import MAX_PROPOSALS
 from mlx_lm_diffusion.decoding.options import IMPLIED_RULES, default_max_tokens
 from mlx_lm_diffusion.output import request_constraints
 from mlx_lm_diffusion.serving import distributed_server, tool_choice
@@ -107,9 +108,6 @@ def check_unknown_fields(body: dict, known: Sequence[str]) -> None:
         near = difflib.get_close_matches(name, names, n=1, cutoff=0.8)
         if near:
             raise RequestError(f"unknown field {name[:60]!r}; did you mean {near[0]!r}?", param=name[:60])
-
-
-MAX_PROPOSALS = 20  # (the engine's own bound: decoding.engine.MAX_PROPOSALS)
 
 
 def parse_request_options(body: dict) -> Tuple[dict, bool]:
