@@ -11,10 +11,10 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_repetition_penalty, make_sampler
 
 import mlx_lm_diffusion as mld
-from mlx_lm_diffusion.api import generation
 from mlx_lm_diffusion.decoding.decoders.constraints import masks_only
 from mlx_lm_diffusion.testing.block_checkpoints import SDAR_MASK
 from mlx_lm_diffusion.testing.checkpoints import EOS_ID, MASK_ID, VOCAB
+from model_adapters import adapter_for
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 LETTERS = list(range(65, 91))  # "A".."Z" in the byte-level test vocabulary
@@ -164,7 +164,7 @@ def test_allowed_tokens_hold_in_every_family(llada, dream, sdar, nemotron, gemma
         out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=12, allowed_tokens=ALLOWED, seed=seed,
                                        sampler=make_sampler(1.0)))
         tokens = [r.token for r in out]
-        eos_ids = generation.adapter_for(model, tok).eos_ids
+        eos_ids = adapter_for(model, tok).eos_ids
         assert tokens and all(t in ALLOWED or t in eos_ids for t in tokens)
         assert mask not in tokens
 

@@ -326,16 +326,19 @@ def test_the_schedulers_adapters_are_bounded(llada):
     from mlx_lm_diffusion.serving.scheduler import MAX_ADAPTERS, Scheduler
     from mlx_lm_diffusion.serving.turns import TurnLock
 
+    def job(i):  # (a job of group i whose Decode's adapter the group takes when it has none)
+        return SimpleNamespace(group=("g", i), decode=SimpleNamespace(adapter=object()))
+
     scheduler = Scheduler(*llada, TurnLock())
     try:
-        first = scheduler.adapter(SimpleNamespace(group=("g", 0)))
+        first = scheduler.adapter(job(0))
         for i in range(1, 3 * MAX_ADAPTERS):
-            scheduler.adapter(SimpleNamespace(group=("g", i)))
+            scheduler.adapter(job(i))
             assert len(scheduler.adapters) <= MAX_ADAPTERS
             if i < MAX_ADAPTERS - 1:  # (kept while it is among the most recent)
-                assert scheduler.adapter(SimpleNamespace(group=("g", 0))) is first
+                assert scheduler.adapter(job(0)) is first
         assert ("g", 0) not in scheduler.adapters
-        last = scheduler.adapter(SimpleNamespace(group=("g", 3 * MAX_ADAPTERS - 1)))
-        assert scheduler.adapter(SimpleNamespace(group=("g", 3 * MAX_ADAPTERS - 1))) is last
+        last = scheduler.adapter(job(3 * MAX_ADAPTERS - 1))
+        assert scheduler.adapter(job(3 * MAX_ADAPTERS - 1)) is last
     finally:
         scheduler.stop()

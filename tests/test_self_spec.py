@@ -357,20 +357,15 @@ def test_refused_elsewhere(llada, models):
 
 
 def test_a_batched_row_refused_only_by_its_sampler_is_a_400(models):
-    """The server's scheduler resolves a row with the request's sampler and processors,
-    which the HTTP thread's field check does not see: self_spec under temperature > 0 (or
-    a logit_bias) refused there is the client's error, a 400 RequestError, not a 500."""
+    """A served request's Decode is built with mlx_lm.server's sampler and processors, which
+    the decoding fields do not show: self_spec under temperature > 0 (or a logit_bias)
+    refused there is the client's error, a 400 RequestError, not a 500."""
     import mlx_lm.server as mlx_server
 
     from mlx_lm_diffusion.serving import scheduler
     from mlx_lm_diffusion.serving.errors import RequestError
 
     model, tokenizer = models["random"]
-
-    class Generator:
-        @staticmethod
-        def _options(req):
-            return {"self_spec": True}
 
     def args(temperature, logit_bias=None):
         return mlx_server.GenerationArguments(
@@ -379,12 +374,12 @@ def test_a_batched_row_refused_only_by_its_sampler_is_a_400(models):
             stop_words=[], max_tokens=8, num_draft_tokens=0, logprobs=False, top_logprobs=0, seed=0,
             chat_template_kwargs=None)
 
-    prompt, adapter = PROMPTS[0], adapter_for(model, tokenizer)
-    greedy = scheduler._resolve_request(Generator, None, args(0.0), model, tokenizer, adapter, prompt)
+    prompt = PROMPTS[0]
+    greedy = scheduler.request_decode(model, tokenizer, prompt, args(0.0), {"self_spec": True}).options
     assert greedy.family["self_spec"] and greedy.sampler is None
     for refused in (args(0.7), args(0.0, {5: 1.0})):
         with pytest.raises(RequestError, match="self_spec") as error:
-            scheduler._resolve_request(Generator, None, refused, model, tokenizer, adapter, prompt)
+            scheduler.request_decode(model, tokenizer, prompt, refused, {"self_spec": True})
         assert error.value.status == 400
 
 

@@ -28,8 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_lm_diffusion.api.generation import DiffusionResponse
-from mlx_lm_diffusion.api.generation import stream_generate as diffusion_stream_generate
+from mlx_lm_diffusion.api.decode import Decode, build_decode, fitted_max_tokens
+from mlx_lm_diffusion.api.generation import DiffusionResponse, decode_responses
 from mlx_lm_diffusion.api.prompts import (  # noqa: F401 (mlx-lm's refused keywords, as before)
     NO_KV_QUANTIZATION,
     NO_KV_WINDOW,
@@ -38,16 +38,13 @@ from mlx_lm_diffusion.api.prompts import (  # noqa: F401 (mlx-lm's refused keywo
     drop_cache_options,
     encode_prompt,
 )
-from mlx_lm_diffusion.api.request_options import current_request_options, request_options
+from mlx_lm_diffusion.api.request_options import current_request_options, hand_decode, request_options
 from mlx_lm_diffusion.decoding.engine import Step
 from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
 from mlx_lm_diffusion.decoding.options import (
-    DecodeOptions,
     add_arguments,
     check_fields,
-    check_forward_budget,
     named_options,
-    resolve,
 )
 from mlx_lm_diffusion.output import request_constraints
 from model_adapters import adapter_for, is_diffusion_model
@@ -99,38 +96,20 @@ def make_prompt_cache(model: nn.Module, max_kv_size: Optional[int] = None) -> Li
 def fit_max_tokens(model: nn.Module, tokenizer: Any, prompt_len: int, max_tokens: Optional[int]) -> int:
     """mlx-lm's max_tokens for a canvas: -1 (mlx-lm's "no limit") and values past the
     model's context become what the context has room for after the prompt."""
-    if max_tokens is None:
-        max_tokens = -1
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or (max_tokens < 1 and max_tokens != -1):
-        raise ValueError(f"max_tokens must be >= 1 (or -1: as many as the context holds), got {max_tokens!r}")
-    limit = adapter_for(model, tokenizer).max_length
-    if limit is None:
-        if max_tokens == -1:
-            raise ValueError("max_tokens=-1 needs a model with a known context length")
-        return max_tokens
-    room = limit - prompt_len
-    if room < 1:
-        raise ValueError(
-            f"the prompt ({prompt_len} tokens) fills the model's context of {limit} tokens; "
-            "shorten it (or reset the conversation)"
-        )
-    return room if max_tokens == -1 else min(max_tokens, room)
+    return fitted_max_tokens(adapter_for(model, tokenizer), prompt_len, max_tokens)
 
 
 def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_tokens: int, options: dict,
-                  max_forwards: Optional[int] = None) -> int:
-    """Everything `stream_generate` would reject about a decode, checked up front (the
-    server answers it with a 400 before streaming), and a decode that could take more
-    than `max_forwards` forwards. Returns the fitted max_tokens."""
-    ids = list(prompt)
-    max_tokens = fit_max_tokens(model, tokenizer, len(ids), max_tokens)
-    adapter = adapter_for(model, tokenizer)
-    fields = {k: v for k, v in options.items() if k in named_options()}
-    resolved = resolve(DecodeOptions(max_tokens=max_tokens, **check_decode_fields(fields)), adapter, len(ids))
-    check_forward_budget(resolved, adapter, len(ids), max_forwards)
-    check_prompt(ids, adapter.mask_id, adapter.vocab_size)
-    request_constraints.check(adapter, tokenizer, len(ids), max_tokens, options, check_decode_fields(fields))
-    return max_tokens
+                  max_forwards: Optional[int] = None, adapter: Any = None, **decoding: Any) -> Decode:
+    """The Decode `stream_generate` would run for this request, built up front: everything
+    it would reject is rejected here (the server answers it with a 400 before streaming),
+    and a decode that could take more than `max_forwards` forwards. `options`: the
+    request's named options and its suffix / response_format; `decoding`: what the
+    caller adds (sampler, logits_processors, seed). `adapter`: the one to decode with."""
+    fields = check_decode_fields({k: v for k, v in options.items() if k in named_options()})
+    constraints = {k: options[k] for k in request_constraints.REQUEST_FIELDS if options.get(k) is not None}
+    return build_decode(model, tokenizer, list(prompt), max_tokens, adapter=adapter, fit_context=True,
+                        max_forwards=max_forwards, **constraints, **fields, **decoding)
 
 
 def stream_generate(
@@ -159,33 +138,29 @@ def stream_generate(
     caches = _token_caches(kwargs.pop("prompt_cache", None))
     progress = kwargs.pop("prompt_progress_callback", None)
     options = {**current_request_options(), **kwargs}
-    if options.pop("greedy_at_zero_temperature", False):
-        # (the serial server's request at temperature 0: mlx-lm's server passes its argmax
-        # sampler, and the decoder's own greedy proposal is what the batched rows use and
-        # what self-speculation, which refuses any sampler, needs)
-        options["sampler"] = None
-    options = request_constraints.apply(options, model, tokenizer)  # (a fresh grammar per decode)
+    handed = options.pop("decode", None)  # (built by the server on the request's path: hand_decode)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     new = encode_prompt(tokenizer, prompt)
     ids = (caches[0].tokens if caches else []) + new
-    max_tokens = fit_max_tokens(model, tokenizer, len(ids), max_tokens)
-    return _stream(model, tokenizer, ids, len(new), max_tokens, caches, progress, options)
+    callbacks = {name: options.pop(name, None) for name in ("draft_callback", "cached_tokens_callback")}
+    if handed is not None and handed.ids == ids:
+        decode = handed
+    else:
+        decode = build_decode(model, tokenizer, ids, max_tokens, fit_context=True, **options)
+    return _stream(decode, len(new), caches, progress, **callbacks)
 
 
 def _stream(
-    model: nn.Module,
-    tokenizer: TokenizerWrapper,
-    ids: List[int],
+    decode: Decode,
     new_tokens: int,
-    max_tokens: int,
     caches: List[TokenCache],
     progress: Optional[Callable[[int, int], None]],
-    options: dict,
+    draft_callback: Optional[Callable[[Step], None]] = None,
+    cached_tokens_callback: Optional[Callable[[int], None]] = None,
 ) -> Iterator[DiffusionResponse]:
-    user_callback = options.pop("draft_callback", None)
-    # (the server's: told how many prompt positions came from the cache's KV)
-    report_cached = options.pop("cached_tokens_callback", None)
+    # (cached_tokens_callback, the server's: told how many prompt positions came from the cache's KV)
+    ids = decode.ids
     # The KV of the cache's leading tokens (exact-KV families), and the decode's, left in
     # the cache for the next call under "prompt + tokens yielded".
     reuse = PromptReuse(caches[0].kv if caches else None)
@@ -193,8 +168,8 @@ def _stream(
     def on_step(step: Step) -> None:
         if progress is not None and step.forwards == 1:
             progress(new_tokens, new_tokens)  # the prompt has been read once
-        if user_callback is not None:
-            user_callback(step)
+        if draft_callback is not None:
+            draft_callback(step)
 
     for cache in caches:  # the decode reads the whole prompt, as a prefill fills a KV cache
         cache.add(ids[cache.offset :])
@@ -202,11 +177,9 @@ def _stream(
     if progress is not None:
         progress(0, new_tokens)
     first = True
-    for response in diffusion_stream_generate(
-        model, tokenizer, ids, max_tokens, draft_callback=on_step, prompt_kv=reuse, **options
-    ):
-        if first and report_cached is not None:
-            report_cached(reuse.reused)
+    for response in decode_responses(decode, draft_callback=on_step, prompt_kv=reuse):
+        if first and cached_tokens_callback is not None:
+            cached_tokens_callback(reuse.reused)
         first = False
         for cache in caches:
             cache.add([response.token])
@@ -218,6 +191,7 @@ __all__ = [
     "make_prompt_cache",
     "stream_generate",
     "request_options",
+    "hand_decode",
     "check_request",
     "check_decode_fields",
     "fit_max_tokens",

@@ -9,17 +9,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_lm_diffusion.api.batch_generate import DiffusionBatchResponse, generate_batch  # noqa: F401 (mlx_lm.batch_generate's)
-from mlx_lm_diffusion.api.prompts import check_prompt, encode_prompt
+from mlx_lm_diffusion.api.decode import Decode, build_decode
 from mlx_lm_diffusion.decoding.engine import Engine, Step
 from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
-from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
-from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.output.detokenize import answer_detokenizer
-from mlx_lm_diffusion.output.infill import encode_suffix, suffix_seed
-from model_adapters import adapter_for
 
 
 @dataclass
@@ -27,13 +22,6 @@ class DiffusionResponse(GenerationResponse):
     """mlx-lm's GenerationResponse plus the model forward passes used so far."""
 
     forwards: int = 0
-
-
-def _engine(model: nn.Module, tokenizer: TokenizerWrapper, prompt_len: int, max_tokens: Optional[int], kwargs: dict,
-            suffix_len: int = 0):
-    adapter = adapter_for(model, tokenizer)
-    options = DecodeOptions(max_tokens=max_tokens, **kwargs)  # (unknown names: TypeError)
-    return adapter, resolve(options, adapter, prompt_len, suffix_len)
 
 
 def stream_generate(
@@ -60,23 +48,25 @@ def stream_generate(
     `prompt_kv` (mlx_lm_diffusion.decoding.kv_reuse.PromptReuse): the KV of the prompt's leading
     tokens from an earlier decode, reused where the family's KV is exact.
     """
-    tokenizer, prompt, vision = images.request_inputs(model, tokenizer, prompt, kwargs)
-    ids = encode_prompt(tokenizer, prompt)
-    suffix_ids = encode_suffix(tokenizer, suffix) or []
-    adapter, options = _engine(model, tokenizer, len(ids), max_tokens, kwargs, len(suffix_ids))
-    check_prompt(ids, adapter.mask_id, adapter.vocab_size)
-    if vision is not None:
-        adapter.vision = vision  # encoded with the prompt (model_adapters.diffusion_gemma)
-    seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
+    decode = build_decode(model, tokenizer, prompt, max_tokens, suffix=suffix, **kwargs)  # (on the first next())
+    yield from decode_responses(decode, draft_callback, prompt_kv)
+
+
+def decode_responses(decode: Decode, draft_callback: Optional[Callable[[Step], None]] = None,
+                     prompt_kv: Optional[PromptReuse] = None) -> Iterator[DiffusionResponse]:
+    """`stream_generate`'s responses for a built Decode (the doors that built it themselves)."""
+    adapter, options, ids = decode.adapter, decode.options, decode.ids
+    if decode.vision is not None:
+        adapter.vision = decode.vision  # encoded with the prompt (model_adapters.diffusion_gemma)
     engine = Engine(adapter, options)
     P = len(ids)
-    detokenizer = answer_detokenizer(tokenizer)
+    detokenizer = answer_detokenizer(decode.tokenizer)
 
     tic = time.perf_counter()
     prompt_tps, emitted = 0.0, 0
     prompt = mx.array([ids])
     reuse = prompt_kv.plan(adapter, engine, prompt) if prompt_kv is not None else None
-    for step in engine.run(prompt, seed, reuse=reuse):
+    for step in engine.run(prompt, decode.seed, reuse=reuse):
         if step.forwards == 1:
             prompt_time = time.perf_counter() - tic
             prompt_tps = P / max(prompt_time, 1e-9)

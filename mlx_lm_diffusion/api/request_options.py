@@ -27,8 +27,17 @@ def request_options(**options) -> Iterator[None]:
         _REQUEST_OPTIONS.reset(token)
 
 
+def hand_decode(decode) -> None:
+    """Hand the request's Decode, built on its path (the diffusion server's `_tokenize`), to
+    the `stream_generate` call inside the same `request_options` block, which decodes it
+    instead of building it again. Outside such a block: nothing."""
+    options = _REQUEST_OPTIONS.get()
+    if options is not None:
+        options["decode"] = decode
+
+
 def current_request_options() -> dict:
     return _REQUEST_OPTIONS.get() or {}  # (a fresh dict: the caller may not change another's)
 
 
-__all__ = ["request_options", "current_request_options"]
+__all__ = ["request_options", "current_request_options", "hand_decode"]

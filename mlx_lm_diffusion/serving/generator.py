@@ -21,7 +21,6 @@ from mlx_lm.server import (
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.protocol import prepare_request, run_request, validate_request
-from mlx_lm_diffusion.decoding.decoders.speculative import check_greedy
 from mlx_lm_diffusion.decoding.engine import Step
 from mlx_lm_diffusion.decoding.interpreter_exit import release_thread_streams, thread_streams
 from mlx_lm_diffusion.decoding.kv_reuse import CachedTokensTap, cache_occupancy
@@ -36,7 +35,7 @@ from mlx_lm_diffusion.serving.openai_requests import (
     merge_options,
 )
 from mlx_lm_diffusion.serving.responses import draft_frame
-from mlx_lm_diffusion.serving.scheduler import Scheduler, prepare_job
+from mlx_lm_diffusion.serving.scheduler import Scheduler, prepare_job, request_decode
 from mlx_lm_diffusion.serving.turns import TurnLock
 from model_adapters import adapter_for, is_diffusion_model
 
@@ -356,20 +355,19 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         except Exception as e:
             raise RequestError(f"cannot build a prompt from this request: {scrubbed(e, tokenizer)}") from e
         model = self.model_provider.model
-        check_sampling_against_vocabulary(args, adapter_for(model, tokenizer).vocab_size)
-        if is_diffusion_model(model):
-            try:
-                compat.check_request(model, tokenizer, result[0], args.max_tokens, self._options(request),
-                                     max_forwards=self.max_forwards)
-                if self._options(request).get("self_spec"):  # (sampling is in mlx-lm's args, not the fields)
-                    check_greedy(args.sampling.temperature, bool(mlx_server._make_logits_processors(args)))
-            except (ValueError, TypeError) as e:
-                raise RequestError(str(e)) from e
-        else:  # mlx-lm's own decode would ignore them
+        if not is_diffusion_model(model):  # mlx-lm's own decode would ignore them
+            check_sampling_against_vocabulary(args, adapter_for(model, tokenizer).vocab_size)
             try:
                 request_constraints.refuse_unserved(self._options(request))
             except ValueError as e:
                 raise RequestError(str(e)) from e
+            return result
+        # The request's Decode, built once here on its own path: the batch's row takes it
+        # (prepare_job: request.decode), the serial decode's stream_generate is handed it
+        decode = request_decode(model, tokenizer, result[0], args, self._options(request), self.max_forwards,
+                                vision=getattr(request, "vision_inputs", None))
+        request.decode = decode
+        compat.hand_decode(decode)
         return result
 
     def _client_template_prompt(self, tokenizer, request, args) -> Optional[List[int]]:
@@ -453,7 +451,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             tap = CachedTokensTap(rqueue)
             request = (tap, *request[1:])
             options["cached_tokens_callback"] = tap.report
-            drafts = self._draft_sender(rqueue) if getattr(req, "drafts", False) else None
+            drafts = self._draft_sender(rqueue, req) if getattr(req, "drafts", False) else None
 
             def on_step(step: Step) -> None:
                 check()  # a cancelled request or a gone client stops at the next forward
@@ -462,11 +460,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 self.decode_lock.pass_turn()  # (the batch's rows step between this decode's forwards)
 
             options["draft_callback"] = on_step
-            # (temperature 0: the decoder's greedy proposal, as a batched row's, not mlx-lm's argmax sampler)
-            options["greedy_at_zero_temperature"] = request[2].sampling.temperature == 0
             if getattr(req, "images", None):
                 try:
-                    options["vision"] = self._image_prompt(req, request[2])
+                    req.vision_inputs = self._image_prompt(req, request[2])  # (for its Decode: _tokenize)
                 except (RequestError, ValueError) as e:
                     rqueue.put(e if isinstance(e, RequestError) else RequestError(str(e), status=getattr(e, "status", 400)))
                     return
@@ -502,12 +498,13 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             "prompt_cache": cache_occupancy(self.prompt_cache),
         }
 
-    def _draft_sender(self, rqueue) -> Callable[[Step], None]:
+    def _draft_sender(self, rqueue, req) -> Callable[[Step], None]:
+        """The request's draft frames onto `rqueue` (its Decode, `req.decode`, is built by
+        the time the first step lands: its adapter names the mask)."""
         tokenizer = self.model_provider.tokenizer
-        mask_id = adapter_for(self.model_provider.model, tokenizer).mask_id
         texts: dict = {}  # (each token id decoded once per request)
 
         def send(step: Step) -> None:
-            rqueue.put((DRAFT_EVENT, draft_frame(tokenizer, step, mask_id, texts)))
+            rqueue.put((DRAFT_EVENT, draft_frame(tokenizer, step, req.decode.adapter.mask_id, texts)))
 
         return send

@@ -107,6 +107,9 @@ class _Guarded:
                         pending.append((response, response.text, produced))
                     hits = [i for i in (text.find(stop, max(0, sent - hold)) for stop in stops) if i >= 0]
                     if hits or response.finish_reason is not None:
+                        # (a generation completed: /health is ready again before the answer's last
+                        # bytes reach its client, who may ask it next)
+                        self._real.note_outcome(None)
                         end = min(hits) if hits else len(text)
                         handler._finish = "stop" if hits else response.finish_reason
                         release(end if hits else math.inf)  # (at the end: all of them)

@@ -51,16 +51,18 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _make_logits_processors, _make_sampler
 
-from mlx_lm_diffusion.api.compat import check_decode_fields, fit_max_tokens
+from mlx_lm_diffusion.api import compat
+from mlx_lm_diffusion.api.decode import Decode
 from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch, family_key
+from mlx_lm_diffusion.decoding.decoders.speculative import check_greedy
 from mlx_lm_diffusion.decoding.engine import Step
 from mlx_lm_diffusion.decoding.interpreter_exit import thread_streams
-from mlx_lm_diffusion.decoding.options import DecodeOptions, ResolvedOptions, forward_bound, named_options, resolve
+from mlx_lm_diffusion.decoding.options import ResolvedOptions, forward_bound
 from mlx_lm_diffusion.output.detokenize import answer_detokenizer
 from mlx_lm_diffusion.serving import peers
 from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone, RequestError
+from mlx_lm_diffusion.serving.openai_requests import check_sampling_against_vocabulary
 from mlx_lm_diffusion.serving.stream_batching import ResponseSender
-from model_adapters import adapter_for
 from model_adapters.runtime.prompt_cache import TokenCache
 
 MAX_ADAPTERS = 16  # groups whose adapter (and the forwards it compiled) the scheduler keeps
@@ -79,8 +81,7 @@ class Job:
 
     rqueue: Queue
     ctx: GenerationContext
-    prompt: list
-    options: ResolvedOptions
+    decode: Decode  # the request, resolved once (mlx_lm_diffusion.api.decode)
     check: Callable[[], None]  # raises when the request was cancelled or its client left
     drafts: Optional[Callable[[Step], None]]
     stop_matcher: Any
@@ -96,13 +97,25 @@ class Job:
     ended: bool = False
     row: Any = None
     submitted: float = field(default_factory=time.monotonic)
-    forwards: int = 0  # the most forwards its decode can take (options.forward_bound)
     sender: Optional[ResponseSender] = None  # the way to rqueue: tokens in mailboxes (stream_batching)
     proposals: int = 0  # its draft frames carry the k most likely tokens per position (the studio's hover)
 
     def __post_init__(self):
         if self.sender is None:
             self.sender = ResponseSender(self.rqueue)
+
+    @property
+    def prompt(self) -> list:
+        return self.decode.ids
+
+    @property
+    def options(self) -> ResolvedOptions:
+        return self.decode.options
+
+    @property
+    def forwards(self) -> int:
+        """The most forwards its decode can take (options.forward_bound)."""
+        return self.decode.forwards
 
     @property
     def group(self) -> tuple:
@@ -155,30 +168,27 @@ class ProtocolJob:
 
 
 def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
-    """mlx_lm.server's `_serve_single` up to the decode: tokenize, context (sent to the
-    client's queue), sampler, logits processors, stop words; the decode's options.
-    A request that cannot be served gets its error on its queue (None returned)."""
+    """mlx_lm.server's `_serve_single` up to the decode: tokenize and build the request's
+    Decode (the generator's `_tokenize`), context (sent to the client's queue), stop
+    words. A request that cannot be served gets its error on its queue (None returned)."""
     rqueue, req, args = request
     try:
         tokenizer = generator.model_provider.tokenizer
-        model = generator.model_provider.model
         prompt, _, _, initial_state, vision = generator._tokenize(tokenizer, req, args)
         if vision is not None:
             raise ValueError("images are not supported for diffusion models")
+        decode = req.decode  # (built by _tokenize: options resolved once, with the sampler and processors)
         stop_sequences, text_sm = generator._make_state_machine(
             generator.model_provider.model_key, tokenizer, args.stop_words)
         ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
                                 tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
                                 prompt=prompt)
         ctx.prompt_cache_count = 0  # usage's cached_tokens: set when the row starts (the KV it reused)
-        adapter = adapter_for(model, tokenizer)
-        options = _resolve_request(generator, req, args, model, tokenizer, adapter, prompt)
         sender = ResponseSender(rqueue)  # (drafts and tokens keep their order through it)
-        drafts = generator._draft_sender(sender) if getattr(req, "drafts", False) else None
-        job = Job(rqueue, ctx, list(prompt), options, generator._canceller(req), drafts, stop_sequences.matcher(),
+        drafts = generator._draft_sender(sender, req) if getattr(req, "drafts", False) else None
+        job = Job(rqueue, ctx, decode, generator._canceller(req), drafts, stop_sequences.matcher(),
                   args.top_logprobs, answer_detokenizer(tokenizer), cache_entry=_cache_writer(generator),
                   cache_lookup=_cache_reader(generator), logprobs=bool(args.logprobs), sender=sender,
-                  forwards=forward_bound(options, adapter, len(prompt)),
                   proposals=getattr(req, "proposals", 0) if drafts is not None else 0)
     except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
         rqueue.put(e)
@@ -187,24 +197,28 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
     return job
 
 
-def _resolve_request(generator: Any, req: Any, args: Any, model: Any, tokenizer: Any, adapter: Any,
-                     prompt: list) -> Any:
-    """The request's resolved decoding options. The HTTP thread checked its fields without
-    the sampler and processors (`compat.check_request`); an error that only they reveal
-    is still the client's request, answered with a 400, not a 500."""
+def request_decode(model: Any, tokenizer: Any, prompt: list, args: Any, options: dict,
+                   max_forwards: Optional[int] = None, vision: Any = None) -> Decode:
+    """A served request's Decode: its decoding fields (`options`, the server's defaults
+    under the request's) with mlx_lm.server's sampler, logits processors and seed from
+    `args`. What they reveal (self_spec under a sampler, an id past the vocabulary) is
+    the client's request too: a RequestError (400), not a 500."""
     try:
-        fields = check_decode_fields({k: v for k, v in generator._options(req).items() if k in named_options()})
-        decode = DecodeOptions(max_tokens=fit_max_tokens(model, tokenizer, len(prompt), args.max_tokens),
-                               sampler=_sampler(args, tokenizer), logits_processors=_make_logits_processors(args),
-                               seed=args.seed, **fields)
-        return resolve(decode, adapter, len(prompt))
+        processors = _make_logits_processors(args)
+        decode = compat.check_request(model, tokenizer, prompt, args.max_tokens, options, max_forwards=max_forwards,
+                                      sampler=request_sampler(args, tokenizer), logits_processors=processors,
+                                      seed=args.seed, vision=vision)
+        check_sampling_against_vocabulary(args, decode.adapter.vocab_size)
+        if options.get("self_spec"):  # (sampling is in mlx-lm's args, not the fields)
+            check_greedy(args.sampling.temperature, bool(processors))
     except (ValueError, TypeError) as e:
         if isinstance(e, RequestError):
             raise
         raise RequestError(str(e)) from e
+    return decode
 
 
-def _sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
+def request_sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
     """mlx_lm.server's sampler; None (the decoder's own argmax) at temperature 0, where
     mlx-lm's is an argmax too, so that a greedy row reads nothing back to check it."""
     return None if args.sampling.temperature == 0 else _make_sampler(args, tokenizer)
@@ -384,8 +398,8 @@ class Scheduler:
         churn grew the server's resident memory by ~26 MB per 1,000 mixed requests, still
         rising (issue 55.8). A group's rows configure its adapter alike (`family_key`)."""
         adapter = self.adapters.pop(job.group, None)
-        if adapter is None:  # (a protocol row's adapter ignores EOS: its decode's own)
-            adapter = job.decode.adapter if isinstance(job, ProtocolJob) else adapter_for(self.model, self.tokenizer)
+        if adapter is None:  # (the first job's decode's: a protocol row's adapter ignores EOS)
+            adapter = job.decode.adapter
         self.adapters[job.group] = adapter
         while len(self.adapters) > MAX_ADAPTERS:
             self.adapters.popitem(last=False)
