@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_lm_diffusion as mld  # noqa: E402
-from mlx_lm_diffusion.api.generation import _engine  # noqa: E402
+from mlx_lm_diffusion.api.decode import build_decode  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket  # noqa: E402
 from mlx_lm_diffusion.decoding.decoders.vocab_stats import greedy_parts  # noqa: E402
 from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada  # noqa: E402
@@ -146,7 +146,8 @@ def plain_loop(model, tok, options: dict) -> tuple:
     same shapes), the proposal and its probability (and the entropy for Dream's rule)
     from vocab_stats' passes over those rows, the top-k (or threshold) commit chosen on
     the host, the canvas rewritten; it stops at a block whose final prefix holds an EOS."""
-    adapter, o = _engine(model, tok, len(PROMPT), GEN, dict(options))
+    decode = build_decode(model, tok, PROMPT, GEN, **options)
+    adapter, o = decode.adapter, decode.options
     P, mask_id, eos = len(PROMPT), adapter.mask_id, adapter.eos_ids
     host = np.array([PROMPT + [mask_id] * GEN], dtype=np.int32)
     suppress = np.zeros(adapter.vocab_size, np.float32)

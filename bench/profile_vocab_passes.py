@@ -33,7 +33,7 @@ except ImportError:  # (profiling a tree from before the kept log-probs were rec
     def logprob_rows(shifted, log_total, slots):
         index = slots[..., None]
         return mx.take_along_axis(shifted, index, axis=1) - mx.take_along_axis(log_total, index, axis=1)
-from mlx_lm_diffusion.api.generation import _engine  # noqa: E402
+from mlx_lm_diffusion.api.decode import build_decode  # noqa: E402
 from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
 
@@ -51,7 +51,8 @@ def best(fn, repeats=20) -> float:
 
 def engine_decode(model, tok, keep: bool, options: dict) -> float:
     """Seconds of one Engine decode (its steps only: no detokenizer, no responses)."""
-    adapter, resolved = _engine(model, tok, len(bench_engine.PROMPT), bench_engine.GEN, dict(options))
+    decode = build_decode(model, tok, bench_engine.PROMPT, bench_engine.GEN, **options)
+    adapter, resolved = decode.adapter, decode.options
     engine = Engine(adapter, resolved, keep_logprobs=keep)
     tic = time.perf_counter()
     for _ in engine.run(mx.array([bench_engine.PROMPT])):
