@@ -35,7 +35,7 @@ from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.testing.block_checkpoints import write_llada2_2
 from model_adapters import adapter_for
-from model_adapters.llada2 import BlockRouter, Router
+from model_adapters.families.llada2 import BlockRouter, Router
 
 GEN, PROMPT = 256, list(range(40, 72))
 SIZE = dict(hidden=128, n_layers=4, n_heads=8, n_kv_heads=4, n_experts=16, top_k=4, moe_inter=64)

@@ -16,20 +16,20 @@ from typing import Any
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from model_adapters.ar import ArAdapter
 from model_adapters.base import Adapter, FamilyDefaults
+from model_adapters.families.ar import ArAdapter
 
 # model_type (as written in config.json) -> the module that defines its family
 FAMILIES: dict[str, str] = {
-    "llada": f"{__name__}.llada",
-    "Dream": f"{__name__}.dream",
-    "sdar": f"{__name__}.sdar",
-    "llada2_moe": f"{__name__}.llada2",
-    "nemotron_labs_diffusion": f"{__name__}.nemotron_labs_diffusion",
-    "diffusion_gemma": f"{__name__}.diffusion_gemma",
-    "idlm": f"{__name__}.idlm",  # (its checkpoints say "sdar": model_adapters.evidence picks it)
-    "qwen3_5_diffusion": f"{__name__}.qwen3_5_diffusion",  # (Qwen3.5 + block_diffusion.json: evidence)
-    "lfm2_diffusion": f"{__name__}.lfm2_diffusion",
+    "llada": f"{__name__}.families.llada",
+    "Dream": f"{__name__}.families.dream",
+    "sdar": f"{__name__}.families.sdar",
+    "llada2_moe": f"{__name__}.families.llada2",
+    "nemotron_labs_diffusion": f"{__name__}.families.nemotron_labs_diffusion",
+    "diffusion_gemma": f"{__name__}.families.diffusion_gemma",
+    "idlm": f"{__name__}.families.idlm",  # (its checkpoints say "sdar": model_adapters.evidence picks it)
+    "qwen3_5_diffusion": f"{__name__}.families.qwen3_5_diffusion",  # (Qwen3.5 + block_diffusion.json: evidence)
+    "lfm2_diffusion": f"{__name__}.families.lfm2_diffusion",
 }
 
 
@@ -73,7 +73,7 @@ def register() -> None:
 
 def _shipped_by_mlx_lm(name: str) -> bool:
     """Whether `name` is a module of mlx-lm's own. A family registered before sits in
-    sys.modules under that name but keeps its own `__name__` (model_adapters.llada, or
+    sys.modules under that name but keeps its own `__name__` (model_adapters.families.llada, or
     wherever `register_family` found it)."""
     registered = sys.modules.get(name)
     if registered is not None:
@@ -118,7 +118,7 @@ def check_weights(model: nn.Module) -> None:
 
 def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
     """The family adapter for a loaded model; any other mlx-lm causal LM gets the
-    autoregressive adapter (a degenerate diffusion model, see model_adapters.ar)."""
+    autoregressive adapter (a degenerate diffusion model, see model_adapters.families.ar)."""
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     if model_type not in FAMILIES and hasattr(model, "layers"):
         return ArAdapter(model, tokenizer)

@@ -18,14 +18,14 @@ A checkpoint that carries the evidence of two families is refused with a message
 `family=` (mlx_lm_diffusion.load's keyword), which decides; `family=` also loads any checkpoint as
 the family named, whatever its evidence.
 
-Trida2.0 and FLARE (model_adapters.qwen3_5_diffusion) are mlx-lm's own Qwen3.5 (`model_type
+Trida2.0 and FLARE (model_adapters.families.qwen3_5_diffusion) are mlx-lm's own Qwen3.5 (`model_type
 "qwen3_5_text"` in Trida2.0-4B's raw layout, "qwen3_5" in FLARE's) with a mask token and a
 self-speculative decoder: what tells them from an ordinary Qwen3.5 is the `block_diffusion.json`
 sidecar {bd_size, mask_id} (trillion-labs/trida-stack inference/mlx/trida_mlx/model.py
 `mask_id_of`) or FLARE's architecture name. Without either a Qwen3.5 checkpoint stays mlx-lm's.
 
 `family_overrides(model_path, config)` gives the config fields that load such a checkpoint as
-what it is (`{"model_type": "idlm"}`: model_adapters.idlm); every load (mlx_lm_diffusion.load, and
+what it is (`{"model_type": "idlm"}`: model_adapters.families.idlm); every load (mlx_lm_diffusion.load, and
 mlx-lm's loader after install()) passes them as mlx-lm's `model_config`, before any weight is
 read. A checkpoint of another of mlx-lm's own model types is never looked at here.
 """

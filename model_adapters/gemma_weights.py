@@ -1,5 +1,5 @@
 """DiffusionGemma's checkpoint names: transformers' and mlx-vlm's layouts read into the
-adapter's modules (model_adapters.diffusion_gemma.Model.sanitize).
+adapter's modules (model_adapters.families.diffusion_gemma.Model.sanitize).
 
 Experts come fused (transformers: gate and up stacked in one tensor), per expert (some
 exports) or as mlx-vlm's SwitchLinear names; the encoder's language model is tied to

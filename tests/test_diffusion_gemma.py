@@ -18,7 +18,7 @@ from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB
 from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_diffusion_gemma
 from model_adapters import adapter_for
-from model_adapters.diffusion_gemma import Adapter
+from model_adapters.families.diffusion_gemma import Adapter
 
 torch = pytest.importorskip("torch")
 
@@ -73,7 +73,7 @@ def test_forward_matches_transformers(gemma_path, gemma):
 def test_released_config_layout_reads_the_same(gemma_path, gemma):
     """transformers 5.24 writes the global head size and KV heads only in per_layer_config;
     the released configs have them top-level: both give the same model."""
-    from model_adapters.diffusion_gemma import ModelArgs
+    from model_adapters.families.diffusion_gemma import ModelArgs
 
     cfg = json.loads((gemma_path / "config.json").read_text())
     text = dict(cfg["text_config"])

@@ -2,7 +2,7 @@
 
 I-DLM's checkpoints say `model_type "sdar"`; loaded as SDAR they decoded garbage with no
 error. Its `use_regular_causal` switch (in config.json, or declared by the checkpoint's own
-configuration_sdar.py) tells them apart: such a checkpoint loads as I-DLM (model_adapters.idlm,
+configuration_sdar.py) tells them apart: such a checkpoint loads as I-DLM (model_adapters.families.idlm,
 tests/test_idlm.py) through every load. SDAR's own checkpoints load as before, and install() leaves mlx-lm's
 own model types (Qwen3, Qwen3.5, LFM2) to mlx-lm. LFM2.5-Diffusion saved as LFM2 is told by its noise
 conditioning; evidence of two families is refused and `family=` decides.
@@ -47,7 +47,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("which", ["idlm-config", "idlm-code"])
 def test_an_idlm_checkpoint_loads_as_idlm_not_as_sdar(checkpoints, which):
     model, _ = mld.load(str(checkpoints[which]))
-    assert type(model).__module__ == "model_adapters.idlm" and model.args.use_regular_causal
+    assert type(model).__module__ == "model_adapters.families.idlm" and model.args.use_regular_causal
 
 
 def test_mlx_lms_own_loader_tells_them_apart_after_install(checkpoints):
@@ -56,9 +56,9 @@ def test_mlx_lms_own_loader_tells_them_apart_after_install(checkpoints):
     mld.install()
     try:
         model, _ = mlx_lm.load(str(checkpoints["idlm-code"]))
-        assert type(model).__module__ == "model_adapters.idlm"
+        assert type(model).__module__ == "model_adapters.families.idlm"
         model, _ = mlx_lm.load(str(checkpoints["sdar"]))  # (SDAR's own: as before)
-        assert type(model).__module__ == "model_adapters.sdar"
+        assert type(model).__module__ == "model_adapters.families.sdar"
     finally:
         mld.uninstall()
 
@@ -72,7 +72,7 @@ def test_a_block_causal_idlm_is_refused_in_one_line(checkpoints, tmp_path):
 
 def test_sdar_still_loads_as_sdar(checkpoints):
     model, _ = mld.load(str(checkpoints["sdar"]))
-    assert type(model).__module__ == "model_adapters.sdar"
+    assert type(model).__module__ == "model_adapters.families.sdar"
 
 
 def _stock(path: Path, module, config: dict) -> Path:
@@ -119,7 +119,7 @@ def test_lfm2_diffusion_saved_as_lfm2_loads_by_its_noise_conditioning(tmp_path):
 
     path = _edit_config(write_lfm2_diffusion(tmp_path / "as-lfm2"), model_type="lfm2",
                         architectures=["Lfm2ForCausalLM"])
-    assert type(mld.load(str(path))[0]).__module__ == "model_adapters.lfm2_diffusion"
+    assert type(mld.load(str(path))[0]).__module__ == "model_adapters.families.lfm2_diffusion"
     assert evidence.family_overrides(path, {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"]}) == {}
 
 
@@ -133,7 +133,7 @@ def test_evidence_of_two_families_is_refused_and_family_decides(tmp_path):
     with pytest.raises(ValueError, match=r"evidence of lfm2_diffusion and qwen3_5_diffusion; load it with family="):
         mld.load(str(path))
     model, _ = mld.load(str(path), family="qwen3_5_diffusion")
-    assert type(model).__module__ == "model_adapters.qwen3_5_diffusion"
+    assert type(model).__module__ == "model_adapters.families.qwen3_5_diffusion"
     with pytest.raises(ValueError, match="family must be one of"):
         mld.load(str(path), family="qwen3_5")
 
@@ -141,4 +141,4 @@ def test_evidence_of_two_families_is_refused_and_family_decides(tmp_path):
 def test_family_loads_a_checkpoint_as_the_family_named(checkpoints):
     """An SDAR checkpoint read as I-DLM (the same Qwen3 weights) when the caller says so."""
     model, _ = mld.load(str(checkpoints["sdar"]), family="idlm")
-    assert type(model).__module__ == "model_adapters.idlm"
+    assert type(model).__module__ == "model_adapters.families.idlm"

@@ -14,7 +14,7 @@ import json  # noqa: E402
 
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from model_adapters.llada import _rename  # noqa: E402
+from model_adapters.families.llada import _rename  # noqa: E402
 
 TOL = 1e-4
 

@@ -479,7 +479,7 @@ def test_server_default_policy_reads_no_paths(picture_files):
 
 def test_top_k_self_conditioning_matches_its_definition(loaded):
     """softmax over the k largest scaled logits, times the k embedding rows they name."""
-    from model_adapters.diffusion_gemma import _top_k_soft_embeddings
+    from model_adapters.families.diffusion_gemma import _top_k_soft_embeddings
 
     model, _ = loaded
     table = model.model.decoder.embed_tokens
@@ -595,7 +595,7 @@ def test_video_frames_go_through_the_vision_tower(loaded, vision_path, video_fil
 
 def test_without_mlx_vlm_the_checkpoint_loads_text_only(vision_path, monkeypatch):
     """mlx-vlm is the `vision` extra: without it DiffusionGemma loads as before, text only."""
-    from model_adapters.diffusion_gemma import ModelArgs
+    from model_adapters.families.diffusion_gemma import ModelArgs
 
     monkeypatch.setitem(sys.modules, "mlx_vlm.models.gemma4.config", None)  # (import fails)
     cfg = json.loads((vision_path / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""I-DLM (model_adapters.idlm, decoding.decoders.introspective; issue 53.2).
+"""I-DLM (model_adapters.families.idlm, decoding.decoders.introspective; issue 53.2).
 
 On tiny random checkpoints in I-DLM's released layout (SDAR's files, `model_type "sdar"`,
 `use_regular_causal`): the forward is transformers' Qwen3ForCausalLM; introspective strided
@@ -63,7 +63,7 @@ def checkpoints(tmp_path_factory):
 def test_it_loads_as_idlm_from_its_sdar_config(checkpoints):
     path, (model, tokenizer), _ = checkpoints["random"]
     assert json.loads((path / "config.json").read_text())["model_type"] == "sdar"
-    assert type(model).__module__ == "model_adapters.idlm"
+    assert type(model).__module__ == "model_adapters.families.idlm"
     adapter = adapter_for(model, tokenizer)
     assert (adapter.family, adapter.mask_id, adapter.block_length) == ("I-DLM", SDAR_MASK, 4)  # N = block_size + 1
 
@@ -196,7 +196,7 @@ def test_convert_and_quantize_keep_it_idlm(checkpoints, tmp_path):
     switch): the MLX copy loads as I-DLM and decodes the same tokens; a 4-bit copy loads and
     decodes too."""
     path, pair, _ = checkpoints["random"]
-    check_converted_copies(path, pair, tmp_path, "model_adapters.idlm")
+    check_converted_copies(path, pair, tmp_path, "model_adapters.families.idlm")
 
 
 def test_frames_show_the_drafts_as_drafts(checkpoints):
@@ -261,7 +261,7 @@ def test_the_lora_flavour_matches_a_torch_conditional_lora(lora_flavour):
     logits equal transformers' Qwen3 with the LoRA added on the mask rows only; the verify rows
     are the base model's, the mask rows are not."""
     base, lora, (model, tokenizer), _ = lora_flavour
-    assert type(model).__module__ == "model_adapters.idlm" and model.args.mask_token_id == SDAR_MASK
+    assert type(model).__module__ == "model_adapters.families.idlm" and model.args.mask_token_id == SDAR_MASK
     tokens = tokenizer.encode("The quick brown fox") + [40, 41, 42] + [SDAR_MASK] * 3
     got = np.array(model(mx.array([tokens]))[0])
     expected = _torch_with_mask_row_lora(base, lora, tokens, SDAR_MASK)

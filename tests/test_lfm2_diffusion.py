@@ -1,4 +1,4 @@
-"""LFM2.5-Diffusion (model_adapters.lfm2_diffusion, decoding.decoders.duo_block; issue 53.4).
+"""LFM2.5-Diffusion (model_adapters.families.lfm2_diffusion, decoding.decoders.duo_block; issue 53.4).
 
 On a tiny random checkpoint in the released layout: a block's logits over the cached context
 equal an independent torch forward of the whole [prompt | block] sequence (transformers' own
@@ -294,7 +294,7 @@ def test_convert_quantize_cli_and_server(checkpoint, tmp_path):
     convert(str(path), str(tmp_path / "q4"), quantize=True, q_bits=4)
     expected = mld.generate(model, tokenizer, "abc", max_tokens=24, seed=2)
     copy = mld.load(str(tmp_path / "mlx"))
-    assert type(copy[0]).__module__ == "model_adapters.lfm2_diffusion"
+    assert type(copy[0]).__module__ == "model_adapters.families.lfm2_diffusion"
     assert mld.generate(*copy, "abc", max_tokens=24, seed=2) == expected
     assert isinstance(mld.generate(*mld.load(str(tmp_path / "q4")), "abc", max_tokens=24, seed=2), str)
     r = run_main("mlx_lm_diffusion.generate", "--model", str(path), "--prompt", "abc", "--max-tokens", "24",

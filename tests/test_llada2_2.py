@@ -27,7 +27,7 @@ from mlx_lm_diffusion.testing.block_checkpoints import (
     write_llada2_2,
 )
 from model_adapters import adapter_for
-from model_adapters.llada2 import BlockRouter, Router
+from model_adapters.families.llada2 import BlockRouter, Router
 
 WINDOW, CAPACITY, TOL = 8, 3, 1e-4
 MASK, DELETE, SPLIT = LLADA2_MASK, LLADA2_2_DELETE, LLADA2_2_SPLIT

@@ -81,12 +81,12 @@ def test_register_twice_keeps_a_family_from_elsewhere(monkeypatch):
     ours on the next register(), not refused as mlx-lm's."""
     import mlx_lm.models
 
-    monkeypatch.setitem(model_adapters.FAMILIES, "glue_toy", "model_adapters.llada")
+    monkeypatch.setitem(model_adapters.FAMILIES, "glue_toy", "model_adapters.families.llada")
     monkeypatch.delitem(sys.modules, "mlx_lm.models.glue_toy", raising=False)
     try:
         model_adapters.register()
         model_adapters.register()
-        assert sys.modules["mlx_lm.models.glue_toy"] is importlib.import_module("model_adapters.llada")
+        assert sys.modules["mlx_lm.models.glue_toy"] is importlib.import_module("model_adapters.families.llada")
     finally:
         sys.modules.pop("mlx_lm.models.glue_toy", None)
         if hasattr(mlx_lm.models, "glue_toy"):

@@ -1,4 +1,4 @@
-"""Trida2.0 / FLARE (model_adapters.qwen3_5_diffusion; issue 53.3): the Qwen3.5 hybrid decoded by
+"""Trida2.0 / FLARE (model_adapters.families.qwen3_5_diffusion; issue 53.3): the Qwen3.5 hybrid decoded by
 self-speculation, on tiny random checkpoints in the released layouts.
 
 The forward is transformers' own Qwen3_5ForCausalLM (the causal rows); the mask rows' layout
@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.testing.hybrid_checkpoints import HYBRID_MASK, trida_as_qwen3_5, write_trida
 from model_adapters import adapter_for, evidence
-from model_adapters.qwen3_5_diffusion import Recurrent, attention_mask, recurrent_window
+from model_adapters.families.qwen3_5_diffusion import Recurrent, attention_mask, recurrent_window
 
 TOL = 1e-4
 PROMPTS = ["Hello there", "abc", "The quick brown fox jumps", "x"]
@@ -55,7 +55,7 @@ def test_only_a_checkpoint_with_the_evidence_is_taken_from_mlx_lm(checkpoints, t
     from mlx_lm.models import qwen3_5
 
     path, (model, _), (plain, _) = checkpoints["tied"]
-    assert type(model).__module__ == "model_adapters.qwen3_5_diffusion"
+    assert type(model).__module__ == "model_adapters.families.qwen3_5_diffusion"
     assert (model.args.mask_token_id, model.args.bd_size) == (HYBRID_MASK, 8)
     assert type(plain) is qwen3_5.Model
     flare = write_trida(tmp_path / "flare", layout="flare")
@@ -66,13 +66,13 @@ def test_only_a_checkpoint_with_the_evidence_is_taken_from_mlx_lm(checkpoints, t
         "model_type": "qwen3_5_diffusion", "mask_token_id": 248077}
     (tmp_path / "sidecar.json").rename(flare / "block_diffusion.json")
     flare_model, _ = mld.load(str(flare))
-    assert type(flare_model).__module__ == "model_adapters.qwen3_5_diffusion"
+    assert type(flare_model).__module__ == "model_adapters.families.qwen3_5_diffusion"
     ids = mx.array([[5, 6, 7, 8]])
     same = [adapter_for(m).verify(adapter_for(m).start(ids[:, :1]), ids[:, 1:]) for m in (model, flare_model)]
     assert mx.allclose(same[0], same[1], atol=1e-5)  # (the same weights under FLARE's names)
     mld.install()
     try:
-        assert type(mlx_lm.load(str(path))[0]).__module__ == "model_adapters.qwen3_5_diffusion"
+        assert type(mlx_lm.load(str(path))[0]).__module__ == "model_adapters.families.qwen3_5_diffusion"
         assert type(mlx_lm.load(str(path.parent / "tied-ar"))[0]) is qwen3_5.Model
     finally:
         mld.uninstall()
@@ -301,7 +301,7 @@ def test_convert_and_quantize_keep_it_the_family(checkpoints, tmp_path):
     """The MLX copy keeps the source's config (qwen3_5_text) and its sidecar, reloads as the
     family and decodes the same tokens; a 4-bit copy loads and decodes."""
     path, pair, _ = checkpoints["tied"]
-    check_converted_copies(path, pair, tmp_path, "model_adapters.qwen3_5_diffusion")
+    check_converted_copies(path, pair, tmp_path, "model_adapters.families.qwen3_5_diffusion")
     assert json.loads((tmp_path / "mlx" / "config.json").read_text())["model_type"] == "qwen3_5_text"
     assert (tmp_path / "q4" / "block_diffusion.json").exists()
 

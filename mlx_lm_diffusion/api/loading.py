@@ -85,7 +85,7 @@ def load(
     code? [y/N]") nor waits. A `trust_remote_code` in `tokenizer_config` wins.
 
     With `autoregressive=True` any mlx-lm causal LM loads too and is decoded through
-    the "ar" adapter (a degenerate diffusion model: model_adapters.ar).
+    the "ar" adapter (a degenerate diffusion model: model_adapters.families.ar).
 
     The checkpoint's generation_config.json gives the decoding defaults for what a call
     leaves unset (block_length, steps, strategy, max_new_tokens, ...), over the family's

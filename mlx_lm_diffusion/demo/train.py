@@ -57,7 +57,7 @@ from mlx_lm_diffusion.demo.problems import (
 )
 from mlx_lm_diffusion.demo.vocab import EOS_ID, MASK_ID, VOCAB_SIZE, write_tokenizer
 from mlx_lm_diffusion.flags import one_line_errors
-from model_adapters import llada
+from model_adapters.families import llada
 
 MASK_EPS = 1e-3  # LLaDA's minimum mask probability
 

@@ -14,7 +14,7 @@ decode stops after a block holding the end token. `steps` counts the denoising s
 reference's `steps_per_block` does, so a block costs steps + 1 forwards (SGLang's port counts
 the readout inside its steps: its nfe8 is 7 + 1).
 
-The presets (nfe4 / nfe8 / nfe32) are the family's (model_adapters.lfm2_diffusion). The
+The presets (nfe4 / nfe8 / nfe32) are the family's (model_adapters.families.lfm2_diffusion). The
 sampler of a request is not used: DUO draws from its own posterior at the annealed
 temperatures ("do not decode greedily", the reference's README). Commit rules, schedules,
 temperature schedules, editing and logits processors are refused.

@@ -31,7 +31,7 @@ with a residual resample, thuEcstasy/I-DLM `idlm_blockN.py`, which needs the pro
 probabilities that an mlx-lm sampler does not expose): a draft drawn from q is kept with
 probability sum_x q(x) p(x) rather than sum_x min(p(x), q(x)).
 
-Trida2.0 / FLARE (model_adapters.qwen3_5_diffusion: the Qwen3.5 hybrid) decode with these rounds
+Trida2.0 / FLARE (model_adapters.families.qwen3_5_diffusion: the Qwen3.5 hybrid) decode with these rounds
 too. Their mask rows see the whole window and read the gated-delta state at its end, so each
 round's request says which leading rows are the causal ones (`Verify.clean`: the pending token
 and the drafts; every row in a cold round, as trillion-labs/trida-stack's `selfspec_generate`).
