@@ -41,8 +41,7 @@ def main():
             cfg = json.loads((path / "config.json").read_text())
             model, tok = mld.load(str(path), autoregressive=True)
             ref = lambda: [r.token for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=TOKENS)]
-            ours = lambda: [r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=TOKENS,
-                                                                 block_length=1)]
+            ours = lambda: [r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=TOKENS, block_length=1)]
             ref(), ours()  # warm up
             # back-to-back pairs, the median of their ratios: the machine drifts between pairs
             runs = [(timed(ref), timed(ours)) for _ in range(PAIRS)]
@@ -50,9 +49,11 @@ def main():
             t_ref, t_ours = min(r[0] for r, _ in runs), min(o[0] for _, o in runs)
             same = all(r[1] == o[1] for r, o in runs)
             n = len(runs[0][0][1])
-            print(f"{model_type:8} {cfg['vocab_size']:6} {n / t_ref:13.1f} {n / t_ours:9.1f} {ratio:6.2f} "
-                  f"{t_ours / t_ref:5.2f} {same}"
-                  f"   ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']})")
+            print(
+                f"{model_type:8} {cfg['vocab_size']:6} {n / t_ref:13.1f} {n / t_ours:9.1f} {ratio:6.2f} "
+                f"{t_ours / t_ref:5.2f} {same}"
+                f"   ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']})"
+            )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def decode(model, tok, max_tokens, **options):
     last = None
     for last in Engine(adapter, resolved, keep_logprobs=False).run(mx.array([PROMPT])):
         pass
-    return time.perf_counter() - tic, last.forwards, last.canvas[0, len(PROMPT):]
+    return time.perf_counter() - tic, last.forwards, last.canvas[0, len(PROMPT) :]
 
 
 def cache_table(models, lengths, repeats):
@@ -66,8 +66,11 @@ def cache_table(models, lengths, repeats):
             base = statistics.median(times[None])
             for mode, walls in times.items():
                 wall = statistics.median(walls)
-                print(f"{name:6} {n:6d} {str(mode):>7} {forwards[mode]:8d} {n / wall:8.1f} {base / wall:7.2f}x"
-                      f" {1000 * wall / n:9.2f}", flush=True)
+                print(
+                    f"{name:6} {n:6d} {str(mode):>7} {forwards[mode]:8d} {n / wall:8.1f} {base / wall:7.2f}x"
+                    f" {1000 * wall / n:9.2f}",
+                    flush=True,
+                )
             assert len(set(forwards.values())) == 1, forwards
 
 
@@ -83,24 +86,37 @@ def peer_table(path, dream_dir, model, tok, lengths, repeats):
     prompt = mx.array([PROMPT])
 
     def run_peer(n, threshold):
-        config = DreamGenerationConfig(max_length=len(PROMPT) + n, steps=n, block_length=BLOCK, threshold=threshold,
-                                       temperature=0.0, dual_cache=True, mask_token_id=MASK_ID)
+        config = DreamGenerationConfig(
+            max_length=len(PROMPT) + n,
+            steps=n,
+            block_length=BLOCK,
+            threshold=threshold,
+            temperature=0.0,
+            dual_cache=True,
+            mask_token_id=MASK_ID,
+        )
         peer_model.forwards = 0
         tic = time.perf_counter()
         out = diffusion_generate_step(prompt, peer_model, config)
         mx.eval(out)
         wall = time.perf_counter() - tic
-        assert MASK_ID not in out[0, len(PROMPT):].tolist(), "the peer left masks"
+        assert MASK_ID not in out[0, len(PROMPT) :].tolist(), "the peer left masks"
         return wall, peer_model.forwards
 
-    print(f"\nDream (vocabulary {vocab}), dual cache, block {BLOCK}, greedy: this project vs "
-          f"MacPaw/Fast-dLLM-mlx ({path})")
-    print(f"{'tokens':>6} {'rule':>22} {'ours tok/s':>10} {'fwd/tok':>8} {'peer tok/s':>10} {'fwd/tok':>8}"
-          f" {'ours/peer':>9}")
+    print(
+        f"\nDream (vocabulary {vocab}), dual cache, block {BLOCK}, greedy: this project vs "
+        f"MacPaw/Fast-dLLM-mlx ({path})"
+    )
+    print(
+        f"{'tokens':>6} {'rule':>22} {'ours tok/s':>10} {'fwd/tok':>8} {'peer tok/s':>10} {'fwd/tok':>8}"
+        f" {'ours/peer':>9}"
+    )
     # one token per forward: the most confident commits (the peer: a threshold above 1, its
     # force-one; here the quota rule, one per step, ranked by probability, not Dream's entropy)
-    settings = [("threshold 0.9", dict(threshold=0.9), 0.9),
-                ("one token per forward", dict(strategy="low_confidence"), 1.01)]
+    settings = [
+        ("threshold 0.9", dict(threshold=0.9), 0.9),
+        ("one token per forward", dict(strategy="low_confidence"), 1.01),
+    ]
     for n in lengths:
         for label, ours, peer_threshold in settings:
             decode(model, tok, n, cache="dual", **ours)
@@ -112,8 +128,11 @@ def peer_table(path, dream_dir, model, tok, lengths, repeats):
                 peer_wall, peer_forwards = run_peer(n, peer_threshold)
                 theirs.append(peer_wall)
             a, b = min(mine), min(theirs)  # (interleaved; a shared machine's load only adds time)
-            print(f"{n:6d} {label:>22} {n / a:10.1f} {forwards / n:8.2f} {n / b:10.1f} {peer_forwards / n:8.2f}"
-                  f" {b / a:8.2f}x", flush=True)
+            print(
+                f"{n:6d} {label:>22} {n / a:10.1f} {forwards / n:8.2f} {n / b:10.1f} {peer_forwards / n:8.2f}"
+                f" {b / a:8.2f}x",
+                flush=True,
+            )
 
 
 def _peer_ready(dream: Path) -> None:
@@ -148,8 +167,13 @@ def main():
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 512])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peer", type=Path, default=None, help="checkout of MacPaw/Fast-dLLM-mlx")
-    parser.add_argument("--peer-vocabs", type=int, nargs="+", default=[VOCAB, 32768],
-                        help="vocabulary sizes of the Dream checkpoints the peer comparison runs on")
+    parser.add_argument(
+        "--peer-vocabs",
+        type=int,
+        nargs="+",
+        default=[VOCAB, 32768],
+        help="vocabulary sizes of the Dream checkpoints the peer comparison runs on",
+    )
     parser.add_argument("--peer-only", action="store_true", help="skip the cache table")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -40,7 +40,7 @@ def engine_decode(model, tok, use_cache, **options):
     for last in Engine(adapter, resolved, keep_logprobs=False).run(mx.array([PROMPT])):
         pass
     seconds = time.perf_counter() - tic
-    return seconds, last.canvas[0, len(PROMPT):].tolist(), last.forwards
+    return seconds, last.canvas[0, len(PROMPT) :].tolist(), last.forwards
 
 
 def side_by_side(first, second, repeats=REPEATS):
@@ -63,8 +63,9 @@ def vlm_model(path: Path):
 
 def vlm_decode(model):
     tic = time.perf_counter()
-    out = model.language_model.generate(mx.array([PROMPT]), block_length=32, steps=32, gen_length=GEN,
-                                        threshold=0.95, eos_id=-1, mask_id=LLADA2_MASK)
+    out = model.language_model.generate(
+        mx.array([PROMPT]), block_length=32, steps=32, gen_length=GEN, threshold=0.95, eos_id=-1, mask_id=LLADA2_MASK
+    )
     mx.eval(out)
     return time.perf_counter() - tic, out[0].tolist()
 
@@ -103,7 +104,9 @@ def main():
     print(f"cache speedup, {GEN} generated tokens, prompt {len(PROMPT)} tokens, micro models {SIZE}")
     print(f"{'model':7} {'options':32} {'forwards':>8} {'no cache s':>10} {'cache s':>8} {'speedup':>8} {'same':>5}")
     for name, options, forwards, plain, cached, same in cache_rows:
-        print(f"{name:7} {str(options):32} {forwards:8d} {plain:10.3f} {cached:8.3f} {plain / cached:8.2f} {str(same):>5}")
+        print(
+            f"{name:7} {str(options):32} {forwards:8d} {plain:10.3f} {cached:8.3f} {plain / cached:8.2f} {str(same):>5}"
+        )
     print()
     print("LLaDA2 against mlx-vlm's generate (block 32, 32 steps, threshold 0.95, same checkpoint)")
     print(f"{'forwards':>8} {'ours tok/s':>10} {'mlx-vlm tok/s':>13} {'ratio':>6} {'same tokens':>11}")

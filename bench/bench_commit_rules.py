@@ -26,8 +26,10 @@ SETTINGS = [
     *[("quota (low_confidence)", f"steps={s}", dict(steps=s)) for s in (5, 4, 3, 2, 1)],
     *[("threshold", f"threshold={t}", dict(threshold=t)) for t in (0.95, 0.9, 0.8, 0.7, 0.6, 0.5)],
     *[("factor", f"factor={f}", dict(strategy="factor", factor=f)) for f in (0.25, 0.5, 1.0, 2.0, 4.0)],
-    *[("entropy bound", f"bound={e}", dict(strategy="entropy_bound", entropy_bound=e))
-      for e in (0.01, 0.1, 0.35, 1.0, 2.0)],
+    *[
+        ("entropy bound", f"bound={e}", dict(strategy="entropy_bound", entropy_bound=e))
+        for e in (0.01, 0.1, 0.35, 1.0, 2.0)
+    ],
 ]
 
 
@@ -38,15 +40,19 @@ def run(problems: int):
     rows = []
     for family, label, options in SETTINGS:
         r = evaluate(model, tokenizer, pairs, **options)
-        rows.append((family, label, r.accuracy, r.tokens_per_forward,
-                     float(sum(r.forwards)) / len(pairs), r.tokens_per_second))
+        rows.append(
+            (family, label, r.accuracy, r.tokens_per_forward, float(sum(r.forwards)) / len(pairs), r.tokens_per_second)
+        )
     return rows
 
 
 def table(rows, problems: int) -> str:
     head = f"{'rule':<24}{'setting':<16}{'exact match':>12}{'tok/forward':>13}{'fwd/problem':>13}{'tok/s':>9}"
-    lines = [f"demo model, {problems} held-out problems, greedy, max_tokens = block = {DEMO_MAX_TOKENS}",
-             head, "-" * len(head)]
+    lines = [
+        f"demo model, {problems} held-out problems, greedy, max_tokens = block = {DEMO_MAX_TOKENS}",
+        head,
+        "-" * len(head),
+    ]
     for family, label, acc, tpf, fpp, tps in rows:
         lines.append(f"{family:<24}{label:<16}{acc:>12.3f}{tpf:>13.2f}{fpp:>13.2f}{tps:>9.0f}")
     return "\n".join(lines)
@@ -63,8 +69,7 @@ def plot(rows, path: Path) -> None:
         pts = [r for r in rows if r[0] == family]
         ax.plot([r[3] for r in pts], [r[2] for r in pts], marker="o", label=family)
         for r in pts:
-            ax.annotate(r[1].split("=")[1], (r[3], r[2]), fontsize=7, xytext=(3, 3),
-                        textcoords="offset points")
+            ax.annotate(r[1].split("=")[1], (r[3], r[2]), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel("tokens per forward (answer + EOS)")
     ax.set_ylabel("held-out exact match")
     ax.set_title("Commit rules on the demo adder: accuracy vs parallelism")

@@ -45,8 +45,9 @@ def decode(model, tok, prompt, schema, constrained, options, seed):
     processors = [json_schema_processor(tok, model.vocab_size, schema)] if constrained else []
     sampler = make_sampler(1.0) if options.get("sampled") else None
     fields = {k: v for k, v in options.items() if k != "sampled"}
-    out = list(mld.stream_generate(model, tok, prompt, logits_processors=processors, sampler=sampler,
-                                   seed=seed, **fields))
+    out = list(
+        mld.stream_generate(model, tok, prompt, logits_processors=processors, sampler=sampler, seed=seed, **fields)
+    )
     text = "".join(r.text for r in out)
     try:
         jsonschema.validate(json.loads(text), schema)
@@ -74,12 +75,33 @@ def run(decodes: int):
     cases = [
         ("demo", demo_model, demo_tok, demo_prompts, DEMO_SCHEMA, "defaults", dict(max_tokens=5)),
         ("demo", demo_model, demo_tok, demo_prompts, DEMO_SCHEMA, "threshold 0.9", dict(max_tokens=5, threshold=0.9)),
-        ("micro", micro_model, micro_tok, micro_prompts, MICRO_SCHEMA, "block 16, threshold 0.9",
-         dict(max_tokens=64, block_length=16, threshold=0.9)),
-        ("micro", micro_model, micro_tok, micro_prompts, MICRO_SCHEMA, "block 16, threshold 0.3",
-         dict(max_tokens=64, block_length=16, threshold=0.3)),
-        ("micro", micro_model, micro_tok, micro_prompts, MICRO_SCHEMA, "block 16, thr 0.3, sampled",
-         dict(max_tokens=64, block_length=16, threshold=0.3, sampled=True)),
+        (
+            "micro",
+            micro_model,
+            micro_tok,
+            micro_prompts,
+            MICRO_SCHEMA,
+            "block 16, threshold 0.9",
+            dict(max_tokens=64, block_length=16, threshold=0.9),
+        ),
+        (
+            "micro",
+            micro_model,
+            micro_tok,
+            micro_prompts,
+            MICRO_SCHEMA,
+            "block 16, threshold 0.3",
+            dict(max_tokens=64, block_length=16, threshold=0.3),
+        ),
+        (
+            "micro",
+            micro_model,
+            micro_tok,
+            micro_prompts,
+            MICRO_SCHEMA,
+            "block 16, thr 0.3, sampled",
+            dict(max_tokens=64, block_length=16, threshold=0.3, sampled=True),
+        ),
     ]
     for _, model, tok, prompts, schema, _, options in cases[::2]:  # warm up compiles and the tokenizers
         measure(model, tok, prompts[:2], schema, options, True)
@@ -92,12 +114,16 @@ def run(decodes: int):
 
 
 def table(rows, decodes: int) -> str:
-    head = (f"{'model':<7}{'setting':<28}{'tok/fwd free':>13}{'tok/fwd json':>13}"
-            f"{'tok/s free':>12}{'tok/s json':>12}{'valid free':>11}{'valid json':>11}")
+    head = (
+        f"{'model':<7}{'setting':<28}{'tok/fwd free':>13}{'tok/fwd json':>13}"
+        f"{'tok/s free':>12}{'tok/s json':>12}{'valid free':>11}{'valid json':>11}"
+    )
     lines = [f"{decodes} decodes per cell (same prompts and seeds); greedy unless 'sampled'", head, "-" * len(head)]
     for name, label, free, bound in rows:
-        lines.append(f"{name:<7}{label:<28}{free[0]:>13.2f}{bound[0]:>13.2f}{free[1]:>12.0f}{bound[1]:>12.0f}"
-                     f"{free[2]:>11.2f}{bound[2]:>11.2f}")
+        lines.append(
+            f"{name:<7}{label:<28}{free[0]:>13.2f}{bound[0]:>13.2f}{free[1]:>12.0f}{bound[1]:>12.0f}"
+            f"{free[2]:>11.2f}{bound[2]:>11.2f}"
+        )
     return "\n".join(lines)
 
 

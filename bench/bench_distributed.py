@@ -37,8 +37,19 @@ REPEATS = 5
 PROMPT = list(range(40, 72))
 MODELS = {
     "llada (dense)": lambda p: write_llada(p, d_model=512, n_layers=4, n_heads=8, n_kv_heads=8, mlp=1536, max_len=1024),
-    "llada2 (MoE)": lambda p: write_llada2(p, hidden=512, n_layers=4, n_heads=8, n_kv_heads=4, inter=1536,
-                                           moe_inter=256, n_experts=16, top_k=4, n_group=1, topk_group=1),
+    "llada2 (MoE)": lambda p: write_llada2(
+        p,
+        hidden=512,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        inter=1536,
+        moe_inter=256,
+        n_experts=16,
+        top_k=4,
+        n_group=1,
+        topk_group=1,
+    ),
 }
 
 
@@ -75,8 +86,15 @@ def measure(path: str, group) -> dict:
     forward = _best(lambda: mx.eval(model(canvas)))
     comm = _collectives(model, group) if group is not None else 0.0
     tokens, forwards = engine_decode(model, tokenizer, PROMPT, max_tokens=32, block_length=32, threshold=0.9)
-    return {"bytes": parameter_bytes(model), "active": active, "peak": mx.get_peak_memory(),
-            "forward": forward, "comm": comm, "tokens": tokens, "forwards": forwards}
+    return {
+        "bytes": parameter_bytes(model),
+        "active": active,
+        "peak": mx.get_peak_memory(),
+        "forward": forward,
+        "comm": comm,
+        "tokens": tokens,
+        "forwards": forwards,
+    }
 
 
 def rank_main(paths: dict, out: Path) -> None:
@@ -96,8 +114,23 @@ def main() -> None:
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         env = dict(os.environ, PYTHONPATH=path)
         launch = Path(sys.executable).with_name("mlx.launch")
-        subprocess.run([str(launch), "--backend", "ring", "-n", "2", "--python", sys.executable, __file__,
-                        str(tmp / "paths.json"), str(tmp)], env=env, check=True, timeout=1200)
+        subprocess.run(
+            [
+                str(launch),
+                "--backend",
+                "ring",
+                "-n",
+                "2",
+                "--python",
+                sys.executable,
+                __file__,
+                str(tmp / "paths.json"),
+                str(tmp),
+            ],
+            env=env,
+            check=True,
+            timeout=1200,
+        )
         ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in (0, 1)]
     report(single, ranks)
 
@@ -105,16 +138,22 @@ def main() -> None:
 def report(single: dict, ranks: list) -> None:
     mb = 1 / 2**20
     print(f"canvas {CANVAS} tokens per forward, fp32, ring backend over 127.0.0.1, both ranks on this machine")
-    print(f"{'model':15} {'ranks':>5} {'params MB/rank':>14} {'active MB':>9} {'peak MB':>8} "
-          f"{'forward ms':>10} {'collectives ms':>14} {'same tokens':>11}")
+    print(
+        f"{'model':15} {'ranks':>5} {'params MB/rank':>14} {'active MB':>9} {'peak MB':>8} "
+        f"{'forward ms':>10} {'collectives ms':>14} {'same tokens':>11}"
+    )
     for name, one in single.items():
-        print(f"{name:15} {1:5} {one['bytes'] * mb:14.1f} {one['active'] * mb:9.1f} {one['peak'] * mb:8.1f} "
-              f"{one['forward'] * 1e3:10.1f} {'-':>14} {'-':>11}")
+        print(
+            f"{name:15} {1:5} {one['bytes'] * mb:14.1f} {one['active'] * mb:9.1f} {one['peak'] * mb:8.1f} "
+            f"{one['forward'] * 1e3:10.1f} {'-':>14} {'-':>11}"
+        )
         for r, rank in enumerate(ranks):
             two = rank[name]
             same = two["tokens"] == one["tokens"] and two["forwards"] == one["forwards"]
-            print(f"{'':15} {'2:' + str(r):>5} {two['bytes'] * mb:14.1f} {two['active'] * mb:9.1f} "
-                  f"{two['peak'] * mb:8.1f} {two['forward'] * 1e3:10.1f} {two['comm'] * 1e3:14.1f} {str(same):>11}")
+            print(
+                f"{'':15} {'2:' + str(r):>5} {two['bytes'] * mb:14.1f} {two['active'] * mb:9.1f} "
+                f"{two['peak'] * mb:8.1f} {two['forward'] * 1e3:10.1f} {two['comm'] * 1e3:14.1f} {str(same):>11}"
+            )
 
 
 if __name__ == "__main__":

@@ -172,8 +172,14 @@ def plain_loop(model, tok, options: dict) -> tuple:
             scores = -entropy if o.rule.name == "entropy" else prob
             mx.eval(x0, scores)  # (one wait for both: read one by one, the second waits again)
             x0, scores = np.array(x0[0]), np.array(scores[0])
-            k = step_counts(o.rule.name, first_masks if o.rule.name == "low_confidence" else n, o.steps, step,
-                            scores, o.rule.threshold if o.rule.name == "threshold" else None)
+            k = step_counts(
+                o.rule.name,
+                first_masks if o.rule.name == "low_confidence" else n,
+                o.steps,
+                step,
+                scores,
+                o.rule.threshold if o.rule.name == "threshold" else None,
+            )
             chosen = np.argsort(-scores, kind="stable")[:k]  # (first position on ties)
             host[0, start + open_[chosen]] = x0[chosen]
         prefix = host[0, P:end]
@@ -189,8 +195,9 @@ def plain_seconds(model, tok, options, tokens, forwards) -> float:
     loop_tokens, loop_forwards = plain_loop(model, tok, options)
     seconds = time.perf_counter() - tic
     if loop_tokens[: len(tokens)] != tokens or loop_forwards != forwards:
-        raise AssertionError(f"the plain loop differs from the engine ({options}): "
-                             f"{loop_forwards} forwards against {forwards}")
+        raise AssertionError(
+            f"the plain loop differs from the engine ({options}): {loop_forwards} forwards against {forwards}"
+        )
     return seconds
 
 
@@ -226,12 +233,22 @@ def main():
     parser.add_argument("--vocabs", type=int, nargs="*", default=[288, 32768])
     parser.add_argument("--repeats", type=int, default=5, help="decode / bare pairs per case (the median is shown)")
     parser.add_argument("--tokens", type=int, default=GEN, help="tokens per decode (Dream's whole canvas)")
-    parser.add_argument("--wide-vocabs", type=int, nargs="*", default=[],
-                        help="also these vocabularies with a wider hidden size, 2 layers (see the docstring)")
+    parser.add_argument(
+        "--wide-vocabs",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also these vocabularies with a wider hidden size, 2 layers (see the docstring)",
+    )
     parser.add_argument("--wide-hidden", type=int, default=WIDE_HIDDEN, help="the hidden size of --wide-vocabs")
-    parser.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES),
-                        help="the cases to run (default: all): LLaDA block 32, LLaDA threshold 0.9, "
-                             "Dream's whole canvas, Dream block 32")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        choices=list(CASES),
+        default=list(CASES),
+        help="the cases to run (default: all): LLaDA block 32, LLaDA threshold 0.9, "
+        "Dream's whole canvas, Dream block 32",
+    )
     args = parser.parse_args()
     if args.tokens != GEN:
         set_tokens(args.tokens)
@@ -242,25 +259,46 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for vocab, hidden, mlp, size in models:
             writers = {
-                "LLaDA": lambda: write_llada(Path(tmp) / f"llada{vocab}-{hidden}", d_model=hidden, mlp=mlp,
-                                             vocab=vocab, **size),
-                "Dream": lambda: write_dream(Path(tmp) / f"dream{vocab}-{hidden}", hidden=hidden, inter=mlp,
-                                             vocab=vocab, **size),
+                "LLaDA": lambda: write_llada(
+                    Path(tmp) / f"llada{vocab}-{hidden}", d_model=hidden, mlp=mlp, vocab=vocab, **size
+                ),
+                "Dream": lambda: write_dream(
+                    Path(tmp) / f"dream{vocab}-{hidden}", hidden=hidden, inter=mlp, vocab=vocab, **size
+                ),
             }
             # (only the families the cases decode)
             loaded = {name: mld.load(str(writers[name]())) for name in dict.fromkeys(name for name, *_ in cases)}
             for name, options, block in cases:
                 ratio, whole, plain, wall, tokens, forwards, gathered = measure(
-                    name, *loaded[name], options, block, args.repeats)
-                rows.append((vocab, hidden, size["n_layers"], name, options, tokens, forwards, gathered, wall, ratio,
-                             whole, plain))
+                    name, *loaded[name], options, block, args.repeats
+                )
+                rows.append(
+                    (
+                        vocab,
+                        hidden,
+                        size["n_layers"],
+                        name,
+                        options,
+                        tokens,
+                        forwards,
+                        gathered,
+                        wall,
+                        ratio,
+                        whole,
+                        plain,
+                    )
+                )
                 print(".", end="", flush=True, file=sys.stderr)
     print(file=sys.stderr)
-    print(f"{'vocab':>6} {'hidden':>6} {'layers':>6} {'model':6} {'options':36} {'tokens':>6} {'fwd/tok':>8}"
-          f" {'gathered':>8} {'tok/s':>8} {'overhead':>8} {'vs block fwd':>12} {'vs plain loop':>13}")
+    print(
+        f"{'vocab':>6} {'hidden':>6} {'layers':>6} {'model':6} {'options':36} {'tokens':>6} {'fwd/tok':>8}"
+        f" {'gathered':>8} {'tok/s':>8} {'overhead':>8} {'vs block fwd':>12} {'vs plain loop':>13}"
+    )
     for vocab, hidden, layers, name, options, tokens, forwards, gathered, wall, ratio, whole, plain in rows:
-        print(f"{vocab:6d} {hidden:6d} {layers:6d} {name:6} {str(options):36} {tokens:6d} {forwards / tokens:8.2f}"
-              f" {gathered:8d} {tokens / wall:8.1f} {ratio:8.3f} {whole:12.3f} {plain:13.3f}")
+        print(
+            f"{vocab:6d} {hidden:6d} {layers:6d} {name:6} {str(options):36} {tokens:6d} {forwards / tokens:8.2f}"
+            f" {gathered:8d} {tokens / wall:8.1f} {ratio:8.3f} {whole:12.3f} {plain:13.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,12 @@ def free_port() -> int:
 def first_request(cache: str) -> float:
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": cache, "HF_HUB_OFFLINE": "1"}
-    server = subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm_diffusion.server", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(1200):
             try:
@@ -61,8 +65,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         cold = first_request(cache)
         warm = first_request(cache)
-    print(f"first request of a fresh server: cold kernel cache {cold:.2f} s, warm (the previous start's) "
-          f"{warm:.2f} s ({cold / warm:.1f}x)")
+    print(
+        f"first request of a fresh server: cold kernel cache {cold:.2f} s, warm (the previous start's) "
+        f"{warm:.2f} s ({cold / warm:.1f}x)"
+    )
 
 
 if __name__ == "__main__":

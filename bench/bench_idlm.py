@@ -20,8 +20,13 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 def main():
-    race([("random", lambda p: write_idlm(p, **SIZE)), ("forced", lambda p: write_idlm(p, forced=100, **SIZE))],
-         idlm_as_qwen3, "I-DLM", PROMPT, pairs=7)
+    race(
+        [("random", lambda p: write_idlm(p, **SIZE)), ("forced", lambda p: write_idlm(p, forced=100, **SIZE))],
+        idlm_as_qwen3,
+        "I-DLM",
+        PROMPT,
+        pairs=7,
+    )
 
 
 if __name__ == "__main__":

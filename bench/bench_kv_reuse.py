@@ -31,8 +31,10 @@ import time
 from pathlib import Path
 
 SIZE = dict(hidden=256, n_layers=4, n_heads=8, n_kv_heads=4)
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
-         "boxing matches near the old harbour and count every cloud ").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly judge "
+    "boxing matches near the old harbour and count every cloud "
+).split()
 
 
 def text(n_words: int, seed: int) -> str:
@@ -52,9 +54,17 @@ def conversation(tokenizer, history: int) -> list:
 def stream(port: int, messages: list, max_tokens: int) -> dict:
     """One streamed chat request: seconds to the first draft (first forward), to the first
     token and to the end; the text; the cached tokens usage reports."""
-    body = json.dumps({"model": "default_model", "messages": messages, "stream": True, "drafts": True,
-                       "max_tokens": max_tokens, "temperature": 0,
-                       "stream_options": {"include_usage": True}})
+    body = json.dumps(
+        {
+            "model": "default_model",
+            "messages": messages,
+            "stream": True,
+            "drafts": True,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+    )
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     out = {"first_draft": None, "first_token": None, "text": "", "cached": None}
     tic = time.perf_counter()
@@ -100,9 +110,18 @@ def library_turn(model, tokenizer, lru, ids: list, max_tokens: int) -> dict:
     def on_step(step):
         out["first_step"] = out["first_step"] or time.perf_counter() - tic
 
-    tokens = [r.token for r in compat.stream_generate(
-        model, tokenizer, rest, max_tokens=max_tokens, prompt_cache=cache, draft_callback=on_step,
-        cached_tokens_callback=out["cached"].append)]
+    tokens = [
+        r.token
+        for r in compat.stream_generate(
+            model,
+            tokenizer,
+            rest,
+            max_tokens=max_tokens,
+            prompt_cache=cache,
+            draft_callback=on_step,
+            cached_tokens_callback=out["cached"].append,
+        )
+    ]
     out["total"] = time.perf_counter() - tic
     lru.insert_cache("m", ids + tokens, cache)
     out["tokens"], out["cached"] = tokens, out["cached"][0]
@@ -127,7 +146,9 @@ def library_second_turn(path: Path, history: int, max_tokens: int, repeats: int)
         library_turn(model, tokenizer, lru, first, max_tokens)  # the first turn leaves its KV
         runs["reuse"].append(library_turn(model, tokenizer, lru, turn, max_tokens))
     same = len({tuple(r["tokens"]) for rs in runs.values() for r in rs}) == 1
-    med = {f"lib_{m}_{k}": statistics.median(r[k] for r in rs) for m, rs in runs.items() for k in ("first_step", "total")}
+    med = {
+        f"lib_{m}_{k}": statistics.median(r[k] for r in rs) for m, rs in runs.items() for k in ("first_step", "total")
+    }
     return {"lib_prompt": len(turn), "lib_cached": runs["reuse"][0]["cached"], "lib_same_tokens": same, **med}
 
 
@@ -137,8 +158,9 @@ def second_turn(name: str, path: Path, history: int, max_tokens: int, repeats: i
     from mlx_lm_diffusion.serving import startup as server
 
     tokenizer = mld.load(str(path))[1]
-    args = server.parse_args(["--model", str(path), "--port", "0", "--max-tokens", str(max_tokens),
-                              "--log-level", "WARNING", *flags])
+    args = server.parse_args(
+        ["--model", str(path), "--port", "0", "--max-tokens", str(max_tokens), "--log-level", "WARNING", *flags]
+    )
     httpd, generator = server.start(args)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -167,12 +189,19 @@ def second_turn(name: str, path: Path, history: int, max_tokens: int, repeats: i
         httpd.server_close()
         generator.stop_and_join()
         mld.uninstall()
-    med = {mode: {k: statistics.median(r[k] for r in rs) for k in ("first_draft", "first_token", "total")}
-           for mode, rs in runs.items()}
+    med = {
+        mode: {k: statistics.median(r[k] for r in rs) for k in ("first_draft", "first_token", "total")}
+        for mode, rs in runs.items()
+    }
     texts = {r["text"] for rs in runs.values() for r in rs}
-    return {"model": name, "prompt_tokens": runs["cold"][0]["prompt"],
-            "cached_cold": runs["cold"][0]["cached"], "cached_reuse": runs["reuse"][0]["cached"],
-            "same_text": len(texts) == 1, **{f"{m}_{k}": v for m, d in med.items() for k, v in d.items()}}
+    return {
+        "model": name,
+        "prompt_tokens": runs["cold"][0]["prompt"],
+        "cached_cold": runs["cold"][0]["cached"],
+        "cached_reuse": runs["reuse"][0]["cached"],
+        "same_text": len(texts) == 1,
+        **{f"{m}_{k}": v for m, d in med.items() for k, v in d.items()},
+    }
 
 
 def main(argv=None) -> int:
@@ -199,28 +228,44 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = writers[name](Path(tmp) / name)
-            rows.append({**second_turn(name, path, args.history, args.max_tokens, args.repeats),
-                         **library_second_turn(path, args.history, args.max_tokens, args.repeats)})
+            rows.append(
+                {
+                    **second_turn(name, path, args.history, args.max_tokens, args.repeats),
+                    **library_second_turn(path, args.history, args.max_tokens, args.repeats),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
 
-    print(f"\nsecond chat turn, ~{args.history}-token history, {args.max_tokens} new tokens, micro models {SIZE}, "
-          f"median of {args.repeats}")
-    print("library (compat.stream_generate over mlx-lm's LRUPromptCache, no HTTP): prefill = call -> first forward's step")
-    print(f"{'model':9} {'prompt':>6} {'cached':>6} {'prefill cold':>12} {'reuse':>7} {'ratio':>6} "
-          f"{'total cold':>10} {'reuse':>7} {'ratio':>6} {'same':>5}")
+    print(
+        f"\nsecond chat turn, ~{args.history}-token history, {args.max_tokens} new tokens, micro models {SIZE}, "
+        f"median of {args.repeats}"
+    )
+    print(
+        "library (compat.stream_generate over mlx-lm's LRUPromptCache, no HTTP): prefill = call -> first forward's step"
+    )
+    print(
+        f"{'model':9} {'prompt':>6} {'cached':>6} {'prefill cold':>12} {'reuse':>7} {'ratio':>6} "
+        f"{'total cold':>10} {'reuse':>7} {'ratio':>6} {'same':>5}"
+    )
     for r in rows:
-        print(f"{r['model']:9} {r['lib_prompt']:6d} {r['lib_cached']:6d} {r['lib_cold_first_step']:12.3f} "
-              f"{r['lib_reuse_first_step']:7.3f} {r['lib_reuse_first_step'] / r['lib_cold_first_step']:6.2f} "
-              f"{r['lib_cold_total']:10.3f} {r['lib_reuse_total']:7.3f} {r['lib_reuse_total'] / r['lib_cold_total']:6.2f} "
-              f"{str(r['lib_same_tokens']):>5}")
+        print(
+            f"{r['model']:9} {r['lib_prompt']:6d} {r['lib_cached']:6d} {r['lib_cold_first_step']:12.3f} "
+            f"{r['lib_reuse_first_step']:7.3f} {r['lib_reuse_first_step'] / r['lib_cold_first_step']:6.2f} "
+            f"{r['lib_cold_total']:10.3f} {r['lib_reuse_total']:7.3f} {r['lib_reuse_total'] / r['lib_cold_total']:6.2f} "
+            f"{str(r['lib_same_tokens']):>5}"
+        )
     print("server (openai-style SSE with drafts): prefill = request sent -> first draft; ttft; total")
-    print(f"{'model':9} {'prompt':>6} {'cached':>6} {'prefill cold':>12} {'reuse':>7} {'ratio':>6} "
-          f"{'ttft cold':>9} {'reuse':>7} {'total cold':>10} {'reuse':>7} {'ratio':>6} {'same':>5}")
+    print(
+        f"{'model':9} {'prompt':>6} {'cached':>6} {'prefill cold':>12} {'reuse':>7} {'ratio':>6} "
+        f"{'ttft cold':>9} {'reuse':>7} {'total cold':>10} {'reuse':>7} {'ratio':>6} {'same':>5}"
+    )
     for r in rows:
-        print(f"{r['model']:9} {r['prompt_tokens']:6d} {r['cached_reuse']:6d} {r['cold_first_draft']:12.3f} "
-              f"{r['reuse_first_draft']:7.3f} {r['reuse_first_draft'] / r['cold_first_draft']:6.2f} "
-              f"{r['cold_first_token']:9.3f} {r['reuse_first_token']:7.3f} {r['cold_total']:10.3f} "
-              f"{r['reuse_total']:7.3f} {r['reuse_total'] / r['cold_total']:6.2f} {str(r['same_text']):>5}")
+        print(
+            f"{r['model']:9} {r['prompt_tokens']:6d} {r['cached_reuse']:6d} {r['cold_first_draft']:12.3f} "
+            f"{r['reuse_first_draft']:7.3f} {r['reuse_first_draft'] / r['cold_first_draft']:6.2f} "
+            f"{r['cold_first_token']:9.3f} {r['reuse_first_token']:7.3f} {r['cold_total']:10.3f} "
+            f"{r['reuse_total']:7.3f} {r['reuse_total'] / r['cold_total']:6.2f} {str(r['same_text']):>5}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

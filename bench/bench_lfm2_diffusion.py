@@ -24,8 +24,15 @@ import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.decoding.decoders.duo_block import duo_posterior
 from mlx_lm_diffusion.testing.hybrid_checkpoints import write_lfm2_diffusion
 
-SIZE = dict(hidden=256, n_heads=8, n_kv_heads=4, inter=768, cond=64, frequencies=64,
-            layer_types=("conv", "conv", "full_attention", "conv", "conv", "full_attention"))
+SIZE = dict(
+    hidden=256,
+    n_heads=8,
+    n_kv_heads=4,
+    inter=768,
+    cond=64,
+    frequencies=64,
+    layer_types=("conv", "conv", "full_attention", "conv", "conv", "full_attention"),
+)
 PROMPTS = ["The quick brown fox", "Hello there", "abc", "What is C. elegans?"]
 SEEDS = range(4)
 MAX_TOKENS = 96
@@ -36,8 +43,11 @@ def decode(model, tok, preset: str, float64: bool) -> tuple:
     for prompt in PROMPTS:
         for seed in SEEDS:
             tic = time.perf_counter()
-            out = list(mld.stream_generate(model, tok, prompt, max_tokens=MAX_TOKENS, preset=preset, seed=seed,
-                                           duo_float64=float64))
+            out = list(
+                mld.stream_generate(
+                    model, tok, prompt, max_tokens=MAX_TOKENS, preset=preset, seed=seed, duo_float64=float64
+                )
+            )
             seconds += time.perf_counter() - tic
             tokens.append([r.token for r in out])
             forwards += out[-1].forwards
@@ -55,8 +65,11 @@ def main():
             n = sum(map(len, tokens))
             differing = sum(a != b for x, y in zip(tokens, single) for a, b in zip(x, y))
             compared = sum(min(len(x), len(y)) for x, y in zip(tokens, single))
-            print(f"{preset:7} {forwards:8} {n:7} {n / forwards:8.2f} {n / seconds:7.1f} "
-                  f"{differing:6}/{compared} ({differing / max(compared, 1):.1%})", flush=True)
+            print(
+                f"{preset:7} {forwards:8} {n:7} {n / forwards:8.2f} {n / seconds:7.1f} "
+                f"{differing:6}/{compared} ({differing / max(compared, 1):.1%})",
+                flush=True,
+            )
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((1, 32, 64400)).astype(np.float32) * 4
     x0 = np.exp(logits - logits.max(-1, keepdims=True))
@@ -66,8 +79,10 @@ def main():
         q64 = duo_posterior(mx.array(x0.astype(np.float64), dtype=mx.float64), xt, 0.3, 0.05)
         q32 = duo_posterior(mx.array(x0), xt, 0.3, 0.05)
         gap = np.abs(np.array(q64) - np.array(q32).astype(np.float64))
-    print(f"one step, 32 positions x 64,400 tokens (LFM2.5's real vocabulary): float32 posterior's largest "
-          f"absolute difference {gap.max():.2e}, relative {np.max(gap / np.array(q64)):.2e}")
+    print(
+        f"one step, 32 positions x 64,400 tokens (LFM2.5's real vocabulary): float32 posterior's largest "
+        f"absolute difference {gap.max():.2e}, relative {np.max(gap / np.array(q64)):.2e}"
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ def decode(model, tokenizer, use_cache=True, **options):
 def decoders(model, tokenizer) -> None:
     blocks = GEN // 32
     runs = {"edits (defaults)": {}, "threshold 0.95, no edits": dict(edit_ops=[], threshold=0.95)}
-    best = {name: min((decode(model, tokenizer, **o) for _ in range(2)), key=lambda r: r[0]) for name, o in runs.items()}
+    best = {
+        name: min((decode(model, tokenizer, **o) for _ in range(2)), key=lambda r: r[0]) for name, o in runs.items()
+    }
     print(f"{'decoding':28s} {'forwards/block':>15s} {'tok/s':>8s}")
     for name, (seconds, _, forwards) in best.items():
         print(f"{name:28s} {forwards / blocks:15.2f} {GEN / seconds:8.1f}")
@@ -67,35 +69,58 @@ def decoders(model, tokenizer) -> None:
 
 def expert_bytes() -> None:
     m = MINI
-    args = bailing_moe.ModelArgs.from_dict({
-        "model_type": "bailing_moe", "hidden_size": m["hidden"], "intermediate_size": 4 * m["hidden"],
-        "moe_intermediate_size": m["moe_inter"], "num_experts": m["experts"], "num_shared_experts": 1,
-        "norm_topk_prob": True, "num_attention_heads": 16, "num_experts_per_tok": m["top_k"],
-        "num_hidden_layers": 1, "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
-        "vocab_size": 1024, "first_k_dense_replace": 0, "max_position_embeddings": 4096, "n_group": 1, "topk_group": 1,
-        "score_function": "sigmoid", "moe_router_enable_expert_bias": True, "routed_scaling_factor": 2.5,
-    })
+    args = bailing_moe.ModelArgs.from_dict(
+        {
+            "model_type": "bailing_moe",
+            "hidden_size": m["hidden"],
+            "intermediate_size": 4 * m["hidden"],
+            "moe_intermediate_size": m["moe_inter"],
+            "num_experts": m["experts"],
+            "num_shared_experts": 1,
+            "norm_topk_prob": True,
+            "num_attention_heads": 16,
+            "num_experts_per_tok": m["top_k"],
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 4,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6,
+            "vocab_size": 1024,
+            "first_k_dense_replace": 0,
+            "max_position_embeddings": 4096,
+            "n_group": 1,
+            "topk_group": 1,
+            "score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "routed_scaling_factor": 2.5,
+        }
+    )
     per_token, block = Router(args), BlockRouter(args, m["window"], m["capacity"])
     block.update(per_token.parameters())
     expert = 3 * m["hidden"] * m["moe_inter"] * m["bytes_per_param"]
     rng = np.random.default_rng(0)
-    print(f"\nexpert weights read per forward, one MoE layer ({m['experts']} experts, top {m['top_k']}, "
-          f"capacity {m['capacity']}, window {m['window']}; {expert / 2**20:.1f} MiB an expert, bf16)")
+    print(
+        f"\nexpert weights read per forward, one MoE layer ({m['experts']} experts, top {m['top_k']}, "
+        f"capacity {m['capacity']}, window {m['window']}; {expert / 2**20:.1f} MiB an expert, bf16)"
+    )
     print(f"{'forward':30s} {'per-token':>18s} {'block-routed':>18s} {'ratio':>7s}")
     for name, length in (("a step (one 32-token block)", 32), ("a 512-token prefill", 512)):
         x = mx.array(rng.standard_normal((1, length, m["hidden"])).astype(np.float32))
         counts = [len(np.unique(np.array(router(x)[0]))) for router in (per_token, block)]
         mib = [c * expert / 2**20 for c in counts]
-        print(f"{name:30s} {counts[0]:4d} ({mib[0]:7.1f} MiB) {counts[1]:4d} ({mib[1]:7.1f} MiB) "
-              f"{counts[0] / counts[1]:6.2f}x")
+        print(
+            f"{name:30s} {counts[0]:4d} ({mib[0]:7.1f} MiB) {counts[1]:4d} ({mib[1]:7.1f} MiB) "
+            f"{counts[0] / counts[1]:6.2f}x"
+        )
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_llada2_2(Path(tmp) / "llada2_2", block_size=32, expert_capacity=6, **SIZE)
         model, tokenizer = mld.load(str(path))
-        print(f"LLaDA2.2 micro checkpoint (random weights, block 32, {SIZE['n_experts']} experts, capacity 6), "
-              f"{len(PROMPT)}-token prompt, {GEN} tokens\n")
+        print(
+            f"LLaDA2.2 micro checkpoint (random weights, block 32, {SIZE['n_experts']} experts, capacity 6), "
+            f"{len(PROMPT)}-token prompt, {GEN} tokens\n"
+        )
         decoders(model, tokenizer)
     expert_bytes()
 

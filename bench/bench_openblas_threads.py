@@ -31,9 +31,20 @@ def run_bench(setting: str, args, out: Path) -> list:
     env.pop("OPENBLAS_NUM_THREADS", None)
     if SETTINGS[setting] is not None:
         env["OPENBLAS_NUM_THREADS"] = SETTINGS[setting]
-    command = [sys.executable, str(Path(__file__).with_name("bench_server.py")), "--history", "0",
-               "--requests", str(args.requests), "--max-tokens", str(args.max_tokens), "--json", str(out),
-               "--clients", *map(str, args.clients)]
+    command = [
+        sys.executable,
+        str(Path(__file__).with_name("bench_server.py")),
+        "--history",
+        "0",
+        "--requests",
+        str(args.requests),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--json",
+        str(out),
+        "--clients",
+        *map(str, args.clients),
+    ]
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, timeout=3600)
     return json.loads(out.read_text())
 
@@ -52,9 +63,15 @@ def main(argv=None) -> int:
                 for r in run_bench(setting, args, Path(tmp) / f"{round_}-{setting}.json"):
                     figures.setdefault((setting, r["model"], r["clients"], r["mode"]), []).append(r["tok_per_s"])
                 print(f"round {round_ + 1}, OPENBLAS_NUM_THREADS {SETTINGS[setting] or 'unset'}: done", flush=True)
-    print(f"\ngenerated tok/s, {args.requests} streamed requests per line, max_tokens {args.max_tokens}; "
-          f"each round's figure, then the median")
-    print(f"{'model':<18}{'clients':>8}{'mode':>9}" + "".join(f"{s:>28}" for s in SETTINGS) + f"{'1 thread / default':>20}")
+    print(
+        f"\ngenerated tok/s, {args.requests} streamed requests per line, max_tokens {args.max_tokens}; "
+        f"each round's figure, then the median"
+    )
+    print(
+        f"{'model':<18}{'clients':>8}{'mode':>9}"
+        + "".join(f"{s:>28}" for s in SETTINGS)
+        + f"{'1 thread / default':>20}"
+    )
     keys = sorted({k[1:] for k in figures}, key=lambda k: (k[0], k[1], k[2] != "batched"))
     for model, clients, mode in keys:
         cells, medians = [], []
@@ -62,14 +79,20 @@ def main(argv=None) -> int:
             values = figures.get((setting, model, clients, mode), [])
             medians.append(statistics.median(values))
             cells.append(" ".join(f"{v:.0f}" for v in values) + f" | {medians[-1]:.1f}")
-        print(f"{model:<18}{clients:>8}{mode:>9}" + "".join(f"{c:>28}" for c in cells)
-              + f"{medians[1] / medians[0]:>19.2f}x")
+        print(
+            f"{model:<18}{clients:>8}{mode:>9}"
+            + "".join(f"{c:>28}" for c in cells)
+            + f"{medians[1] / medians[0]:>19.2f}x"
+        )
     print("\nbatched / serial tok/s (medians):")
     for model, clients, mode in keys:
         if mode != "batched":
             continue
-        ratios = [statistics.median(figures[(s, model, clients, "batched")])
-                  / statistics.median(figures[(s, model, clients, "serial")]) for s in SETTINGS]
+        ratios = [
+            statistics.median(figures[(s, model, clients, "batched")])
+            / statistics.median(figures[(s, model, clients, "serial")])
+            for s in SETTINGS
+        ]
         print(f"  {model:<18}{clients:>3} clients: " + ", ".join(f"{s} {r:.2f}x" for s, r in zip(SETTINGS, ratios)))
     return 0
 

@@ -39,8 +39,12 @@ def percentile(values, q):
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-MODELS = {"sdar": "SDAR (block 4)", "llada": "LLaDA (block 32)", "llada-fast": "LLaDA (fast preset)",
-          "nemotron-spec": "Nemotron (self_spec)"}
+MODELS = {
+    "sdar": "SDAR (block 4)",
+    "llada": "LLaDA (block 32)",
+    "llada-fast": "LLaDA (fast preset)",
+    "nemotron-spec": "Nemotron (self_spec)",
+}
 
 
 def checkpoints(folder: Path, models: Sequence[str] = ("sdar", "llada")) -> dict:
@@ -50,13 +54,16 @@ def checkpoints(folder: Path, models: Sequence[str] = ("sdar", "llada")) -> dict
     from mlx_lm_diffusion.testing.nemotron_gemma_checkpoints import write_speculable_nemotron
 
     llada = str(write_llada(folder / "llada")) if {"llada", "llada-fast"} & set(models) else None
-    chosen = {"sdar": lambda: (str(write_sdar(folder / "sdar")), {}),
-              "llada": lambda: (llada, {"block_length": 32}),
-              "llada-fast": lambda: (llada, {"preset": "fast"}),
-              # (drafts partly accepted, as a trained model's are: mlx_lm_diffusion/testing/nemotron_gemma_checkpoints.py)
-              "nemotron-spec": lambda: (str(write_speculable_nemotron(
-                  folder / "nemotron_spec", attractors=tuple(range(40, 48)), strength=0.45)),
-                  {"self_spec": True, "block_length": 32})}
+    chosen = {
+        "sdar": lambda: (str(write_sdar(folder / "sdar")), {}),
+        "llada": lambda: (llada, {"block_length": 32}),
+        "llada-fast": lambda: (llada, {"preset": "fast"}),
+        # (drafts partly accepted, as a trained model's are: mlx_lm_diffusion/testing/nemotron_gemma_checkpoints.py)
+        "nemotron-spec": lambda: (
+            str(write_speculable_nemotron(folder / "nemotron_spec", attractors=tuple(range(40, 48)), strength=0.45)),
+            {"self_spec": True, "block_length": 32},
+        ),
+    }
     return {MODELS[m]: chosen[m]() for m in models}
 
 
@@ -72,8 +79,9 @@ class Server:
         self.httpd, self.generator = server.start(server.parse_args(flags + ([] if batched else ["--no-batch"])))
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.httpd.server_address[1]}/v1",
-                                    api_key="unused", max_retries=0, timeout=600)
+        self.client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.httpd.server_address[1]}/v1", api_key="unused", max_retries=0, timeout=600
+        )
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -83,8 +91,9 @@ class Server:
     def ask(self, kw: dict) -> tuple:
         """(latency, time to first token, completion tokens) of one streamed request."""
         tic, first, tokens = time.perf_counter(), None, 0
-        stream = self.client.chat.completions.create(model="default_model", stream=True,
-                                                     stream_options={"include_usage": True}, **kw)
+        stream = self.client.chat.completions.create(
+            model="default_model", stream=True, stream_options={"include_usage": True}, **kw
+        )
         for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter() - tic
@@ -95,8 +104,15 @@ class Server:
 
 
 def requests(n: int, max_tokens: int, fields: dict) -> list:
-    return [dict(messages=[{"role": "user", "content": "Question " + "and more " * (i % 4) + f"{i}: what next?"}],
-                 max_tokens=max_tokens - (i % 3) * 4, temperature=0.0, extra_body=fields) for i in range(n)]
+    return [
+        dict(
+            messages=[{"role": "user", "content": "Question " + "and more " * (i % 4) + f"{i}: what next?"}],
+            max_tokens=max_tokens - (i % 3) * 4,
+            temperature=0.0,
+            extra_body=fields,
+        )
+        for i in range(n)
+    ]
 
 
 def measure(server: Server, batch: list, clients: int) -> dict:
@@ -105,9 +121,14 @@ def measure(server: Server, batch: list, clients: int) -> dict:
         results = list(pool.map(server.ask, batch))
     wall = time.perf_counter() - tic
     latencies, ttfts, tokens = zip(*results)
-    return {"req_per_s": len(batch) / wall, "tok_per_s": sum(tokens) / wall,
-            "p50_s": percentile(latencies, 0.5), "p95_s": percentile(latencies, 0.95),
-            "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p95_s": percentile(ttfts, 0.95)}
+    return {
+        "req_per_s": len(batch) / wall,
+        "tok_per_s": sum(tokens) / wall,
+        "p50_s": percentile(latencies, 0.5),
+        "p95_s": percentile(latencies, 0.95),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p95_s": percentile(ttfts, 0.95),
+    }
 
 
 def bench_model(name: str, path: str, fields: dict, args) -> list:
@@ -127,12 +148,17 @@ def bench_model(name: str, path: str, fields: dict, args) -> list:
     return rows
 
 
-HEADER = f"{'model':<20}{'clients':>8}{'mode':>9}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'ttft50':>8}{'ttft95':>8}"
+HEADER = (
+    f"{'model':<20}{'clients':>8}{'mode':>9}{'req/s':>8}{'tok/s':>9}{'p50 s':>8}{'p95 s':>8}{'ttft50':>8}{'ttft95':>8}"
+)
 
 
 def print_row(r: dict, flush: bool = False) -> None:
-    print(f"{r['model']:<20}{r['clients']:>8}{r['mode']:>9}{r['req_per_s']:>8.2f}{r['tok_per_s']:>9.1f}"
-          f"{r['p50_s']:>8.2f}{r['p95_s']:>8.2f}{r['ttft_p50_s']:>8.2f}{r['ttft_p95_s']:>8.2f}", flush=flush)
+    print(
+        f"{r['model']:<20}{r['clients']:>8}{r['mode']:>9}{r['req_per_s']:>8.2f}{r['tok_per_s']:>9.1f}"
+        f"{r['p50_s']:>8.2f}{r['p95_s']:>8.2f}{r['ttft_p50_s']:>8.2f}{r['ttft_p95_s']:>8.2f}",
+        flush=flush,
+    )
 
 
 def main(argv=None) -> int:
@@ -160,20 +186,27 @@ def main(argv=None) -> int:
     print("\nbatched / serial generated tok/s:")
     for r in rows:
         if r["mode"] == "batched":
-            serial = next(s for s in rows if s["model"] == r["model"] and s["clients"] == r["clients"]
-                          and s["mode"] == "serial")
+            serial = next(
+                s for s in rows if s["model"] == r["model"] and s["clients"] == r["clients"] and s["mode"] == "serial"
+            )
             print(f"  {r['model']:<20} {r['clients']:>2} clients: {r['tok_per_s'] / serial['tok_per_s']:.2f}x")
     if args.history:
         turns = second_turns(args)
-        print(f"\nsecond chat turn, ~{args.history}-token history, 16 new tokens (SDAR micro model "
-              f"{turns[0]['size']}), median of 3; prefill = request -> first draft (first forward)")
-        print(f"{'server':9}{'prompt':>7}{'cached':>7}{'prefill cold':>13}{'reuse':>7}{'ratio':>7}"
-              f"{'ttft cold':>10}{'reuse':>7}{'total cold':>11}{'reuse':>7}{'same':>6}")
+        print(
+            f"\nsecond chat turn, ~{args.history}-token history, 16 new tokens (SDAR micro model "
+            f"{turns[0]['size']}), median of 3; prefill = request -> first draft (first forward)"
+        )
+        print(
+            f"{'server':9}{'prompt':>7}{'cached':>7}{'prefill cold':>13}{'reuse':>7}{'ratio':>7}"
+            f"{'ttft cold':>10}{'reuse':>7}{'total cold':>11}{'reuse':>7}{'same':>6}"
+        )
         for r in turns:
-            print(f"{r['mode']:9}{r['prompt_tokens']:>7}{r['cached_reuse']:>7}{r['cold_first_draft']:>13.3f}"
-                  f"{r['reuse_first_draft']:>7.3f}{r['reuse_first_draft'] / r['cold_first_draft']:>7.2f}"
-                  f"{r['cold_first_token']:>10.3f}{r['reuse_first_token']:>7.3f}{r['cold_total']:>11.3f}"
-                  f"{r['reuse_total']:>7.3f}{str(r['same_text']):>6}")
+            print(
+                f"{r['mode']:9}{r['prompt_tokens']:>7}{r['cached_reuse']:>7}{r['cold_first_draft']:>13.3f}"
+                f"{r['reuse_first_draft']:>7.3f}{r['reuse_first_draft'] / r['cold_first_draft']:>7.2f}"
+                f"{r['cold_first_token']:>10.3f}{r['reuse_first_token']:>7.3f}{r['cold_total']:>11.3f}"
+                f"{r['reuse_total']:>7.3f}{str(r['same_text']):>6}"
+            )
         rows += turns
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

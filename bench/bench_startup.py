@@ -35,9 +35,19 @@ def tiny_llama(path: Path) -> Path:
     from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB, write_tokenizer
 
     path.mkdir(parents=True)
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
-                  tie_word_embeddings=False, max_position_embeddings=512, eos_token_id=EOS_ID)
+    config = dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        eos_token_id=EOS_ID,
+    )
     model = llama.Model(llama.ModelArgs.from_dict(config))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config))
@@ -56,10 +66,30 @@ def seconds(command: list, env: dict) -> float:
 def measure(env: dict, llama_path: Path) -> dict:
     py = sys.executable
     commands = {
-        "mlx_lm_diffusion.generate (demo)": [py, "-m", "mlx_lm_diffusion.generate", "--prompt", "357+468=",
-                                             "--max-tokens", "8", "--verbose", "False"],
-        "mlx_lm.generate (tiny llama)": [py, "-m", "mlx_lm.generate", "--model", str(llama_path), "--prompt", "hi",
-                                         "--max-tokens", "8", "--verbose", "False"],
+        "mlx_lm_diffusion.generate (demo)": [
+            py,
+            "-m",
+            "mlx_lm_diffusion.generate",
+            "--prompt",
+            "357+468=",
+            "--max-tokens",
+            "8",
+            "--verbose",
+            "False",
+        ],
+        "mlx_lm.generate (tiny llama)": [
+            py,
+            "-m",
+            "mlx_lm.generate",
+            "--model",
+            str(llama_path),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "8",
+            "--verbose",
+            "False",
+        ],
         "import mlx_lm_diffusion": [py, "-c", "import mlx_lm_diffusion"],
         "import mlx_lm": [py, "-c", "import mlx_lm"],
         "import torch": [py, "-c", "import torch"],
@@ -77,8 +107,9 @@ def import_shares(module: str, env: dict) -> dict:
     import collections
     import re
 
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {module}"], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", f"import {module}"], env=env, capture_output=True, text=True
+    )
     shares = collections.Counter()
     for line in done.stderr.splitlines():
         m = re.match(r"import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)", line)
@@ -99,8 +130,10 @@ def main() -> None:
         print(f"  start to answer, ours / mlx_lm.generate: {ratio:.2f}x")
     for module in ("mlx_lm_diffusion.cli.generate", "mlx_lm_diffusion.cli.chat", "mlx_lm_diffusion.server"):
         shares = import_shares(module, os.environ)
-        print(f"\nimport {module}: ms by package, own time: "
-              + ", ".join(f"{name} {ms:.0f}" for name, ms in shares.items()))
+        print(
+            f"\nimport {module}: ms by package, own time: "
+            + ", ".join(f"{name} {ms:.0f}" for name, ms in shares.items())
+        )
 
 
 if __name__ == "__main__":

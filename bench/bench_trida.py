@@ -17,15 +17,32 @@ from __future__ import annotations
 from mlx_lm_diffusion.testing.hybrid_checkpoints import force_bigram, trida_as_qwen3_5, write_trida
 from mlx_lm_diffusion.testing.speculative_race import race
 
-SIZE = dict(hidden=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, inter=768, linear_k_heads=4,
-            linear_v_heads=8, linear_k_dim=32, linear_v_dim=32, tied=False)
+SIZE = dict(
+    hidden=256,
+    n_layers=4,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=32,
+    inter=768,
+    linear_k_heads=4,
+    linear_v_heads=8,
+    linear_k_dim=32,
+    linear_v_dim=32,
+    tied=False,
+)
 PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 def main():
-    race([("random", lambda p: write_trida(p, **SIZE)),
-          ("forced", lambda p: force_bigram(write_trida(p, **SIZE), forced=100))],
-         trida_as_qwen3_5, "Trida", PROMPT)
+    race(
+        [
+            ("random", lambda p: write_trida(p, **SIZE)),
+            ("forced", lambda p: force_bigram(write_trida(p, **SIZE), forced=100)),
+        ],
+        trida_as_qwen3_5,
+        "Trida",
+        PROMPT,
+    )
 
 
 if __name__ == "__main__":

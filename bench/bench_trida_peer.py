@@ -34,8 +34,19 @@ from pathlib import Path
 
 PEER = Path(os.environ.get("TRIDA_STACK_MLX", "/tmp/trida_peer"))
 TOKENS, PAIRS = 128, 5
-SIZE = dict(hidden=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32, inter=768, linear_k_heads=4,
-            linear_v_heads=8, linear_k_dim=32, linear_v_dim=32, tied=False)
+SIZE = dict(
+    hidden=256,
+    n_layers=4,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=32,
+    inter=768,
+    linear_k_heads=4,
+    linear_v_heads=8,
+    linear_k_dim=32,
+    linear_v_dim=32,
+    tied=False,
+)
 PROMPT = "Hello world"  # (random weights: no EOS in 128 greedy tokens; "The quick brown fox..." meets one at 67)
 MASK_ID = 259  # write_trida's mask (its block_diffusion.json)
 
@@ -56,10 +67,14 @@ def main():
     peer_model = importlib.import_module("trida_mlx.model")
     peer_decode = importlib.import_module("trida_mlx.decode")
     peer_kernels = importlib.import_module("trida_mlx.kernels")
-    print(f"peer: {PEER / 'trida_mlx'} (fused Metal canvas kernel: {peer_kernels.fused_available()}), "
-          f"device {mx.default_device()}, mlx-lm {mlx_lm.__version__}")
-    print(f"{'weights':8} {'N':>2} {'tokens':>6} {'fwd ours':>8} {'fwd peer':>8} {'tok/fwd ours':>12} "
-          f"{'tok/fwd peer':>12} {'tok/s ours':>10} {'tok/s peer':>10} {'ours/peer':>9} identical")
+    print(
+        f"peer: {PEER / 'trida_mlx'} (fused Metal canvas kernel: {peer_kernels.fused_available()}), "
+        f"device {mx.default_device()}, mlx-lm {mlx_lm.__version__}"
+    )
+    print(
+        f"{'weights':8} {'N':>2} {'tokens':>6} {'fwd ours':>8} {'fwd peer':>8} {'tok/fwd ours':>12} "
+        f"{'tok/fwd peer':>12} {'tok/s ours':>10} {'tok/s peer':>10} {'ours/peer':>9} identical"
+    )
     for name, forced in (("random", None), ("forced", 100)):
         with tempfile.TemporaryDirectory() as tmp:
             path = write_trida(Path(tmp) / name, **SIZE)
@@ -70,16 +85,26 @@ def main():
             rt = peer_model.TridaRuntime(peer)
             stock, stock_tok = mlx_lm.load(str(trida_as_qwen3_5(path, Path(tmp) / "qwen3_5")))
             ids = tok.encode(PROMPT)
-            ar = [r.token for r in mlx_lm.stream_generate(stock, stock_tok, ids, max_tokens=TOKENS,
-                                                          sampler=make_sampler(0.0))]
+            ar = [
+                r.token
+                for r in mlx_lm.stream_generate(stock, stock_tok, ids, max_tokens=TOKENS, sampler=make_sampler(0.0))
+            ]
             for strides in (2, 4, 8):
                 ours = ours_of(model, tok, ids, TOKENS, block_length=strides)
 
                 def theirs():
                     stats = peer_decode.DecodeStats()
                     chunks = peer_decode.selfspec_generate(
-                        rt, rt.make_cache(), list(ids), max_new_tokens=TOKENS, eos_ids=set(),
-                        sp=peer_decode.SamplingParams(temperature=0.0), mask_id=MASK_ID, n=strides, stats=stats)
+                        rt,
+                        rt.make_cache(),
+                        list(ids),
+                        max_new_tokens=TOKENS,
+                        eos_ids=set(),
+                        sp=peer_decode.SamplingParams(temperature=0.0),
+                        mask_id=MASK_ID,
+                        n=strides,
+                        stats=stats,
+                    )
                     return [t for chunk in chunks for t in chunk], stats.forwards
 
                 ours(), theirs()  # warm up
@@ -90,11 +115,15 @@ def main():
                 n, n_peer = len(mine), len(their)
                 common = min(n, len(ar))
                 same = all(o[1] == runs[0][0][1] and p[1] == runs[0][1][1] for o, p in runs) and (
-                    mine == their[:n] and mine[:common] == ar[:common])
+                    mine == their[:n] and mine[:common] == ar[:common]
+                )
                 flag = "" if n == n_peer == TOKENS else f" (ours {n}, peer {n_peer}, mlx-lm {len(ar)} tokens)"
-                print(f"{name:8} {strides:2} {n:6} {fwd_ours:8} {fwd_peer:8} {n / fwd_ours:12.2f} "
-                      f"{n_peer / fwd_peer:12.2f} {n / t_ours:10.1f} {n_peer / t_peer:10.1f} {ratio:9.2f} "
-                      f"{same}{flag}", flush=True)
+                print(
+                    f"{name:8} {strides:2} {n:6} {fwd_ours:8} {fwd_peer:8} {n / fwd_ours:12.2f} "
+                    f"{n_peer / fwd_peer:12.2f} {n / t_ours:10.1f} {n_peer / t_peer:10.1f} {ratio:9.2f} "
+                    f"{same}{flag}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -70,7 +70,7 @@ def engine(model, tok, prompt=PROMPT, vision=None, perturb=None, **options):
     for last in Engine(adapter, resolved, keep_logprobs=False).run(mx.array([prompt])):
         pass
     n = options["max_tokens"]
-    return last.canvas[0, len(prompt):len(prompt) + n].tolist(), last.forwards
+    return last.canvas[0, len(prompt) : len(prompt) + n].tolist(), last.forwards
 
 
 RUNS = 1 if "--quick" in sys.argv[1:] else 3  # --quick: one timed run each, fewer seeds
@@ -111,11 +111,21 @@ def nemotron_rows(tmp: Path):
         rule = {"threshold": threshold} if threshold is not None else {"strategy": "low_confidence"}
         ours = lambda: engine(model, tok, max_tokens=NEMOTRON_GEN, block_length=32, **rule)  # noqa: E731
         for parity in (True, False):
+
             def theirs(parity=parity):
                 stats = {}
-                out = lm.generate(mx.array([PROMPT]), block_length=32, steps=32, gen_length=NEMOTRON_GEN,
-                                  threshold=threshold, eos_id=-1, stats=stats, transformers_parity=parity)
+                out = lm.generate(
+                    mx.array([PROMPT]),
+                    block_length=32,
+                    steps=32,
+                    gen_length=NEMOTRON_GEN,
+                    threshold=threshold,
+                    eos_id=-1,
+                    stats=stats,
+                    transformers_parity=parity,
+                )
                 return out[0].tolist(), int(stats["diffusion_denoise_nfe"])
+
             t_ours, t_theirs, (a, fa), (b, fb) = alternate(ours, theirs)
             name = f"Nemotron {'threshold 0.9' if threshold else 'quota'}, vlm parity={parity}"
             rows.append((name, a == b, NEMOTRON_GEN, fa, fb, t_ours, t_theirs))
@@ -138,8 +148,7 @@ def self_spec_rows(tmp: Path):
 
     writers = {
         "random": lambda p: write_nemotron(p, **SPEC_DIMS),
-        "partial": lambda p: write_speculable_nemotron(p, attractors=tuple(range(40, 48)), strength=0.45,
-                                                       **SPEC_DIMS),
+        "partial": lambda p: write_speculable_nemotron(p, attractors=tuple(range(40, 48)), strength=0.45, **SPEC_DIMS),
         "whole": lambda p: write_speculable_nemotron(p, attractors=(40,), strength=3.0, **SPEC_DIMS),
     }
     rows = []
@@ -151,9 +160,10 @@ def self_spec_rows(tmp: Path):
         lm = vlm.language_model
 
         def theirs():
-            out, nfe = lm.linear_spec_generate(mx.array([PROMPT]), max_new_tokens=SPEC_GEN, block_length=32,
-                                               eos_token_id=-1)
-            return out[0, len(PROMPT):].tolist(), nfe - 1
+            out, nfe = lm.linear_spec_generate(
+                mx.array([PROMPT]), max_new_tokens=SPEC_GEN, block_length=32, eos_token_id=-1
+            )
+            return out[0, len(PROMPT) :].tolist(), nfe - 1
 
         spec = lambda: engine(model, tok, max_tokens=SPEC_GEN, block_length=32, self_spec=True)  # noqa: E731
         ar = lambda: engine(model, tok, max_tokens=SPEC_GEN, block_length=1)  # noqa: E731
@@ -166,21 +176,39 @@ def self_spec_rows(tmp: Path):
 
 
 def show_self_spec(rows):
-    print(f"\nself-speculation, micro Nemotron (hidden {SPEC_DIMS['hidden']}, {SPEC_DIMS['n_layers']} layers), "
-          f"{SPEC_GEN} tokens, block 32; tok/fwd excludes the prompt pass")
-    print(f"{'weights':8} {'same':>5} {'fwd':>4} {'vlm fwd':>7} {'tok/fwd':>7} {'AR tok/fwd':>10} {'tok/s':>7} "
-          f"{'AR tok/s':>8} {'vlm tok/s':>9} {'vs AR':>6} {'vs vlm':>6}", flush=True)
+    print(
+        f"\nself-speculation, micro Nemotron (hidden {SPEC_DIMS['hidden']}, {SPEC_DIMS['n_layers']} layers), "
+        f"{SPEC_GEN} tokens, block 32; tok/fwd excludes the prompt pass"
+    )
+    print(
+        f"{'weights':8} {'same':>5} {'fwd':>4} {'vlm fwd':>7} {'tok/fwd':>7} {'AR tok/fwd':>10} {'tok/s':>7} "
+        f"{'AR tok/s':>8} {'vlm tok/s':>9} {'vs AR':>6} {'vs vlm':>6}",
+        flush=True,
+    )
     for kind, same, fa, fb, t_spec, t_ar, t_vlm in rows:
-        print(f"{kind:8} {str(same):>5} {fa:4d} {fb:7d} {SPEC_GEN / fa:7.2f} {SPEC_GEN / (SPEC_GEN - 1):10.2f} "
-              f"{SPEC_GEN / t_spec:7.1f} {SPEC_GEN / t_ar:8.1f} {SPEC_GEN / t_vlm:9.1f} {t_ar / t_spec:6.2f} "
-              f"{t_vlm / t_spec:6.2f}", flush=True)
+        print(
+            f"{kind:8} {str(same):>5} {fa:4d} {fb:7d} {SPEC_GEN / fa:7.2f} {SPEC_GEN / (SPEC_GEN - 1):10.2f} "
+            f"{SPEC_GEN / t_spec:7.1f} {SPEC_GEN / t_ar:8.1f} {SPEC_GEN / t_vlm:9.1f} {t_ar / t_spec:6.2f} "
+            f"{t_vlm / t_spec:6.2f}",
+            flush=True,
+        )
 
 
 GEMMA_DIMS = dict(
-    canvas_length=GEMMA_CANVAS, sliding_window=64, hidden_size=256, intermediate_size=512,
-    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32, global_head_dim=64,
-    num_global_key_value_heads=2, layer_types=["sliding_attention"] * 3 + ["full_attention"],
-    num_experts=8, top_k_experts=2, moe_intermediate_size=128,
+    canvas_length=GEMMA_CANVAS,
+    sliding_window=64,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    global_head_dim=64,
+    num_global_key_value_heads=2,
+    layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    num_experts=8,
+    top_k_experts=2,
+    moe_intermediate_size=128,
 )
 
 
@@ -192,7 +220,9 @@ def mlx_vlm_gemma(path: Path, vision: bool):
         cfg["vision_config"] = None
     full = cfg["text_config"]["layer_types"].index("full_attention")
     layer = cfg["text_config"]["per_layer_config"][str(full)]
-    cfg["text_config"].update(global_head_dim=layer["head_dim"], num_global_key_value_heads=layer["num_key_value_heads"])
+    cfg["text_config"].update(
+        global_head_dim=layer["head_dim"], num_global_key_value_heads=layer["num_key_value_heads"]
+    )
     vlm = ref.Model(ref.ModelConfig.from_dict(cfg))
     vlm.load_weights(list(vlm.sanitize(mx.load(str(path / "model.safetensors"))).items()))
     vlm.config.generation_config = {"stability_threshold": 1, "confidence_threshold": 0.005}
@@ -204,6 +234,7 @@ class NoText:
         last_segment = ""
         reset = finalize = staticmethod(lambda: None)
         add_token = staticmethod(lambda token, skip_special_token_ids=None: None)
+
     stopping_criteria = staticmethod(lambda token: False)
 
 
@@ -213,9 +244,19 @@ def mlx_vlm_decode(vlm, prompt, pixel_values=None, types=None, gen=GEMMA_GEN, st
     mx.random.seed(0)
     tokens, last = [], None
     for last in stream_diffusion_generate(
-        vlm, NoText, NoText, mx.array([prompt]), pixel_values, None, max_tokens=gen, temperature=1.0,
-        skip_special_token_ids=[], max_denoising_steps=steps, diffusion_full_canvas=True,
-        diffusion_sampler="entropy-bound", mm_token_type_ids=types,
+        vlm,
+        NoText,
+        NoText,
+        mx.array([prompt]),
+        pixel_values,
+        None,
+        max_tokens=gen,
+        temperature=1.0,
+        skip_special_token_ids=[],
+        max_denoising_steps=steps,
+        diffusion_full_canvas=True,
+        diffusion_sampler="entropy-bound",
+        mm_token_type_ids=types,
     ):
         if not (last.is_draft or last.diffusion_block_complete or last.finish_reason):
             tokens.append(last.token)
@@ -259,10 +300,16 @@ def gemma_image_rows(tmp: Path):
     prompt, vision = image_prompt(processor)
     return [
         gemma_row("DiffusionGemma + image, exact step", model, processor, vlm, prompt, vision),
-        gemma_row("DiffusionGemma + image, fast self-cond. k=256", model, processor, vlm, prompt, vision,
-                  fast_self_conditioning=True),
-        gemma_row("DiffusionGemma + image, fast step k=256", model, processor, vlm, prompt, vision,
-                  fast_step=True),
+        gemma_row(
+            "DiffusionGemma + image, fast self-cond. k=256",
+            model,
+            processor,
+            vlm,
+            prompt,
+            vision,
+            fast_self_conditioning=True,
+        ),
+        gemma_row("DiffusionGemma + image, fast step k=256", model, processor, vlm, prompt, vision, fast_step=True),
     ]
 
 
@@ -272,10 +319,20 @@ def gemma_image_rows(tmp: Path):
 # step, as it does the real model's head. One 32-token canvas, 16 steps on both sides.
 WIDE_VOCAB, WIDE_CANVAS, WIDE_STEPS = 262144, 32, 16
 WIDE_DIMS = dict(
-    canvas_length=WIDE_CANVAS, sliding_window=WIDE_CANVAS, hidden_size=128, intermediate_size=256,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, global_head_dim=64,
-    num_global_key_value_heads=1, layer_types=["sliding_attention", "full_attention"], num_experts=4,
-    top_k_experts=2, moe_intermediate_size=64,
+    canvas_length=WIDE_CANVAS,
+    sliding_window=WIDE_CANVAS,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    global_head_dim=64,
+    num_global_key_value_heads=1,
+    layer_types=["sliding_attention", "full_attention"],
+    num_experts=4,
+    top_k_experts=2,
+    moe_intermediate_size=64,
 )
 FLAT_SCALE = 0.1  # the decoder's final norm x 0.1: logits 10x narrower, a flat softmax
 
@@ -291,8 +348,10 @@ def wide_image_rows(tmp: Path):
     prompt, vision = image_prompt(processor)
     same = dict(gen=WIDE_CANVAS, canvas=WIDE_CANVAS, steps=WIDE_STEPS)
     exact, fast = (f"DiffusionGemma + image @{WIDE_VOCAB}, {kind}" for kind in ("exact step", "fast step k=256"))
-    rows = [gemma_row(exact, model, processor, vlm, prompt, vision, **same),
-            gemma_row(fast, model, processor, vlm, prompt, vision, fast_step=True, **same)]
+    rows = [
+        gemma_row(exact, model, processor, vlm, prompt, vision, **same),
+        gemma_row(fast, model, processor, vlm, prompt, vision, fast_step=True, **same),
+    ]
     quality = {"random": head_quality(model, processor, prompt, vision, TOKENS[exact], TOKENS[fast])}
     norm = model.model.decoder.norm
     norm.weight = norm.weight * FLAT_SCALE
@@ -313,8 +372,9 @@ def head_quality(model, processor, prompt, vision, exact=None, fast=None, k=256)
     mass = float(mx.sort(mx.softmax(z, axis=-1), axis=-1)[..., -k:].sum(axis=-1).mean())
 
     def run(seed=0, **options):
-        return engine(model, processor, prompt, vision, max_tokens=WIDE_CANVAS, seed=seed, steps=WIDE_STEPS,
-                      **options)[0]
+        return engine(model, processor, prompt, vision, max_tokens=WIDE_CANVAS, seed=seed, steps=WIDE_STEPS, **options)[
+            0
+        ]
 
     exact = run() if exact is None else exact
     fast = run(fast_step=True) if fast is None else fast
@@ -355,10 +415,10 @@ def cheaper_step_rows(tmp: Path):
                     mx.eval(vocabulary_work(values / 0.7), ids)
                 else:
                     mx.eval(vocabulary_work(model.decode(canvas, cache, sc, k if kind == "top-k sc" else 0) / 0.7))
+
         return run
 
-    small, small_tok = mld.load(str(write_diffusion_gemma(tmp / "gemma_4k", vocab_size=AGREEMENT_VOCAB,
-                                                          **GEMMA_DIMS)))
+    small, small_tok = mld.load(str(write_diffusion_gemma(tmp / "gemma_4k", vocab_size=AGREEMENT_VOCAB, **GEMMA_DIMS)))
 
     def agreement(**fast):
         agree = positions = equal = 0
@@ -379,9 +439,18 @@ def cheaper_step_rows(tmp: Path):
         error = float(mx.linalg.norm(model._soft_embeddings(sc, k) - exact_soft) / mx.linalg.norm(exact_soft))
         top = mx.sort(mx.softmax(sc, axis=-1), axis=-1)[..., -k:].sum(axis=-1)
         print(f"  (k={k}: timed; the agreement decodes run now)", flush=True)
-        rows.append((k, t_exact / 5, t_sc / 5, t_step / 5, float(top.mean()), error,
-                     agreement(fast_self_conditioning=True, self_conditioning_k=k),
-                     agreement(fast_step=True, self_conditioning_k=k)))
+        rows.append(
+            (
+                k,
+                t_exact / 5,
+                t_sc / 5,
+                t_step / 5,
+                float(top.mean()),
+                error,
+                agreement(fast_self_conditioning=True, self_conditioning_k=k),
+                agreement(fast_step=True, self_conditioning_k=k),
+            )
+        )
     control = agreement(perturb=1e-4)
     return rows, control
 
@@ -391,14 +460,20 @@ def show_wide(rows, quality):
     (exact, *_, t_exact, t_vlm), (fast, *_, t_fast, t_vlm2) = rows
     (c_exact, c_vlm), (c_fast, c_vlm2) = CPU_TIMES[exact], CPU_TIMES[fast]
     t_vlm, c_vlm = min(t_vlm, t_vlm2), min(c_vlm, c_vlm2)  # mlx-vlm's exact loop, best of both rows
-    print(f"\nV={WIDE_VOCAB} with an image (wall / CPU): ours exact vs mlx-vlm exact {t_vlm / t_exact:.2f} / "
-          f"{c_vlm / c_exact:.2f}; ours fast step vs mlx-vlm exact {t_vlm / t_fast:.2f} / {c_vlm / c_fast:.2f}; "
-          f"ours fast vs ours exact {t_exact / t_fast:.2f} / {c_exact / c_fast:.2f}")
-    print(f"  tokens equal to our exact step's (one {WIDE_CANVAS}-token canvas, seed 0): the fast step; controls: "
-          "the exact step with self-conditioning x (1 + 1e-4), and with seed 1")
+    print(
+        f"\nV={WIDE_VOCAB} with an image (wall / CPU): ours exact vs mlx-vlm exact {t_vlm / t_exact:.2f} / "
+        f"{c_vlm / c_exact:.2f}; ours fast step vs mlx-vlm exact {t_vlm / t_fast:.2f} / {c_vlm / c_fast:.2f}; "
+        f"ours fast vs ours exact {t_exact / t_fast:.2f} / {c_exact / c_fast:.2f}"
+    )
+    print(
+        f"  tokens equal to our exact step's (one {WIDE_CANVAS}-token canvas, seed 0): the fast step; controls: "
+        "the exact step with self-conditioning x (1 + 1e-4), and with seed 1"
+    )
     for kind, (mass, agree, control, reseeded) in quality.items():
-        print(f"  {kind:26} top-256 mass {mass:.3f}; fast step {agree:6.1%}; x (1 + 1e-4) {control:6.1%}; "
-              f"seed 1 {reseeded:6.1%}")
+        print(
+            f"  {kind:26} top-256 mass {mass:.3f}; fast step {agree:6.1%}; x (1 + 1e-4) {control:6.1%}; "
+            f"seed 1 {reseeded:6.1%}"
+        )
 
 
 def main():
@@ -406,13 +481,18 @@ def main():
     rows (image, cheaper step; with the text row unless --quick)."""
     argv = sys.argv[1:]
     print(f"load (1, 5, 15 min) at start: {load()}")
-    print(f"{'case':48} {'same':>5} {'tokens':>6} {'fwd':>5} {'vlm fwd':>7} {'tok/s':>8} {'vlm tok/s':>9} {'ratio':>6}",
-          flush=True)
+    print(
+        f"{'case':48} {'same':>5} {'tokens':>6} {'fwd':>5} {'vlm fwd':>7} {'tok/s':>8} {'vlm tok/s':>9} {'ratio':>6}",
+        flush=True,
+    )
 
     def show(rows):
         for name, same, tokens, fa, fb, t_ours, t_theirs in rows:
-            print(f"{name:48} {str(same):>5} {tokens:6d} {fa:5d} {fb:7d} {tokens / t_ours:8.1f} "
-                  f"{tokens / t_theirs:9.1f} {t_theirs / t_ours:6.2f}", flush=True)
+            print(
+                f"{name:48} {str(same):>5} {tokens:6d} {fa:5d} {fb:7d} {tokens / t_ours:8.1f} "
+                f"{tokens / t_theirs:9.1f} {t_theirs / t_ours:6.2f}",
+                flush=True,
+            )
 
     with tempfile.TemporaryDirectory() as tmp:
         if "--self-spec-only" in argv:
@@ -430,17 +510,27 @@ def main():
             for name, (c_ours, c_theirs) in CPU_TIMES.items():
                 print(f"{name:48} ours {c_ours:7.2f}  mlx-vlm {c_theirs:7.2f}  ratio {c_theirs / c_ours:5.2f}")
         show_wide(wide, quality)
-        print(f"\ncheaper step, canvas {GEMMA_CANVAS}: ms/step, top-k mass and self-conditioning error at "
-              f"vocabulary {STEP_VOCAB}; agreement over {AGREEMENT_SEEDS} seeded decodes at vocabulary {AGREEMENT_VOCAB}")
-        print(f"{'k':>4} {'exact ms':>8} {'top-k sc ms':>11} {'top-k step ms':>13} {'top-k mass':>10} "
-              f"{'sc rel err':>10} {'sc: agree / equal':>17} {'step: agree / equal':>19}", flush=True)
+        print(
+            f"\ncheaper step, canvas {GEMMA_CANVAS}: ms/step, top-k mass and self-conditioning error at "
+            f"vocabulary {STEP_VOCAB}; agreement over {AGREEMENT_SEEDS} seeded decodes at vocabulary {AGREEMENT_VOCAB}"
+        )
+        print(
+            f"{'k':>4} {'exact ms':>8} {'top-k sc ms':>11} {'top-k step ms':>13} {'top-k mass':>10} "
+            f"{'sc rel err':>10} {'sc: agree / equal':>17} {'step: agree / equal':>19}",
+            flush=True,
+        )
         rows, control = cheaper_step_rows(Path(tmp))
         for k, t_exact, t_sc, t_step, mass, error, (a_sc, e_sc), (a_step, e_step) in rows:
-            print(f"{k:4d} {t_exact * 1e3:8.2f} {t_sc * 1e3:11.2f} {t_step * 1e3:13.2f} {mass:10.5f} {error:10.2e} "
-                  f"{a_sc:10.1%} {e_sc:2d}/{AGREEMENT_SEEDS} {a_step:12.1%} {e_step:2d}/{AGREEMENT_SEEDS}",
-                  flush=True)
-        print(f"control: the exact path with its self-conditioning logits x (1 + 1e-4): "
-              f"{control[0]:.1%} of tokens agree, {control[1]}/{AGREEMENT_SEEDS} decodes equal", flush=True)
+            print(
+                f"{k:4d} {t_exact * 1e3:8.2f} {t_sc * 1e3:11.2f} {t_step * 1e3:13.2f} {mass:10.5f} {error:10.2e} "
+                f"{a_sc:10.1%} {e_sc:2d}/{AGREEMENT_SEEDS} {a_step:12.1%} {e_step:2d}/{AGREEMENT_SEEDS}",
+                flush=True,
+            )
+        print(
+            f"control: the exact path with its self-conditioning logits x (1 + 1e-4): "
+            f"{control[0]:.1%} of tokens agree, {control[1]}/{AGREEMENT_SEEDS} decodes equal",
+            flush=True,
+        )
         if "--gemma-only" not in argv:
             show_self_spec(self_spec_rows(Path(tmp)))
     print(f"load (1, 5, 15 min) at the end: {load()}")

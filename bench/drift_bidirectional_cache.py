@@ -55,11 +55,14 @@ def main():
         for name, options in rules:
             for cache in (None, "prefix", "dual"):
                 r = evaluate(model, tok, pairs, max_tokens=m, cache=cache, **options)
-                print(f"{name:<22}{m:>11}{str(cache):>8}{100 * r.accuracy:>12.1f}%{r.tokens_per_forward:>13.2f}",
-                      flush=True)
+                print(
+                    f"{name:<22}{m:>11}{str(cache):>8}{100 * r.accuracy:>12.1f}%{r.tokens_per_forward:>13.2f}",
+                    flush=True,
+                )
         r = evaluate(model, tok, pairs, max_tokens=m, preset="fast")
-        print(f"{'preset fast':<22}{m:>11}{'dual':>8}{100 * r.accuracy:>12.1f}%{r.tokens_per_forward:>13.2f}",
-              flush=True)
+        print(
+            f"{'preset fast':<22}{m:>11}{'dual':>8}{100 * r.accuracy:>12.1f}%{r.tokens_per_forward:>13.2f}", flush=True
+        )
 
 
 if __name__ == "__main__":

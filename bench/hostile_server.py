@@ -32,8 +32,14 @@ from mlx_lm_diffusion.testing.checkpoints import write_llada  # noqa: E402
 
 # (a valid InferenceRequest: an earlier version named the field "prompt", and its "protocol
 # flood" was a flood of 400s)
-PROMPT = {"prompt_tokens": [72, 101, 108, 108, 111], "target_length": 5 + 4, "num_steps": 4,
-          "mask_schedule": "linear", "temperature_schedule": [0.0] * 4, "top_p": 1.0}
+PROMPT = {
+    "prompt_tokens": [72, 101, 108, 108, 111],
+    "target_length": 5 + 4,
+    "num_steps": 4,
+    "mask_schedule": "linear",
+    "temperature_schedule": [0.0] * 4,
+    "top_p": 1.0,
+}
 
 
 def free_port() -> int:
@@ -65,8 +71,12 @@ def chat(**fields) -> bytes:
 
 def protocol_body(forwards: int) -> dict:
     """A step-schedule request that takes `forwards` forwards (one position committed per step)."""
-    return {**PROMPT, "target_length": len(PROMPT["prompt_tokens"]) + forwards, "num_steps": forwards,
-            "temperature_schedule": [0.0] * forwards}
+    return {
+        **PROMPT,
+        "target_length": len(PROMPT["prompt_tokens"]) + forwards,
+        "num_steps": forwards,
+        "temperature_schedule": [0.0] * forwards,
+    }
 
 
 # a prompt of 9.9 MB, under the server's 10 MB body limit (issue 55.1: tokenized in full, 15-30 s
@@ -82,10 +92,18 @@ KINDS = {
     "protocol flood": (4, json.dumps(PROMPT).encode(), "/v1/diffusion/generate"),
     "400,000 stop strings": (2, chat(stop=[f"s{i}" for i in range(400_000)], max_tokens=8), "/v1/chat/completions"),
     "long requests at the bound": (32, chat(max_tokens=512, block_length=32, steps=32), "/v1/chat/completions"),
-    "lone decodes (suffix)": (2, json.dumps({"prompt": "Hello", "suffix": " world", "max_tokens": 256,
-                                             "block_length": 32, "steps": 32}).encode(), "/v1/completions"),
-    "7 MB bad protocol bodies": (2, (json.dumps({**PROMPT, "pad": "x" * 7_000_000})[:-1] + ', "num_steps": -1}')
-                                 .encode(), "/v1/diffusion/generate"),
+    "lone decodes (suffix)": (
+        2,
+        json.dumps(
+            {"prompt": "Hello", "suffix": " world", "max_tokens": 256, "block_length": 32, "steps": 32}
+        ).encode(),
+        "/v1/completions",
+    ),
+    "7 MB bad protocol bodies": (
+        2,
+        (json.dumps({**PROMPT, "pad": "x" * 7_000_000})[:-1] + ', "num_steps": -1}').encode(),
+        "/v1/diffusion/generate",
+    ),
     # a long request alone, then beside 32 much longer ones: 24 and 120 forwards, which are the
     # issue's 300 behind 16,384 at this bench's --long-request-forwards 16 (the server's default
     # 256 would make each a canvas this machine decodes in minutes)
@@ -100,11 +118,14 @@ KINDS = {
 }
 # a kind's own victim (the normal client's request, route), where it is not a short chat
 LONG_VICTIM = (json.dumps(protocol_body(24)).encode(), "/v1/diffusion/generate")
-VICTIMS = {"none (victim: 24 forwards)": LONG_VICTIM, "120-forward requests (victim: 24)": LONG_VICTIM,
-           "none (victim: completion)": (COMPLETION, "/v1/completions"),
-           "9.9 MB prompts (victim: completion)": (COMPLETION, "/v1/completions"),
-           "none (victim: /health)": (None, "/health"),
-           f"{IDLE_SOCKETS} idle sockets from 127.0.0.2 (victim: /health)": (None, "/health")}
+VICTIMS = {
+    "none (victim: 24 forwards)": LONG_VICTIM,
+    "120-forward requests (victim: 24)": LONG_VICTIM,
+    "none (victim: completion)": (COMPLETION, "/v1/completions"),
+    "9.9 MB prompts (victim: completion)": (COMPLETION, "/v1/completions"),
+    "none (victim: /health)": (None, "/health"),
+    f"{IDLE_SOCKETS} idle sockets from 127.0.0.2 (victim: /health)": (None, "/health"),
+}
 ALONE = {}  # a kind -> the kind that measures its victim with no load (its ratio's denominator)
 for _kind in KINDS:
     _victim = VICTIMS.get(_kind)
@@ -179,10 +200,15 @@ def phase(port: int, pid: int, kind: str, seconds: float) -> dict:
         thread.join(timeout=seconds + 10)
     waits.sort()
     done = [w for w in waits if w != float("inf")]
-    return {"kind": kind, "normal requests": len(done), "failed": len(waits) - len(done),
-            "p50 s": waits[len(waits) // 2] if waits else None,
-            "p99 s": waits[min(len(waits) - 1, int(len(waits) * 0.99))] if waits else None,
-            "max s": waits[-1] if waits else None, **figures}
+    return {
+        "kind": kind,
+        "normal requests": len(done),
+        "failed": len(waits) - len(done),
+        "p50 s": waits[len(waits) // 2] if waits else None,
+        "p99 s": waits[min(len(waits) - 1, int(len(waits) * 0.99))] if waits else None,
+        "max s": waits[-1] if waits else None,
+        **figures,
+    }
 
 
 def main() -> None:
@@ -194,8 +220,11 @@ def main() -> None:
     port = free_port()
     # (the long victims' kinds are measured at --long-request-forwards 16; the others at the server's default)
     flags = ["--long-request-forwards", "16"] if any(VICTIMS.get(k) == LONG_VICTIM for k in args.kinds) else []
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(model), "--port",
-                             str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(model), "--port", str(port), *flags],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 240
         while post(port, "/v1/chat/completions", chat(max_tokens=1), timeout=30) != 200:
@@ -213,8 +242,10 @@ def main() -> None:
     for r in rows:
         base = alone.get(ALONE[r["kind"]])
         ratio = f"{r['p50 s'] / base:.1f}x" if base and r["kind"] != ALONE[r["kind"]] else ""
-        print(f"| {r['kind']} | {r['normal requests']} | {r['failed']} | {r['p50 s']:.3f} | {r['p99 s']:.3f} "
-              f"| {r['max s']:.3f} | {ratio} | {r['threads']} | {r['rss_mb']:.0f} |")
+        print(
+            f"| {r['kind']} | {r['normal requests']} | {r['failed']} | {r['p50 s']:.3f} | {r['p99 s']:.3f} "
+            f"| {r['max s']:.3f} | {ratio} | {r['threads']} | {r['rss_mb']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

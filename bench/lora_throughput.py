@@ -71,10 +71,16 @@ def rows(tmp: Path) -> list:
     """(name, AR checkpoint, diffusion checkpoint) of the same backbone shape."""
     shape = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4)
     return [
-        ("LLaDA / llama", write_causal(tmp / "llama", "llama", **shape),
-         write_llada(tmp / "llada", d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp=768)),
-        ("SDAR / qwen3", write_causal(tmp / "qwen3", "qwen3", head_dim=64, tie_word_embeddings=False, **shape),
-         write_sdar(tmp / "sdar", hidden=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, inter=768)),
+        (
+            "LLaDA / llama",
+            write_causal(tmp / "llama", "llama", **shape),
+            write_llada(tmp / "llada", d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, mlp=768),
+        ),
+        (
+            "SDAR / qwen3",
+            write_causal(tmp / "qwen3", "qwen3", head_dim=64, tie_word_embeddings=False, **shape),
+            write_sdar(tmp / "sdar", hidden=256, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64, inter=768),
+        ),
     ]
 
 
@@ -99,7 +105,9 @@ def measure(ar_path: Path, dllm_path: Path) -> tuple:
 
 def main() -> None:
     print(f"batch {BATCH} x {LENGTH + 1} tokens, LoRA rank {LORA['rank']} on every block, hidden 256, 4 layers")
-    print(f"{'models':14} {'mlx_lm.lora tok/s':>18} {'diffusion tok/s':>16} {'ratio (median)':>15} {'ratio (best)':>13}")
+    print(
+        f"{'models':14} {'mlx_lm.lora tok/s':>18} {'diffusion tok/s':>16} {'ratio (median)':>15} {'ratio (best)':>13}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for name, ar_path, dllm_path in rows(Path(tmp)):
             theirs, ours, median, best = measure(ar_path, dllm_path)

@@ -266,8 +266,17 @@ def print_op_detail(B: int, names_B: dict, names_1: dict) -> None:
             print(f"      {k:<34}{a:>8.1f}{b:>8.1f}{(a - b) / max(1, B - 1):>8.1f} per row")
 
 
-def profile(name: str, path: str, fields: dict, rows: list, steps: int, attention: bool, counter: "OpCounter",
-            ops_detail: bool = False, ops_only: bool = False) -> None:
+def profile(
+    name: str,
+    path: str,
+    fields: dict,
+    rows: list,
+    steps: int,
+    attention: bool,
+    counter: "OpCounter",
+    ops_detail: bool = False,
+    ops_only: bool = False,
+) -> None:
     import mlx_lm_diffusion as mld
     from model_adapters import adapter_for
 
@@ -275,7 +284,9 @@ def profile(name: str, path: str, fields: dict, rows: list, steps: int, attentio
     adapter = adapter_for(model, tokenizer)
     timer = counter.timer
     instrument(timer, adapter, attention)
-    print(f"\n{name}: ms per batched step (batched) / per round of B single-row steps (single), 20th percentile and median")
+    print(
+        f"\n{name}: ms per batched step (batched) / per round of B single-row steps (single), 20th percentile and median"
+    )
     print(f"{'B':>3} {'setup':>8} {'':>4} " + " ".join(f"{p:>8}" for p in PHASES) + f" {'ratio':>6}")
     ops = {}
     for B in rows:
@@ -316,8 +327,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         for name, (path, fields) in checkpoints(Path(folder), args.models).items():
-            profile(name, path, fields, args.rows, args.steps, args.attention, counter, args.ops_detail,
-                    args.ops_only)
+            profile(name, path, fields, args.rows, args.steps, args.attention, counter, args.ops_detail, args.ops_only)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ class Blocked:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - tic
+
         return inner
 
     @contextmanager
@@ -112,10 +113,19 @@ def whole_decodes(model, tok, peer, n: int, repeats: int) -> list:
     from fast_dllm_mlx.generate import DreamGenerationConfig, diffusion_generate_step
 
     rows = []
-    for label, ours, threshold in (("threshold 0.9", dict(threshold=0.9), 0.9),
-                                   ("one token per forward", dict(strategy="low_confidence"), 1.01)):
-        config = DreamGenerationConfig(max_length=len(PROMPT) + n, steps=n, block_length=BLOCK, threshold=threshold,
-                                       temperature=0.0, dual_cache=True, mask_token_id=MASK_ID)
+    for label, ours, threshold in (
+        ("threshold 0.9", dict(threshold=0.9), 0.9),
+        ("one token per forward", dict(strategy="low_confidence"), 1.01),
+    ):
+        config = DreamGenerationConfig(
+            max_length=len(PROMPT) + n,
+            steps=n,
+            block_length=BLOCK,
+            threshold=threshold,
+            temperature=0.0,
+            dual_cache=True,
+            mask_token_id=MASK_ID,
+        )
         decode(model, tok, n, cache="dual", **ours)
         mx.eval(diffusion_generate_step(mx.array([PROMPT]), peer, config))
         mine, blocked, theirs = [], [], []
@@ -123,16 +133,26 @@ def whole_decodes(model, tok, peer, n: int, repeats: int) -> list:
             with Blocked().patched() as waits:
                 wall, forwards, _ = decode(model, tok, n, cache="dual", **ours)
             mine.append(wall)
-            blocked.append((waits.seconds["async_eval"] + waits.seconds["eval"],
-                            waits.seconds["sync"] + waits.seconds["host_of"]))
+            blocked.append(
+                (waits.seconds["async_eval"] + waits.seconds["eval"], waits.seconds["sync"] + waits.seconds["host_of"])
+            )
             peer.forwards = 0
             tic = time.perf_counter()
             mx.eval(diffusion_generate_step(mx.array([PROMPT]), peer, config))
             theirs.append(time.perf_counter() - tic)
         best = min(range(repeats), key=mine.__getitem__)
         evals, reads = blocked[best]
-        rows.append((label, 1000 * mine[best] / forwards, forwards, 1000 * evals / forwards, 1000 * reads / forwards,
-                     1000 * min(theirs) / peer.forwards, peer.forwards))
+        rows.append(
+            (
+                label,
+                1000 * mine[best] / forwards,
+                forwards,
+                1000 * evals / forwards,
+                1000 * reads / forwards,
+                1000 * min(theirs) / peer.forwards,
+                peer.forwards,
+            )
+        )
     return rows
 
 
@@ -188,8 +208,9 @@ def step_pieces(model, tok, peer, n: int, iters: int) -> dict:
         x0, prob, _, _, _ = greedy_parts(logits + mx.zeros((model.vocab_size,)))
         x0 = spread(x0, rows, window)
         prob = spread_filled(prob, rows, BLOCK)
-        commit = (threshold_transfer(prob, candidates, 0.9) if rule == "threshold"
-                  else topk_transfer(prob, candidates, 1))
+        commit = (
+            threshold_transfer(prob, candidates, 0.9) if rule == "threshold" else topk_transfer(prob, candidates, 1)
+        )
         return mx.where(commit, x0, window), mx.where(commit, prob, mx.zeros_like(prob))
 
     from fast_dllm_mlx.generate import _compiled_select_confident_updates_greedy, _shift_logits
@@ -202,8 +223,9 @@ def step_pieces(model, tok, peer, n: int, iters: int) -> dict:
         return model.head(mx.take_along_axis(hidden, rows[..., None], axis=1))
 
     def peer_step():
-        return _shift_logits(peer.model(window, mask="full", cache=peer_caches, cache_position=start,
-                                        replace_cache=True))
+        return _shift_logits(
+            peer.model(window, mask="full", cache=peer_caches, cache_position=start, replace_cache=True)
+        )
 
     def ours_whole_step():
         logits = ours_step()
@@ -220,19 +242,33 @@ def step_pieces(model, tok, peer, n: int, iters: int) -> dict:
         "window forward (backbone)": (timed(ours_forward, iters), timed(peer_forward, iters)),
         "layer 0 attention (with KV fetch)": (
             timed(lambda: layer.self_attn(normed, None, fetch), iters),
-            timed(lambda: peer_layer.self_attn(normed, mask="full", cache=peer_cache0, cache_position=start,
-                                               replace_cache=True), iters)),
+            timed(
+                lambda: peer_layer.self_attn(
+                    normed, mask="full", cache=peer_cache0, cache_position=start, replace_cache=True
+                ),
+                iters,
+            ),
+        ),
         "layer 0 KV fetch alone": (
             timed(lambda: fetch.update_and_fetch(keys, values), iters),
-            timed(lambda: peer_cache0.update_and_fetch(keys, values, position=start, replace=True), iters)),
-        "layer 0 MLP": (timed(lambda: layer.mlp(layer.post_attention_layernorm(h)), iters),
-                        timed(lambda: peer_layer.mlp(peer_layer.post_attention_layernorm(h)), iters)),
+            timed(lambda: peer_cache0.update_and_fetch(keys, values, position=start, replace=True), iters),
+        ),
+        "layer 0 MLP": (
+            timed(lambda: layer.mlp(layer.post_attention_layernorm(h)), iters),
+            timed(lambda: peer_layer.mlp(peer_layer.post_attention_layernorm(h)), iters),
+        ),
         f"head ({head_rows.shape[1]} rows here, {BLOCK} peer)": (
-            timed(lambda: model.head(head_rows), iters), timed(lambda: peer.model.lm_head(hidden), iters)),
-        "statistics + rule, threshold 0.9": (timed(lambda: ours_stats_rule("threshold"), iters),
-                                             timed(lambda: peer_select(0.9), iters)),
-        "statistics + rule, one per forward": (timed(lambda: ours_stats_rule("top1"), iters),
-                                               timed(lambda: peer_select(1.01), iters)),
+            timed(lambda: model.head(head_rows), iters),
+            timed(lambda: peer.model.lm_head(hidden), iters),
+        ),
+        "statistics + rule, threshold 0.9": (
+            timed(lambda: ours_stats_rule("threshold"), iters),
+            timed(lambda: peer_select(0.9), iters),
+        ),
+        "statistics + rule, one per forward": (
+            timed(lambda: ours_stats_rule("top1"), iters),
+            timed(lambda: peer_select(1.01), iters),
+        ),
         "forward + head + rule (threshold)": (timed(ours_whole_step, iters), timed(peer_whole_step, iters)),
     }
     ops = []
@@ -258,11 +294,15 @@ def layer0_cache(state, start: int):
 
 def report(vocab: int, n: int, decodes: list, pieces: dict, ops: tuple) -> None:
     print(f"\nDream micro (vocabulary {vocab}), {n} tokens, dual cache, block {BLOCK}; ms per forward")
-    print(f"{'decode':>22} {'ours':>7} {'fwd':>4} {'in eval':>8} {'reads':>6} {'python':>7} {'peer':>7} {'fwd':>4}"
-          f" {'ours/peer':>9}")
+    print(
+        f"{'decode':>22} {'ours':>7} {'fwd':>4} {'in eval':>8} {'reads':>6} {'python':>7} {'peer':>7} {'fwd':>4}"
+        f" {'ours/peer':>9}"
+    )
     for label, mine, forwards, evals, reads, theirs, peer_forwards in decodes:
-        print(f"{label:>22} {mine:7.3f} {forwards:4d} {evals:8.3f} {reads:6.3f} {mine - evals - reads:7.3f}"
-              f" {theirs:7.3f} {peer_forwards:4d} {mine / theirs:8.2f}x")
+        print(
+            f"{label:>22} {mine:7.3f} {forwards:4d} {evals:8.3f} {reads:6.3f} {mine - evals - reads:7.3f}"
+            f" {theirs:7.3f} {peer_forwards:4d} {mine / theirs:8.2f}x"
+        )
     print(f"{'one later step, alone':>40} {'ours ms':>8} {'peer ms':>8} {'ours/peer':>9}")
     for label, (mine, theirs) in pieces.items():
         print(f"{label:>40} {mine:8.3f} {theirs:8.3f} {mine / theirs:8.2f}x")

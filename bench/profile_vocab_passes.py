@@ -30,9 +30,12 @@ from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada  # noq
 try:
     from mlx_lm_diffusion.decoding.decoders.vocab_stats import logprob_rows  # noqa: E402
 except ImportError:  # (profiling a tree from before the kept log-probs were recorded per commit)
+
     def logprob_rows(shifted, log_total, slots):
         index = slots[..., None]
         return mx.take_along_axis(shifted, index, axis=1) - mx.take_along_axis(log_total, index, axis=1)
+
+
 from mlx_lm_diffusion.api.decode import build_decode  # noqa: E402
 from mlx_lm_diffusion.decoding.engine import Engine  # noqa: E402
 from model_adapters import adapter_for  # noqa: E402
@@ -82,8 +85,12 @@ def passes(adapter, vocab: int, rows: int, width: int) -> dict:
     one = mx.zeros((1, 1), mx.int32)
     mx.eval(kept, commit)
     out = {
-        "bare forward (head over the rows)": best(lambda: mx.eval(adapter.predict_rows(None, canvas, P, P + width, index))),
-        "head alone": best(lambda: mx.eval(adapter.model.head(hidden[:, :rows]))) if hidden is not None else float("nan"),
+        "bare forward (head over the rows)": best(
+            lambda: mx.eval(adapter.predict_rows(None, canvas, P, P + width, index))
+        ),
+        "head alone": best(lambda: mx.eval(adapter.model.head(hidden[:, :rows])))
+        if hidden is not None
+        else float("nan"),
         "argmax": best(lambda: mx.eval(mx.argmax(logits, axis=-1))),
         "max (unused: argmax's logit is taken)": best(lambda: mx.eval(mx.max(logits, axis=-1))),
         "subtract the max": best(lambda: mx.eval(logits - top)),
@@ -93,11 +100,13 @@ def passes(adapter, vocab: int, rows: int, width: int) -> dict:
         "mx.exp (not used at this vocabulary)": best(lambda: mx.eval(mx.exp(shifted))),
         "sum": best(lambda: mx.eval(mx.sum(e, axis=-1, keepdims=True))),
         "entropy terms (only where a rule reads it)": best(
-            lambda: mx.eval(mx.sum(mx.where(e > 0, e * shifted, 0.0), axis=-1))),
+            lambda: mx.eval(mx.sum(mx.where(e > 0, e * shifted, 0.0), axis=-1))
+        ),
         "full log-probs (shifted - log S)": best(lambda: mx.eval(shifted - log_total)),
         "kept before: where over the rows": best(lambda: mx.eval(mx.where(commit[..., None], shifted, kept[:, :rows]))),
         "kept before: put_along_axis into width x V": best(
-            lambda: mx.eval(mx.put_along_axis(kept, index[..., None], shifted, axis=1))),
+            lambda: mx.eval(mx.put_along_axis(kept, index[..., None], shifted, axis=1))
+        ),
         "kept now: one committed row": best(lambda: mx.eval(logprob_rows(shifted, log_total, one))),
     }
     return out
@@ -123,8 +132,10 @@ def main():
                 engine_decode(model, tok, True, options)
             bare = min(recorder.bare_seconds() for _ in range(3))
             walls = {keep: min(engine_decode(model, tok, keep, options) for _ in range(3)) for keep in (True, False)}
-            print(f"  {name:6} {str(options):36} kept {walls[True] / bare:6.3f}  not kept {walls[False] / bare:6.3f}"
-                  f"  ({len(recorder.calls)} forwards, bare {1e3 * bare / len(recorder.calls):.2f} ms each)")
+            print(
+                f"  {name:6} {str(options):36} kept {walls[True] / bare:6.3f}  not kept {walls[False] / bare:6.3f}"
+                f"  ({len(recorder.calls)} forwards, bare {1e3 * bare / len(recorder.calls):.2f} ms each)"
+            )
         adapter = adapter_for(*loaded["LLaDA"])
         for rows in (1, 4, 32):
             print(f"LLaDA passes over {rows} rows x {args.vocab} (ms; block width 32):")

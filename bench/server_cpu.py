@@ -117,9 +117,12 @@ def run_round(server: Server, batch: list, clients: int, names: NameLog) -> dict
     kinds["clients"] = sum(client_cpu)
     # (threads that ended during the round, less the clients': the HTTP handler threads)
     kinds["ended (http)"] = max(0.0, total1 - total0 - sum(kinds.values()))
-    return {"tok_per_s": tokens / wall, "wall_ms": 1e3 * wall / tokens,
-            "cpu_ms": {k: 1e3 * v / tokens for k, v in kinds.items()},
-            "cores": sum(kinds.values()) / wall}
+    return {
+        "tok_per_s": tokens / wall,
+        "wall_ms": 1e3 * wall / tokens,
+        "cpu_ms": {k: 1e3 * v / tokens for k, v in kinds.items()},
+        "cores": sum(kinds.values()) / wall,
+    }
 
 
 def main(argv=None) -> int:
@@ -145,26 +148,35 @@ def main(argv=None) -> int:
         try:
             for server in servers.values():  # warm up both (the batched one: every row count it will see)
                 run_round(server, requests(args.requests, args.max_tokens, fields), args.clients, names)
-            print(f"{name}, {args.clients} clients, {args.requests} streamed requests per round and mode, "
-                  f"load {open('/proc/loadavg').read().split()[:3]}", flush=True)
+            print(
+                f"{name}, {args.clients} clients, {args.requests} streamed requests per round and mode, "
+                f"load {open('/proc/loadavg').read().split()[:3]}",
+                flush=True,
+            )
             for round_ in range(args.rounds):
                 figures = {}
                 for mode, server in servers.items():
                     profiler = None
                     if args.profile and mode == "batched" and round_ == args.rounds - 1:
                         profiler = profile_scheduler(server)
-                    figures[mode] = run_round(server, requests(args.requests, args.max_tokens, fields),
-                                              args.clients, names)
+                    figures[mode] = run_round(
+                        server, requests(args.requests, args.max_tokens, fields), args.clients, names
+                    )
                     if profiler is not None:
                         profiler()
                     f = figures[mode]
                     cpu = f["cpu_ms"]
                     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]))
-                    print(f"round {round_ + 1} {mode:>8}: {f['tok_per_s']:6.1f} tok/s, wall {f['wall_ms']:.2f} ms/tok, "
-                          f"CPU {sum(cpu.values()):.2f} ms/tok on {f['cores']:.2f} cores ({parts})", flush=True)
+                    print(
+                        f"round {round_ + 1} {mode:>8}: {f['tok_per_s']:6.1f} tok/s, wall {f['wall_ms']:.2f} ms/tok, "
+                        f"CPU {sum(cpu.values()):.2f} ms/tok on {f['cores']:.2f} cores ({parts})",
+                        flush=True,
+                    )
                 ratios.append(figures["batched"]["tok_per_s"] / figures["serial"]["tok_per_s"])
-                print(f"round {round_ + 1} ratio {ratios[-1]:.2f}x, load {open('/proc/loadavg').read().split()[:3]}",
-                      flush=True)
+                print(
+                    f"round {round_ + 1} ratio {ratios[-1]:.2f}x, load {open('/proc/loadavg').read().split()[:3]}",
+                    flush=True,
+                )
         finally:
             names.stop = True
             for server in servers.values():

@@ -98,14 +98,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--route", choices=ROUTES, default=None, help="send this route's bodies only")
     parser.add_argument("--rss-every", type=int, default=200, help="sample the server's VmRSS every N requests")
-    parser.add_argument("--server-arg", action="append", default=[],
-                        help="passed on to the server (repeat), e.g. --server-arg=--no-batch")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="passed on to the server (repeat), e.g. --server-arg=--no-batch",
+    )
     args = parser.parse_args()
 
     port = free_port()
     log = open(os.devnull, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--model", args.model,
-                             "--port", str(port), *args.server_arg], stdout=log, stderr=log)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", args.model, "--port", str(port), *args.server_arg],
+        stdout=log,
+        stderr=log,
+    )
     try:
         wait_ready(proc, port)
         before = plain_answer(port)
@@ -132,8 +139,10 @@ def main() -> None:
         proc.wait(timeout=60)
     print("| tried | clean (of which 2xx) | 5xx | non-JSON | dropped | hung | crashed | seconds |")
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| {args.requests} | {tally['clean']} ({tally['2xx']}) | {tally['5xx']} | {tally['non-JSON']} | {tally['dropped']} "
-          f"| {tally['hung']} | {int(crashed)} | {elapsed:.0f} |")
+    print(
+        f"| {args.requests} | {tally['clean']} ({tally['2xx']}) | {tally['5xx']} | {tally['non-JSON']} | {tally['dropped']} "
+        f"| {tally['hung']} | {int(crashed)} | {elapsed:.0f} |"
+    )
     print(f"plain request before: {before!r}, after: {after!r}, server exit code {proc.returncode}")
     print("RSS MB by requests done: " + ", ".join(f"{n}: {mb:.0f}" for n, mb in rss))
 

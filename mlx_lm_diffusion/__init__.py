@@ -92,8 +92,11 @@ def _register_when_ready(finished: str = "") -> None:
     model_adapters imports mlx_lm itself: when that is how mlx_lm came in, model_adapters
     is still half-run when mlx_lm's import ends, and its own end registers."""
     global _registered
-    if _registered or not _imported("mlx_lm", finished) or (
-            "model_adapters" in sys.modules and not _imported("model_adapters", finished)):
+    if (
+        _registered
+        or not _imported("mlx_lm", finished)
+        or ("model_adapters" in sys.modules and not _imported("model_adapters", finished))
+    ):
         return
     _registered = True
     importlib.import_module("model_adapters").register()

@@ -66,7 +66,10 @@ def exit_status(work: Callable[[], Any]) -> int:
         if not type(e).__module__.startswith("jinja2"):
             raise
         # a checkpoint's chat template that does not render (a syntax error, its own raise_exception)
-        print(f"error: the chat template cannot render this conversation: {one_line(e)} (fix the "
-              "checkpoint's template, or decode without it)", file=sys.stderr)
+        print(
+            f"error: the chat template cannot render this conversation: {one_line(e)} (fix the "
+            "checkpoint's template, or decode without it)",
+            file=sys.stderr,
+        )
         return 2
     return 0

@@ -103,17 +103,22 @@ def check_weights(model: nn.Module) -> None:
     (rows,) = rows
     vocab_size = getattr(model, "vocab_size", None)
     if isinstance(vocab_size, int) and vocab_size != rows:
-        raise ValueError(f"config.json's vocabulary size ({vocab_size}) is not the weights' ({rows} embedding "
-                         "rows): the checkpoint is inconsistent")
+        raise ValueError(
+            f"config.json's vocabulary size ({vocab_size}) is not the weights' ({rows} embedding "
+            "rows): the checkpoint is inconsistent"
+        )
     eos = getattr(model.args, "eos_token_id", None)
     outside = [i for i in (eos if isinstance(eos, list) else [eos]) if isinstance(i, int) and not 0 <= i < rows]
     if outside:
-        raise ValueError(f"config.json's eos_token_id ({outside[0]}) lies outside the vocabulary of the weights "
-                         f"[0, {rows}): the model could never end an answer")
+        raise ValueError(
+            f"config.json's eos_token_id ({outside[0]}) lies outside the vocabulary of the weights "
+            f"[0, {rows}): the model could never end an answer"
+        )
     mask_id = getattr(model.args, "mask_token_id", None)
     if isinstance(mask_id, int) and not 0 <= mask_id < rows:
-        raise ValueError(f"config.json's mask_token_id ({mask_id}) lies outside the vocabulary of the weights "
-                         f"[0, {rows})")
+        raise ValueError(
+            f"config.json's mask_token_id ({mask_id}) lies outside the vocabulary of the weights [0, {rows})"
+        )
 
 
 def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
@@ -125,4 +130,14 @@ def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
     return family_module(str(model_type)).Adapter(model, tokenizer)
 
 
-__all__ = ["check_weights", "Adapter", "FamilyDefaults", "FAMILIES", "adapter_for", "register", "register_family", "family_module", "family_options"]
+__all__ = [
+    "check_weights",
+    "Adapter",
+    "FamilyDefaults",
+    "FAMILIES",
+    "adapter_for",
+    "register",
+    "register_family",
+    "family_module",
+    "family_options",
+]

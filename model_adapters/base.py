@@ -81,8 +81,15 @@ class DiffusionArgs(BaseModelArgs):
 
 
 # Backbone fields that must be positive (a rope_theta of 0 loaded and decoded NaN rotations)
-POSITIVE_FIELDS = ("rope_theta", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                   "head_dim", "vocab_size")
+POSITIVE_FIELDS = (
+    "rope_theta",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "head_dim",
+    "vocab_size",
+)
 
 
 def _check_numbers(args: Any) -> None:
@@ -99,8 +106,9 @@ def _check_numbers(args: Any) -> None:
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or kind is int and not isinstance(value, int):
-            raise ValueError(f"config.json's {f.name} must be {'an integer' if kind is int else 'a number'}, "
-                             f"got {value!r}")
+            raise ValueError(
+                f"config.json's {f.name} must be {'an integer' if kind is int else 'a number'}, got {value!r}"
+            )
         if f.name in POSITIVE_FIELDS and not (0 < value < math.inf):
             raise ValueError(f"config.json's {f.name} must be positive, got {value!r}")
 
@@ -360,8 +368,12 @@ class Adapter:
         (mlx_lm_diffusion.decoding.decoders.Forward), from as few model calls as the family can
         batch (model_adapters.runtime.batched); here, one call per request. A request marked
         `verify` (self-speculation's verify pass) is answered by `verify`."""
-        return [self.verify(r.state, r.canvas[:, r.start : r.end], r.clean) if getattr(r, "verify", False)
-                else self.predict(r.state, r.canvas, r.start, r.end) for r in requests]
+        return [
+            self.verify(r.state, r.canvas[:, r.start : r.end], r.clean)
+            if getattr(r, "verify", False)
+            else self.predict(r.state, r.canvas, r.start, r.end)
+            for r in requests
+        ]
 
 
 def _stop_ids(args: Any, tokenizer: Any) -> set[int]:

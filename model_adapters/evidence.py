@@ -53,14 +53,22 @@ def family_overrides(model_path: Any, config: dict, family: Any = None) -> dict:
     is, when its model_type names another ({} otherwise). Evidence of two families at once is
     refused (ValueError) unless `family` (a model type of model_adapters.FAMILIES) decides."""
     path = Path(str(model_path))
-    claims = {name: overrides for name, overrides in (
-        ("idlm", _idlm(path, config)), ("qwen3_5_diffusion", _block_diffusion(path, config)),
-        ("lfm2_diffusion", _lfm2_diffusion(config))) if overrides}
+    claims = {
+        name: overrides
+        for name, overrides in (
+            ("idlm", _idlm(path, config)),
+            ("qwen3_5_diffusion", _block_diffusion(path, config)),
+            ("lfm2_diffusion", _lfm2_diffusion(config)),
+        )
+        if overrides
+    }
     if family is not None:
         return claims.get(family, {"model_type": family} if family != config.get("model_type") else {})
     if len(claims) > 1:
-        raise ValueError(f"the checkpoint at {model_path} carries the evidence of {' and '.join(sorted(claims))}; "
-                         f"load it with family= one of them (mlx_lm_diffusion.load(path, family=...))")
+        raise ValueError(
+            f"the checkpoint at {model_path} carries the evidence of {' and '.join(sorted(claims))}; "
+            f"load it with family= one of them (mlx_lm_diffusion.load(path, family=...))"
+        )
     return next(iter(claims.values()), {})
 
 
@@ -103,8 +111,10 @@ def _block_diffusion(path: Path, config: dict) -> dict:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     mask_id = facts.get("mask_id", text.get("mask_token_id", config.get("mask_token_id", QWEN3_5_MASK)))
     if not isinstance(mask_id, int) or isinstance(mask_id, bool):
-        raise ValueError(f"a Qwen3.5 block-diffusion checkpoint needs an integer mask_id in its "
-                         f"{BLOCK_DIFFUSION_SIDECAR}, got {mask_id!r}")
+        raise ValueError(
+            f"a Qwen3.5 block-diffusion checkpoint needs an integer mask_id in its "
+            f"{BLOCK_DIFFUSION_SIDECAR}, got {mask_id!r}"
+        )
     overrides = {"model_type": "qwen3_5_diffusion", "mask_token_id": mask_id}
     if "bd_size" in facts:
         overrides["bd_size"] = facts["bd_size"]

@@ -31,8 +31,11 @@ def vision_config(config: Optional[dict]) -> Any:
     except ImportError:
         import warnings
 
-        warnings.warn('mlx-vlm is not installed (pip install -e ".[vision]" in a clone): '
-                      "DiffusionGemma loads without its vision tower, text only", stacklevel=2)
+        warnings.warn(
+            'mlx-vlm is not installed (pip install -e ".[vision]" in a clone): '
+            "DiffusionGemma loads without its vision tower, text only",
+            stacklevel=2,
+        )
         return None
 
     return VisionConfig.from_dict(dict(config))
@@ -58,8 +61,9 @@ class VisionInputs:
     position_ids: Optional[mx.array] = None
 
 
-def vision_token_mask(inputs: mx.array, token_ids: Sequence[Optional[int]],
-                      mm_token_type_ids: Optional[mx.array] = None) -> mx.array:
+def vision_token_mask(
+    inputs: mx.array, token_ids: Sequence[Optional[int]], mm_token_type_ids: Optional[mx.array] = None
+) -> mx.array:
     """(B, N) True where a soft token of an image or video frame goes."""
     mask = mx.zeros(inputs.shape, dtype=mx.bool_)
     for t in token_ids:

@@ -80,9 +80,11 @@ def attach(model: nn.Module, path: Any) -> RowGate:
     pairs: dict = {}
     for key, value in weights.items():
         if not key.startswith(PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
-            raise ValueError(f"{folder / PEFT_WEIGHTS}: unexpected weight {key!r} (a PEFT LoRA of a Qwen3 holds "
-                             f"{PREFIX}model.layers.N.<module>.lora_A/B.weight)")
-        module, _, which = key[len(PREFIX):].rpartition(".lora_")
+            raise ValueError(
+                f"{folder / PEFT_WEIGHTS}: unexpected weight {key!r} (a PEFT LoRA of a Qwen3 holds "
+                f"{PREFIX}model.layers.N.<module>.lora_A/B.weight)"
+            )
+        module, _, which = key[len(PREFIX) :].rpartition(".lora_")
         pairs.setdefault(module, {})[which.split(".")[0]] = value
     for module, pair in pairs.items():
         if set(pair) != {"A", "B"}:
@@ -95,8 +97,10 @@ def attach(model: nn.Module, path: Any) -> RowGate:
         a, b = pair["A"], pair["B"]
         out_dim, in_dim = _dims(base)
         if a.shape != (rank, in_dim) or b.shape != (out_dim, rank):
-            raise ValueError(f"the adapter's {module} has shapes {tuple(a.shape)} / {tuple(b.shape)}; the model's "
-                             f"layer needs ({rank}, {in_dim}) / ({out_dim}, {rank})")
+            raise ValueError(
+                f"the adapter's {module} has shapes {tuple(a.shape)} / {tuple(b.shape)}; the model's "
+                f"layer needs ({rank}, {in_dim}) / ({out_dim}, {rank})"
+            )
         setattr(parent, name, MaskRowLoRA(base, a, b, scale, rows))
     if not pairs:
         raise ValueError(f"{folder / PEFT_WEIGHTS} holds no LoRA weights")

@@ -70,8 +70,10 @@ class Option:
                 raise ValueError(f"{self.name} must be a number {self._span()}, got {value!r}{self._hint()}")
             return float(value) if isinstance(value, int) else value
         if kind is callable and not callable(value):  # (mlx_lm.sample_utils builds them)
-            raise ValueError(f"{self.name} must be a callable (mlx_lm.sample_utils' make_sampler and "
-                             f"make_logits_processors build them), got {value!r}")
+            raise ValueError(
+                f"{self.name} must be a callable (mlx_lm.sample_utils' make_sampler and "
+                f"make_logits_processors build them), got {value!r}"
+            )
         return value  # other Python-only values are the engine's to use
 
     def _in_range(self, value: float) -> bool:
@@ -94,8 +96,12 @@ class Option:
         """This option as a JSON-schema property (draft-07)."""
         types = {int: "integer", float: "number", bool: "boolean", str: "string"}
         if self.kind is tuple:
-            return {"type": "array", "items": Option(self.name, self.item, self.help, low=self.low,
-                                                     high=self.high, choices=self.choices).json_schema()}
+            return {
+                "type": "array",
+                "items": Option(
+                    self.name, self.item, self.help, low=self.low, high=self.high, choices=self.choices
+                ).json_schema(),
+            }
         out: dict = {"type": types[self.kind], "description": self.help}
         if self.low is not None:
             out["exclusiveMinimum" if self.low_open else "minimum"] = self.low

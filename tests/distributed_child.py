@@ -43,8 +43,12 @@ def decode_cases(group, cases: list) -> dict:
         sampled_options = {**case["options"], **case.get("sampled_options", {}), "sampler": sampler}
         sampled, _ = engine_decode(model, tokenizer, case["prompt"], **sampled_options)
         check_agreement(group, sampled)  # ... or their draws
-        out[case["name"]] = {"tokens": tokens, "forwards": forwards, "bytes": parameter_bytes(model, vision=False),
-                             "sampled": sampled}
+        out[case["name"]] = {
+            "tokens": tokens,
+            "forwards": forwards,
+            "bytes": parameter_bytes(model, vision=False),
+            "sampled": sampled,
+        }
     return out
 
 

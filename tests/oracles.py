@@ -123,8 +123,9 @@ def fast_dllm_threshold(model, prompt, *, gen_length, block_length, threshold, m
     return x[0, P:].tolist(), forwards
 
 
-def threshold_with_editing(model, prompt, *, gen_length, block_length, threshold,
-                           editing_threshold, max_post_steps, mask_id):
+def threshold_with_editing(
+    model, prompt, *, gen_length, block_length, threshold, editing_threshold, max_post_steps, mask_id
+):
     """The LLaDA2.1 editing loop (research note's reference, batch 1) over a full-canvas
     model: commit masks with p >= threshold (at least one), then overwrite committed
     block tokens whose new proposal differs with p > editing_threshold; a block ends
@@ -163,8 +164,9 @@ def greedy_ar(pair, ids: list, max_tokens: int) -> list:
     from mlx_lm.sample_utils import make_sampler
 
     model, tokenizer = pair
-    return [r.token for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_tokens,
-                                                    sampler=make_sampler(0.0))]
+    return [
+        r.token for r in mlx_lm.stream_generate(model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0))
+    ]
 
 
 def decoded(pair, ids: list, max_tokens: int, **options) -> tuple:

@@ -105,16 +105,19 @@ def _hung_report(pid: int, fd: int, timeout: float, waiting: str) -> str:
     lines = [f"\n[pty_run: no exit within {timeout:g} s; {waiting}]"]
     try:
         lflag = termios.tcgetattr(fd)[3]
-        lines.append("terminal: " + " ".join(f"{name}={bool(lflag & getattr(termios, name))}"
-                                              for name in ("ICANON", "ECHO", "ISIG")))
+        lines.append(
+            "terminal: "
+            + " ".join(f"{name}={bool(lflag & getattr(termios, name))}" for name in ("ICANON", "ECHO", "ISIG"))
+        )
     except OSError as e:
         lines.append(f"terminal: {e}")
     for task in sorted(glob.glob(f"/proc/{pid}/task/*")):
         try:
             status = dict(line.split(":\t", 1) for line in open(f"{task}/status").read().splitlines() if ":\t" in line)
             syscall = open(f"{task}/syscall").read().split()[0]
-            fields = " ".join(f"{k}={status[k].strip()}" for k in ("Name", "State", "SigBlk", "SigPnd", "ShdPnd",
-                                                                   "SigCgt", "SigIgn"))
+            fields = " ".join(
+                f"{k}={status[k].strip()}" for k in ("Name", "State", "SigBlk", "SigPnd", "ShdPnd", "SigCgt", "SigIgn")
+            )
             lines.append(f"thread {task.rsplit('/', 1)[1]}: {fields} syscall={syscall}")
         except (OSError, KeyError, IndexError) as e:
             lines.append(f"thread {task}: {e}")

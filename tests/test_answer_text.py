@@ -30,8 +30,9 @@ def scripted(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["batched", "serial"])
 def test_the_entries_add_up_to_the_answer_with_its_leading_space(scripted, mode):
     flags = [] if mode == "batched" else ["--no-batch"]
-    with running_server(["--model", str(scripted), "--port", "0", "--log-level", "WARNING",
-                         "--max-tokens", "16", *flags]) as (httpd, _):
+    with running_server(
+        ["--model", str(scripted), "--port", "0", "--log-level", "WARNING", "--max-tokens", "16", *flags]
+    ) as (httpd, _):
         port = httpd.server_address[1]
         status, body = post_json(port, "/v1/chat/completions", {"messages": USER, "logprobs": True})
         assert status == 200, body

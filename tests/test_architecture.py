@@ -21,8 +21,14 @@ MAX_MODULE_LINES = 650  # "~600": the largest, DiffusionGemma's family module, i
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([str(BIN / "lint-imports"), "--config", str(root / ".importlinter"), "--no-cache"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(BIN / "lint-imports"), "--config", str(root / ".importlinter"), "--no-cache"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_the_import_contracts_hold():
@@ -55,7 +61,9 @@ def test_an_upward_import_breaks_the_house(tree_copy):
 
 def test_a_circle_breaks_the_contracts(tree_copy):
     """commit_rules <- options: an import back from commit_rules closes a circle."""
-    _add_import(tree_copy / "mlx_lm_diffusion/decoding/commit_rules.py", "from mlx_lm_diffusion.decoding import options")
+    _add_import(
+        tree_copy / "mlx_lm_diffusion/decoding/commit_rules.py", "from mlx_lm_diffusion.decoding import options"
+    )
     r = lint_imports(tree_copy)
     assert r.returncode == 1, r.stdout
     assert "No import circles between sibling modules or packages, at any depth BROKEN" in " ".join(r.stdout.split())
@@ -82,10 +90,18 @@ def test_a_new_family_is_one_module_and_one_line(tree_copy):
     registry.write_text(text.replace(line, line + '    "toy_diffusion": f"{__name__}.families.toy",\n'))
     r = lint_imports(tree_copy)
     assert r.returncode == 0 and r.stdout.count("KEPT") == 6, r.stdout + r.stderr
-    probe = ("import model_adapters; m = model_adapters.family_module('toy_diffusion'); "
-             "print(m.__name__, m.Adapter.__name__)")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=tree_copy, env={**os.environ, "PYTHONPATH": str(tree_copy)},
-                         capture_output=True, text=True, timeout=300)
+    probe = (
+        "import model_adapters; m = model_adapters.family_module('toy_diffusion'); "
+        "print(m.__name__, m.Adapter.__name__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tree_copy,
+        env={**os.environ, "PYTHONPATH": str(tree_copy)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.stdout.split() == ["model_adapters.families.toy", "Adapter"], out.stdout + out.stderr
     _add_import(tree_copy / "model_adapters/families/toy.py", "from model_adapters.families import sdar")
     r = lint_imports(tree_copy)  # (and the wildcard contract covers it: it may not import another family)
@@ -93,8 +109,21 @@ def test_a_new_family_is_one_module_and_one_line(tree_copy):
 
 
 def test_ruff_is_clean():
-    r = subprocess.run([str(BIN / "ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [str(BIN / "ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ruff_format_is_applied():
+    """The code is in ruff's format (applied once, kept by CI: .ci/run checks it too)."""
+    r = subprocess.run(
+        [str(BIN / "ruff"), "format", "--check", "--no-cache", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -105,7 +134,9 @@ def _modules():
 
 
 def test_no_module_is_past_about_600_lines():
-    long = {str(p.relative_to(ROOT)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        str(p.relative_to(ROOT)): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, long
 
 

@@ -60,8 +60,7 @@ def batched(adapter, prompts, options, join_late=(), joins=None):
     return [results[i] for i in range(len(prompts))]
 
 
-def check_ragged(model, tok, prompts=PROMPTS, max_tokens=(16, 16, 10), eos_row=0, eos_offset=2, join_late=(),
-                 **kw):
+def check_ragged(model, tok, prompts=PROMPTS, max_tokens=(16, 16, 10), eos_row=0, eos_offset=2, join_late=(), **kw):
     """Row `eos_row` ends at an EOS early (None: no such row), the last row at its max_tokens."""
     adapter = adapter_for(model, tok)
     eos = min(adapter.eos_ids)
@@ -181,8 +180,9 @@ def test_fused_and_unfused_batches_agree(llada):
     """fuse_commits=False (every row commits on its own) gives what the fused batch gives."""
     model, tok = llada
     adapter = adapter_for(model, tok)
-    options = [resolve(DecodeOptions(max_tokens=n, block_length=8), adapter, len(p))
-               for p, n in zip(PROMPTS, (16, 12, 10))]
+    options = [
+        resolve(DecodeOptions(max_tokens=n, block_length=8), adapter, len(p)) for p, n in zip(PROMPTS, (16, 12, 10))
+    ]
     results = []
     for fuse in (True, False):
         batch, out = RunningBatch(adapter, fuse_commits=fuse), {}
@@ -222,8 +222,10 @@ def test_rows_share_model_calls(request, family):
     model, tok = request.getfixturevalue(family)
     adapter = adapter_for(model, tok)
     adapter.model = counting = CountingModel(model)
-    options = [resolve(DecodeOptions(max_tokens=12, block_length=8 if family == "nemotron" else None), adapter, len(p))
-               for p in PROMPTS]
+    options = [
+        resolve(DecodeOptions(max_tokens=12, block_length=8 if family == "nemotron" else None), adapter, len(p))
+        for p in PROMPTS
+    ]
     expected = [alone(adapter, p, o) for p, o in zip(PROMPTS, options)]
     calls_alone, counting.calls = counting.calls, 0
     assert batched(adapter, PROMPTS, options) == expected
@@ -232,8 +234,10 @@ def test_rows_share_model_calls(request, family):
 
 def _drive(batch, prompts, options, keeps=None):
     """{row index: (canvas, forwards, kept log-probs of its final tokens or None)}."""
-    rows = {batch.add(p, o, keep_logprobs=None if keeps is None else keeps[i]).id: i
-            for i, (p, o) in enumerate(zip(prompts, options))}
+    rows = {
+        batch.add(p, o, keep_logprobs=None if keeps is None else keeps[i]).id: i
+        for i, (p, o) in enumerate(zip(prompts, options))
+    }
     out = {}
     for _ in range(1000):  # (bounded: each row's decode is)
         for event in batch.step():
@@ -242,8 +246,11 @@ def _drive(batch, prompts, options, keeps=None):
             if step is not None and step.block_logprobs is not None:
                 P = len(prompts[i])
                 out.setdefault(("logprobs", i), {}).update(
-                    {q: step.logprobs(0, q)[int(step.canvas[0, q])].item()
-                     for q in range(max(P, step.block[0]), min(step.block[1], P + int(step.final[0])))})
+                    {
+                        q: step.logprobs(0, q)[int(step.canvas[0, q])].item()
+                        for q in range(max(P, step.block[0]), min(step.block[1], P + int(step.final[0])))
+                    }
+                )
             if event.finished:
                 out[i] = (step.canvas.tolist(), step.forwards)
         if not len(batch):
@@ -260,7 +267,9 @@ def test_pipelined_and_unpipelined_batches_agree(request, family):
     adapter = adapter_for(model, tok)
     block = {} if family == "sdar" else {"block_length": 8}
     options = [resolve(DecodeOptions(max_tokens=n, **block), adapter, len(p)) for p, n in zip(PROMPTS, (16, 12, 10))]
-    runs = [_drive(RunningBatch(adapter, keep_logprobs=True, pipeline=pipe), PROMPTS, options) for pipe in (True, False)]
+    runs = [
+        _drive(RunningBatch(adapter, keep_logprobs=True, pipeline=pipe), PROMPTS, options) for pipe in (True, False)
+    ]
     assert runs[0] == runs[1]
     for i, (p, o) in enumerate(zip(PROMPTS, options)):  # each row as alone
         tokens, forwards = alone(adapter, p, o)
@@ -306,8 +315,10 @@ def test_fast_dllm_cache_rows_share_a_forward(llada, dream, cache, monkeypatch):
     open a block while others are inside one)."""
     from model_adapters.attention import bidirectional_cache
 
-    calls = {"open": record_batch_sizes(monkeypatch, bidirectional_cache, "bidirectional_batch"),
-             "window": record_batch_sizes(monkeypatch, bidirectional_cache, "cached_window_batch")}
+    calls = {
+        "open": record_batch_sizes(monkeypatch, bidirectional_cache, "bidirectional_batch"),
+        "window": record_batch_sizes(monkeypatch, bidirectional_cache, "cached_window_batch"),
+    }
     for model in (llada, dream):
         for kind in calls.values():
             kind.clear()
@@ -322,8 +333,11 @@ def test_fast_dllm_cache_rows_share_a_forward(llada, dream, cache, monkeypatch):
         check_ragged(*model, prompts=[PROMPTS[2], PROMPTS[0]], max_tokens=(12, 16), block_length=8, cache=cache)
 
 
-@pytest.mark.parametrize("fast", [{}, {"fast_self_conditioning": True, "self_conditioning_k": 8},
-                                  {"fast_step": True, "self_conditioning_k": 8}], ids=["exact", "fast_sc", "fast_step"])
+@pytest.mark.parametrize(
+    "fast",
+    [{}, {"fast_self_conditioning": True, "self_conditioning_k": 8}, {"fast_step": True, "self_conditioning_k": 8}],
+    ids=["exact", "fast_sc", "fast_step"],
+)
 def test_diffusion_gemma_rows_share_a_forward(gemma, fast, monkeypatch):
     """DiffusionGemma's rows share the decoder's forward (each over its own encoder cache:
     prompts shorter and longer than the sliding window, several canvases each, a row

@@ -22,8 +22,14 @@ from model_adapters import adapter_for
 from model_adapters.runtime.batched import token_matrix
 
 # six prompts of different lengths: several rows of each kind share a record
-PROMPTS = [[72, 101, 108], [5, 17, 99, 200, 31, 7, 64], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44],
-           [9, 8, 7, 6, 5], [100, 101, 102, 103, 104, 105, 106, 107, 108], [61, 62]]
+PROMPTS = [
+    [72, 101, 108],
+    [5, 17, 99, 200, 31, 7, 64],
+    [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44],
+    [9, 8, 7, 6, 5],
+    [100, 101, 102, 103, 104, 105, 106, 107, 108],
+    [61, 62],
+]
 MAX_TOKENS = (16, 12, 10, 16, 14, 12)
 FIELDS = {"sdar": {}, "llada": {"block_length": 8}}
 
@@ -70,8 +76,9 @@ def test_shared_records_give_each_row_its_own_log_probs(request, family, monkeyp
     built = []
     real = fused_commit.SharedRecord._build
     monkeypatch.setattr(fused_commit.SharedRecord, "_build", lambda self: built.append(len(self.rows)) or real(self))
-    options = [resolve(DecodeOptions(max_tokens=n, **FIELDS[family]), adapter, len(p))
-               for p, n in zip(PROMPTS, MAX_TOKENS)]
+    options = [
+        resolve(DecodeOptions(max_tokens=n, **FIELDS[family]), adapter, len(p)) for p, n in zip(PROMPTS, MAX_TOKENS)
+    ]
     got = batched_steps(adapter, options)
     assert built and max(built) >= 3  # (records were shared, by three rows or more)
     for prompt, o, steps in zip(PROMPTS, options, got):
@@ -171,8 +178,9 @@ def test_the_compiled_batched_forward_gives_the_plain_one(request, family, monke
     for compiled in (True, False):
         monkeypatch.setattr(batched, "COMPILE_WINDOWS", compiled)
         adapter = adapter_for(model, tok)
-        options = [resolve(DecodeOptions(max_tokens=n, **FIELDS[family]), adapter, len(p))
-                   for p, n in zip(PROMPTS, MAX_TOKENS)]
+        options = [
+            resolve(DecodeOptions(max_tokens=n, **FIELDS[family]), adapter, len(p)) for p, n in zip(PROMPTS, MAX_TOKENS)
+        ]
         steps = batched_steps(adapter, options)
         results.append([kept_of(row, len(p)) for row, p in zip(steps, PROMPTS)])
     for (kept_c, tokens_c), (kept_p, tokens_p) in zip(*results):
@@ -191,8 +199,9 @@ def test_a_compiled_forward_keeps_at_most_max_traces_shapes(request, family, mon
 
     def decode(compiled: bool, adapter):
         monkeypatch.setattr(batched, "COMPILE_WINDOWS", compiled)
-        options = [resolve(DecodeOptions(max_tokens=n, **FIELDS[family]), adapter, len(p))
-                   for p, n in zip(PROMPTS, MAX_TOKENS)]
+        options = [
+            resolve(DecodeOptions(max_tokens=n, **FIELDS[family]), adapter, len(p)) for p, n in zip(PROMPTS, MAX_TOKENS)
+        ]
         return [kept_of(row, len(p))[1] for row, p in zip(batched_steps(adapter, options), PROMPTS)]
 
     made = []
@@ -212,14 +221,17 @@ def confidences_of(steps) -> list:
     return [np.array(step.block_confidence) for step in steps if step.block_confidence is not None]
 
 
-@pytest.mark.parametrize("family, fields", [
-    ("sdar", {}),  # low_confidence_dynamic: threshold, else the step's quota
-    ("sdar", {"threshold": 0.2}),
-    ("llada", {"block_length": 8}),  # low_confidence: the quota
-    ("llada", {"block_length": 8, "steps": 3}),  # quotas that differ between rows' steps
-    ("llada", {"block_length": 8, "strategy": "threshold", "threshold": 0.3}),
-    ("llada", {"block_length": 8, "strategy": "entropy_bound"}),  # reads the entropy
-])
+@pytest.mark.parametrize(
+    "family, fields",
+    [
+        ("sdar", {}),  # low_confidence_dynamic: threshold, else the step's quota
+        ("sdar", {"threshold": 0.2}),
+        ("llada", {"block_length": 8}),  # low_confidence: the quota
+        ("llada", {"block_length": 8, "steps": 3}),  # quotas that differ between rows' steps
+        ("llada", {"block_length": 8, "strategy": "threshold", "threshold": 0.3}),
+        ("llada", {"block_length": 8, "strategy": "entropy_bound"}),  # reads the entropy
+    ],
+)
 def test_the_compiled_fused_commit_gives_the_plain_one(request, family, fields, monkeypatch):
     """The rows' fused commit through mx.compile (COMPILE_COMMITS) and op by op: the same
     tokens, forwards, kept log-probs and confidences per row, bit for bit; and the compiled
@@ -227,14 +239,19 @@ def test_the_compiled_fused_commit_gives_the_plain_one(request, family, fields, 
     model, tok = request.getfixturevalue(family)
     compiled_calls = []
     real = fused_commit._compiled_commit
-    monkeypatch.setattr(fused_commit, "_compiled_commit",
-                        lambda *a: (lambda out: compiled_calls.append(out is not None) or out)(real(*a)))
+    monkeypatch.setattr(
+        fused_commit,
+        "_compiled_commit",
+        lambda *a: (lambda out: compiled_calls.append(out is not None) or out)(real(*a)),
+    )
     results = []
     for compiled in (True, False):
         monkeypatch.setattr(fused_commit, "COMPILE_COMMITS", compiled)
         adapter = adapter_for(model, tok)
-        options = [resolve(DecodeOptions(max_tokens=n, **{**FIELDS[family], **fields}), adapter, len(p))
-                   for p, n in zip(PROMPTS, MAX_TOKENS)]
+        options = [
+            resolve(DecodeOptions(max_tokens=n, **{**FIELDS[family], **fields}), adapter, len(p))
+            for p, n in zip(PROMPTS, MAX_TOKENS)
+        ]
         steps = batched_steps(adapter, options)
         results.append([(kept_of(row, len(p)), confidences_of(row)) for row, p in zip(steps, PROMPTS)])
     assert sum(compiled_calls) >= 5  # (the compiled function committed steps)
@@ -252,8 +269,19 @@ def test_a_compiled_commit_answers_only_groups_that_share_one_rule_and_quota():
 
     def plan(rule, quota=None, bias=None, takes_all=False):
         state = None if quota is None else Quota(mx.array([[quota]]), np.array([[quota]]))
-        return fused_commit.RowCommit(rule, state, 0, 4, np.array([2]), np.ones((1, 4), bool),
-                                      np.zeros((1, 4), np.int32), None, mx.zeros((1, 4)), takes_all, bias)
+        return fused_commit.RowCommit(
+            rule,
+            state,
+            0,
+            4,
+            np.array([2]),
+            np.ones((1, 4), bool),
+            np.zeros((1, 4), np.int32),
+            None,
+            mx.zeros((1, 4)),
+            takes_all,
+            bias,
+        )
 
     logits = mx.zeros((2, 4, 8))
     take = fused_commit._compiled_commit

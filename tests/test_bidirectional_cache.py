@@ -213,10 +213,12 @@ LLADA_CASES = [(32, 8, 8), (32, 8, 4), (24, 24, 6), (20, 8, 3), (16, 16, 1)]
 @pytest.mark.parametrize("gen,block,steps", LLADA_CASES)
 def test_llada_quota_matches_fast_dllm(llada, mode, prompt, gen, block, steps):
     model, tok = llada
-    expected = fast_dllm_cached(model, prompt, gen=gen, block_length=block, steps=steps, rule="quota",
-                                mode=mode, shift=0)
-    got = engine_decode(model, tok, prompt, max_tokens=gen, block_length=block, steps=steps,
-                  strategy="low_confidence", cache=mode)
+    expected = fast_dllm_cached(
+        model, prompt, gen=gen, block_length=block, steps=steps, rule="quota", mode=mode, shift=0
+    )
+    got = engine_decode(
+        model, tok, prompt, max_tokens=gen, block_length=block, steps=steps, strategy="low_confidence", cache=mode
+    )
     assert got == expected
 
 
@@ -225,8 +227,9 @@ def test_llada_quota_matches_fast_dllm(llada, mode, prompt, gen, block, steps):
 @pytest.mark.parametrize("gen,block", [(32, 8), (24, 12), (20, 32)])
 def test_llada_threshold_matches_fast_dllm(llada, mode, prompt, gen, block):
     model, tok = llada
-    expected = fast_dllm_cached(model, prompt, gen=gen, block_length=block, steps=block, rule="threshold",
-                                mode=mode, shift=0)
+    expected = fast_dllm_cached(
+        model, prompt, gen=gen, block_length=block, steps=block, rule="threshold", mode=mode, shift=0
+    )
     got = engine_decode(model, tok, prompt, max_tokens=gen, block_length=block, threshold=0.9, cache=mode)
     assert got == expected
 
@@ -237,8 +240,7 @@ def test_llada_threshold_matches_fast_dllm(llada, mode, prompt, gen, block):
 @pytest.mark.parametrize("gen,block,steps", [(32, 8, 8), (24, 8, 3), (16, 16, 16)])
 def test_dream_matches_fast_dllm(dream, mode, prompt, rule, gen, block, steps):
     model, tok = dream
-    expected = fast_dllm_cached(model, prompt, gen=gen, block_length=block, steps=steps, rule=rule,
-                                mode=mode, shift=1)
+    expected = fast_dllm_cached(model, prompt, gen=gen, block_length=block, steps=steps, rule=rule, mode=mode, shift=1)
     options = dict(threshold=0.9) if rule == "threshold" else dict(strategy=rule, steps=steps)
     got = engine_decode(model, tok, prompt, max_tokens=gen, block_length=block, cache=mode, **options)
     assert got == expected
@@ -248,17 +250,21 @@ def test_no_cache_is_todays_decode(llada, dream):
     """cache=None: the uncached references, token for token and forward for forward."""
     model, tok = llada
     assert engine_decode(model, tok, PROMPTS[1], max_tokens=24, block_length=8, steps=4) == oracles.llada_generate(
-        model, PROMPTS[1], gen_length=24, block_length=8, steps=4, mask_id=MASK_ID)
+        model, PROMPTS[1], gen_length=24, block_length=8, steps=4, mask_id=MASK_ID
+    )
     model, tok = dream
     assert engine_decode(model, tok, PROMPTS[0], max_tokens=16, steps=8, strategy="entropy") == oracles.dream_generate(
-        model, PROMPTS[0], max_new_tokens=16, steps=8, alg="entropy", mask_id=MASK_ID)
+        model, PROMPTS[0], max_new_tokens=16, steps=8, alg="entropy", mask_id=MASK_ID
+    )
 
 
 def test_caches_cut_the_work_not_the_forwards(llada):
     """One token per step: the same number of forwards with and without a cache."""
     model, tok = llada
-    runs = {mode: engine_decode(model, tok, PROMPTS[0], max_tokens=32, block_length=8, cache=mode)
-            for mode in (None, "prefix", "dual")}
+    runs = {
+        mode: engine_decode(model, tok, PROMPTS[0], max_tokens=32, block_length=8, cache=mode)
+        for mode in (None, "prefix", "dual")
+    }
     assert {mode: forwards for mode, (_, forwards) in runs.items()} == {None: 32, "prefix": 32, "dual": 32}
     # (and the caches are approximate: on this random model each decodes differently)
     assert len({tuple(tokens) for tokens, _ in runs.values()}) == 3
@@ -293,8 +299,11 @@ def test_window_writes_work_in_place(llada, mode, monkeypatch):
 # --- composition -------------------------------------------------------------------
 
 
-RULE_OPTIONS = {"factor": dict(factor=1.0), "entropy_bound": dict(entropy_bound=0.35),
-                "entropy_bounded": dict(entropy_bound=0.35)}
+RULE_OPTIONS = {
+    "factor": dict(factor=1.0),
+    "entropy_bound": dict(entropy_bound=0.35),
+    "entropy_bounded": dict(entropy_bound=0.35),
+}
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -302,11 +311,15 @@ RULE_OPTIONS = {"factor": dict(factor=1.0), "entropy_bound": dict(entropy_bound=
 def test_every_commit_rule_runs_with_each_cache(family, mode, request):
     model, tok = request.getfixturevalue(family)
     variants = [dict(strategy=name, **RULE_OPTIONS.get(name, {})) for name in RULES]
-    variants += [dict(schedule="cosine"), dict(threshold=0.5, editing_threshold=0.5),
-                 dict(temperature_schedule=(0.0, 0.5, 0.0, 1.0), seed=3, steps=4)]
+    variants += [
+        dict(schedule="cosine"),
+        dict(threshold=0.5, editing_threshold=0.5),
+        dict(temperature_schedule=(0.0, 0.5, 0.0, 1.0), seed=3, steps=4),
+    ]
     for options in variants:
-        tokens, forwards = engine_decode(model, tok, PROMPTS[0], max_tokens=16, block_length=8, cache=mode,
-                                   **{"steps": 4, "seed": 1, **options})
+        tokens, forwards = engine_decode(
+            model, tok, PROMPTS[0], max_tokens=16, block_length=8, cache=mode, **{"steps": 4, "seed": 1, **options}
+        )
         assert len(tokens) == 16 and MASK_ID not in tokens, options
         assert 2 <= forwards <= 16 + (17 * 2 if "editing_threshold" in options else 0), options
 
@@ -316,15 +329,31 @@ def test_every_commit_rule_runs_with_each_cache(family, mode, request):
 def test_stream_generate_with_drafts(family, mode, request):
     model, tok = request.getfixturevalue(family)
     drafts = []
-    responses = list(mld.stream_generate(model, tok, [72, 101, 108], max_tokens=24, block_length=8, cache=mode,
-                                         draft_callback=lambda s: drafts.append(s.canvas.copy())))
+    responses = list(
+        mld.stream_generate(
+            model,
+            tok,
+            [72, 101, 108],
+            max_tokens=24,
+            block_length=8,
+            cache=mode,
+            draft_callback=lambda s: drafts.append(s.canvas.copy()),
+        )
+    )
     assert len(drafts) == responses[-1].forwards
     tokens = [r.token for r in responses]
     assert tokens == drafts[-1][0, 3 : 3 + len(tokens)].tolist()
     for i, r in enumerate(responses):  # an emitted token never changes afterwards
         assert all(d[0, 3 + i] == r.token for d in drafts[r.forwards - 1 :])
-    sampled = mld.generate(model, tok, [72, 101, 108], max_tokens=16, block_length=8, cache=mode,
-                           logits_processors=[lambda history, logits: logits * 0.5])
+    sampled = mld.generate(
+        model,
+        tok,
+        [72, 101, 108],
+        max_tokens=16,
+        block_length=8,
+        cache=mode,
+        logits_processors=[lambda history, logits: logits * 0.5],
+    )
     assert isinstance(sampled, str)
 
 
@@ -370,8 +399,14 @@ def test_protocol_takes_cache_as_an_extension_field(llada):
     from mlx_lm_diffusion.api.protocol import run_request, validate_response
 
     model, tok = llada
-    request = dict(prompt_tokens=PROMPTS[0], target_length=21, num_steps=8, mask_schedule="cosine",
-                   temperature_schedule=[0.0] * 8, top_p=1.0)
+    request = dict(
+        prompt_tokens=PROMPTS[0],
+        target_length=21,
+        num_steps=8,
+        mask_schedule="cosine",
+        temperature_schedule=[0.0] * 8,
+        top_p=1.0,
+    )
     for cache in ("prefix", "dual"):
         response = run_request(model, tok, {**request, "cache": cache})
         validate_response(response)

@@ -126,8 +126,9 @@ def test_cache_grows_with_the_prefix_not_the_steps(families, family):
     gen = 3 * block - 3
     sizes = {}
     for steps in (1, block):
-        events, _, state = decode(model, tok, prompt, True, max_tokens=gen, steps=steps,
-                                  strategy="low_confidence_static")
+        events, _, state = decode(
+            model, tok, prompt, True, max_tokens=gen, steps=steps, strategy="low_confidence_static"
+        )
         sizes[steps] = (state.stored, state.layers[0].keys.shape, state.layers[0].nbytes)
         assert events[-1].forwards == (3 if steps == 1 else gen)
         assert state.stored == (len(prompt[0]) + gen) - block  # every block but the last

@@ -206,8 +206,23 @@ def _repl(path, inputs, *flags):
     from pty_run import run_in_pty
 
     # (-X faulthandler: a REPL that does not exit prints its threads' stacks when pty_run aborts it)
-    return run_in_pty([sys.executable, "-X", "faulthandler", "-m", "mlx_lm_diffusion.chat", "--model", str(path),
-                       "--max-tokens", "4", *flags], inputs, timeout=150, wait_for="\u203a")
+    return run_in_pty(
+        [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-m",
+            "mlx_lm_diffusion.chat",
+            "--model",
+            str(path),
+            "--max-tokens",
+            "4",
+            *flags,
+        ],
+        inputs,
+        timeout=150,
+        wait_for="\u203a",
+    )
 
 
 @pytest.mark.parametrize("last", [b"\x03", b"\x04", "q"], ids=["ctrl-c", "end-of-input", "q"])
@@ -223,8 +238,13 @@ def test_repl_bad_model_is_one_line_exit_2(tmp_path):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.chat", "--model", str(tmp_path / "nope")],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_lm_diffusion.chat", "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert r.returncode == 2
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "does not exist" in lines[0], r.stderr

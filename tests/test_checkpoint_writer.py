@@ -10,9 +10,19 @@ from cli_run import run, run_main
 
 from mlx_lm_diffusion.testing.__main__ import writers
 
-FAMILY_TYPES = {"llada": "llada", "dream": "Dream", "sdar": "sdar", "idlm": "sdar", "trida": "qwen3_5_text", "lfm2_diffusion": "lfm2_diffusion", "llada2": "llada2_moe", "llada2_2": "llada2_moe",
-                "nemotron_labs_diffusion": "nemotron_labs_diffusion", "diffusion_gemma": "diffusion_gemma",
-                "diffusion_gemma_vision": "diffusion_gemma"}
+FAMILY_TYPES = {
+    "llada": "llada",
+    "dream": "Dream",
+    "sdar": "sdar",
+    "idlm": "sdar",
+    "trida": "qwen3_5_text",
+    "lfm2_diffusion": "lfm2_diffusion",
+    "llada2": "llada2_moe",
+    "llada2_2": "llada2_moe",
+    "nemotron_labs_diffusion": "nemotron_labs_diffusion",
+    "diffusion_gemma": "diffusion_gemma",
+    "diffusion_gemma_vision": "diffusion_gemma",
+}
 
 
 def test_the_command_writes_every_family_and_each_one_answers(tmp_path):
@@ -23,11 +33,20 @@ def test_the_command_writes_every_family_and_each_one_answers(tmp_path):
     for family, model_type in FAMILY_TYPES.items():
         config = json.loads((out / family / "config.json").read_text())
         assert config["model_type"] == model_type and "architectures" in config
-        r = run_main("mlx_lm_diffusion.generate", "--model", str(out / family), "--prompt", "Hello",
-                     "--max-tokens", "4", "--ignore-chat-template")
+        r = run_main(
+            "mlx_lm_diffusion.generate",
+            "--model",
+            str(out / family),
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "4",
+            "--ignore-chat-template",
+        )
         assert r.returncode == 0, (family, r.stderr[-1000:])
     assert (out / "diffusion_gemma_vision" / "processor_config.json").exists() or any(
-        (out / "diffusion_gemma_vision").glob("preprocessor_config.json"))
+        (out / "diffusion_gemma_vision").glob("preprocessor_config.json")
+    )
 
 
 def test_it_refuses_to_write_over_a_directory(tmp_path):

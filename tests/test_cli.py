@@ -7,17 +7,47 @@ from cli_run import run, run_main
 
 
 def test_generate_prints_text_and_stats(llada_path):
-    r = run("mlx_lm_diffusion.generate", "--model", str(llada_path), "--prompt", "Hi", "--max-tokens", "8",
-            "--block-length", "4", "--threshold", "0.5", "--editing-threshold", "0.3", "--max-post-steps", "2")
+    r = run(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(llada_path),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "8",
+        "--block-length",
+        "4",
+        "--threshold",
+        "0.5",
+        "--editing-threshold",
+        "0.3",
+        "--max-post-steps",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     assert "==========" in r.stdout and "forwards" in r.stdout
     assert "Traceback" not in r.stderr
 
 
 def test_show_canvas_and_stdin_prompt(llada_path):
-    r = run("mlx_lm_diffusion.generate", "--model", str(llada_path), "--prompt", "-", "--max-tokens", "6",
-            "--steps", "3", "--block-length", "6", "--show-canvas", "--ignore-chat-template", "--verbose", "False",
-            stdin="Hello")
+    r = run(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(llada_path),
+        "--prompt",
+        "-",
+        "--max-tokens",
+        "6",
+        "--steps",
+        "3",
+        "--block-length",
+        "6",
+        "--show-canvas",
+        "--ignore-chat-template",
+        "--verbose",
+        "False",
+        stdin="Hello",
+    )
     assert r.returncode == 0, r.stderr
     frames = [line for line in r.stderr.splitlines() if line.startswith("[forward ")]
     assert len(frames) == 3  # one frame per forward
@@ -66,5 +96,9 @@ def test_a_chat_template_that_does_not_render_is_one_line(tmp_path):
     r = run_main("mlx_lm_diffusion.generate", "--model", str(broken), "--prompt", "1+1=")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: the chat template cannot render this conversation")
-    assert run_main("mlx_lm_diffusion.generate", "--model", str(broken), "--prompt", "1+1=",
-                    "--ignore-chat-template").returncode == 0
+    assert (
+        run_main(
+            "mlx_lm_diffusion.generate", "--model", str(broken), "--prompt", "1+1=", "--ignore-chat-template"
+        ).returncode
+        == 0
+    )

@@ -71,8 +71,19 @@ def test_sampling_flags_mean_what_they_mean_in_mlx_lm(llada_path):
     for flags in (["--top-k", "1"], ["--min-p", "1.0"]):
         rc, out, _ = run_generate(llada_path, "--verbose", "F", "--temp", "0.8", "--seed", "3", *flags)
         assert (rc, out) == (0, greedy), flags
-    rc, hot, _ = run_generate(llada_path, "--verbose", "F", "--temp", "5", "--seed", "3",
-                              "--xtc-probability", "0.0", "--min-tokens-to-keep", "2")
+    rc, hot, _ = run_generate(
+        llada_path,
+        "--verbose",
+        "F",
+        "--temp",
+        "5",
+        "--seed",
+        "3",
+        "--xtc-probability",
+        "0.0",
+        "--min-tokens-to-keep",
+        "2",
+    )
     assert rc == 0 and hot != greedy
 
 
@@ -95,8 +106,17 @@ def test_verbose_in_mlx_lm_form_and_bare(llada_path):
 
 
 def test_chat_template_flags(llada_path):
-    rc, out, _ = run_generate(llada_path, "--verbose", "F", "--chat-template-config", '{"enable_thinking": false}',
-                              "--system-prompt", "Be brief.", "--prefill-response", "Sure")
+    rc, out, _ = run_generate(
+        llada_path,
+        "--verbose",
+        "F",
+        "--chat-template-config",
+        '{"enable_thinking": false}',
+        "--system-prompt",
+        "Be brief.",
+        "--prefill-response",
+        "Sure",
+    )
     assert rc == 0 and out.strip()
     rc, _, err = run_generate(llada_path, "--chat-template-config", "{not json")
     assert rc == 2 and "--chat-template-config" in one_error_line(err)
@@ -226,8 +246,11 @@ def cli_mains():
 
 
 @pytest.mark.parametrize("cli_name", ["generate", "chat", "convert", "server"])
-@pytest.mark.parametrize("flags", [["--bogus"], ["--max-tokens", "abc"], ["--block-length", "abc"]],
-                         ids=["unknown flag", "bad value", "bad diffusion value"])
+@pytest.mark.parametrize(
+    "flags",
+    [["--bogus"], ["--max-tokens", "abc"], ["--block-length", "abc"]],
+    ids=["unknown flag", "bad value", "bad diffusion value"],
+)
 def test_argparse_errors_are_one_line_exit_2(cli_name, flags, capsys):
     """An unknown flag or a value of the wrong type: one line on stderr, exit 2 (argparse
     would print the whole usage, ~40 lines of mlx-lm's flags, first), nothing loaded."""
@@ -320,13 +343,27 @@ def test_show_canvas_under_a_terminal_keeps_the_answer_off_the_canvas_line(llada
     from mlx_lm_diffusion.cli.canvas_view import CLEAR_LINE
 
     code, out, _ = run_in_pty(
-        [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(llada_path), "--prompt", "Hi",
-         "--max-tokens", "6", "--block-length", "6", "--steps", "3", "--show-canvas"],
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm_diffusion.generate",
+            "--model",
+            str(llada_path),
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "6",
+            "--block-length",
+            "6",
+            "--steps",
+            "3",
+            "--show-canvas",
+        ],
         timeout=120,
     )
     assert code == 0, out
     assert out.count(CLEAR_LINE) == 3  # one redraw per forward
-    tail = out[out.rindex(CLEAR_LINE):]
+    tail = out[out.rindex(CLEAR_LINE) :]
     canvas_line, rest = tail.split("\n", 1)
     assert canvas_line.startswith(CLEAR_LINE + "[forward 3] ")
     assert rest.startswith("==========\n") and "[forward" not in rest and "Generation: 6 tokens" in rest

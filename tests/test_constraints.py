@@ -43,15 +43,23 @@ class InOrder:
         return mx.where(mx.arange(logits.shape[-1])[None] == want, logits, -mx.inf)
 
 
-@pytest.mark.parametrize("options", [{}, {"threshold": 0.0}, {"threshold": 0.5, "cache": "dual"},
-                                     {"strategy": "entropy", "steps": 4},
-                                     {"sampler": make_sampler(1.0), "seed": 3}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"threshold": 0.0},
+        {"threshold": 0.5, "cache": "dual"},
+        {"strategy": "entropy", "steps": 4},
+        {"sampler": make_sampler(1.0), "seed": 3},
+    ],
+)
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_stateful_processor_is_fed_in_order(family, options, request):
     model, tok = request.getfixturevalue(family)
     proc = InOrder(len(PROMPT))
-    out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=12, block_length=6, logits_processors=[proc],
-                                   **options))
+    out = list(
+        mld.stream_generate(model, tok, PROMPT, max_tokens=12, block_length=6, logits_processors=[proc], **options)
+    )
     tokens = [r.token for r in out]
     assert tokens == LETTERS[: len(tokens)] and len(tokens) == 12
     assert proc.fed == PROMPT + tokens[:-1]  # every token fed is in the output
@@ -70,8 +78,9 @@ def test_parallel_commits_survive_the_processor(llada):
 
     proc = AllowAll(len(PROMPT))
     plain = list(mld.stream_generate(model, tok, PROMPT, max_tokens=16, block_length=8, threshold=0.0))
-    run = list(mld.stream_generate(model, tok, PROMPT, max_tokens=16, block_length=8, threshold=0.0,
-                                   logits_processors=[proc]))
+    run = list(
+        mld.stream_generate(model, tok, PROMPT, max_tokens=16, block_length=8, threshold=0.0, logits_processors=[proc])
+    )
     assert [r.token for r in run] == [r.token for r in plain]
     assert run[-1].forwards == plain[-1].forwards < len(run)
 
@@ -81,8 +90,17 @@ def test_greedy_commits_are_the_processed_argmax(llada):
     at each position the argmax of the processed logits (the logprobs reported), and no
     token repeats within the penalty's reach once the penalty dominates."""
     model, tok = llada
-    run = list(mld.stream_generate(model, tok, PROMPT, max_tokens=10, block_length=5, threshold=0.2,
-                                   logits_processors=[make_repetition_penalty(1e6, 20)]))
+    run = list(
+        mld.stream_generate(
+            model,
+            tok,
+            PROMPT,
+            max_tokens=10,
+            block_length=5,
+            threshold=0.2,
+            logits_processors=[make_repetition_penalty(1e6, 20)],
+        )
+    )
     tokens = [r.token for r in run]
     assert len(tokens) == 10 and len(set(tokens)) == 10 and not set(tokens) & set(PROMPT)
     for r in run:
@@ -146,8 +164,19 @@ def test_processors_with_editing_and_where_they_cannot_be_fed_in_order(llada, ge
     uniform-noise canvas refuses processors."""
     model, tok = llada
     proc = InOrder(len(PROMPT))
-    tokens = [r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=8, block_length=4, threshold=0.5,
-                                                   editing_threshold=0.0, logits_processors=[proc])]
+    tokens = [
+        r.token
+        for r in mld.stream_generate(
+            model,
+            tok,
+            PROMPT,
+            max_tokens=8,
+            block_length=4,
+            threshold=0.5,
+            editing_threshold=0.0,
+            logits_processors=[proc],
+        )
+    ]
     assert tokens == LETTERS[:8] and proc.fed == PROMPT + tokens[:-1]
     model, tok = gemma
     with pytest.raises(ValueError, match="allowed_tokens"):
@@ -161,8 +190,11 @@ ALLOWED = [97, 98, 99, 100, 32]  # "abcd "
 def test_allowed_tokens_hold_in_every_family(llada, dream, sdar, nemotron, gemma, seed):
     cases = [(llada, MASK_ID), (dream, MASK_ID), (sdar, SDAR_MASK), (nemotron, 100), (gemma, None)]
     for (model, tok), mask in cases:
-        out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=12, allowed_tokens=ALLOWED, seed=seed,
-                                       sampler=make_sampler(1.0)))
+        out = list(
+            mld.stream_generate(
+                model, tok, PROMPT, max_tokens=12, allowed_tokens=ALLOWED, seed=seed, sampler=make_sampler(1.0)
+            )
+        )
         tokens = [r.token for r in out]
         eos_ids = adapter_for(model, tok).eos_ids
         assert tokens and all(t in ALLOWED or t in eos_ids for t in tokens)
@@ -199,8 +231,19 @@ def test_json_schema_outputs_parse_against_the_schema(family, request):
     model, tok = request.getfixturevalue(family)
     for seed in range(6):
         proc = json_schema_processor(tok, model.vocab_size, SCHEMA)
-        out = list(mld.stream_generate(model, tok, "JSON: ", max_tokens=64, block_length=16, threshold=0.3,
-                                       sampler=make_sampler(1.0), seed=seed, logits_processors=[proc]))
+        out = list(
+            mld.stream_generate(
+                model,
+                tok,
+                "JSON: ",
+                max_tokens=64,
+                block_length=16,
+                threshold=0.3,
+                sampler=make_sampler(1.0),
+                seed=seed,
+                logits_processors=[proc],
+            )
+        )
         assert out[-1].finish_reason == "stop", "the grammar ends the value before max_tokens"
         jsonschema.validate(json.loads("".join(r.text for r in out)), SCHEMA)
 
@@ -212,8 +255,15 @@ def test_json_on_the_demo_model():
     schema = {"type": "integer", "minimum": 0, "maximum": 999}
     for seed in range(4):
         proc = json_schema_processor(tok, model.vocab_size, schema)
-        text = mld.generate(model, tok, f"{100 + seed}+{200 + seed}=", max_tokens=5, logits_processors=[proc],
-                            sampler=make_sampler(1.0), seed=seed)
+        text = mld.generate(
+            model,
+            tok,
+            f"{100 + seed}+{200 + seed}=",
+            max_tokens=5,
+            logits_processors=[proc],
+            sampler=make_sampler(1.0),
+            seed=seed,
+        )
         jsonschema.validate(json.loads(text), schema)
     # its answers' <blank> padding has no text: the grammar lets it through, so a greedy
     # constrained answer is the unconstrained one (it was "0": blanks forbidden, then a
@@ -247,8 +297,12 @@ def test_tokens_without_text_never_skip_forced_text():
         return {tok.convert_ids_to_tokens(i) for i in range(model.vocab_size) if out[0, i].item() > -1e9}
 
     assert allowed({"type": "integer"}) == set("-0123456789") | {"<blank>"}
-    obj = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"],
-           "additionalProperties": False}
+    obj = {
+        "type": "object",
+        "properties": {"sum": {"type": "integer"}},
+        "required": ["sum"],
+        "additionalProperties": False,
+    }
     assert allowed(obj) == {"{"} and allowed(obj, '{"su') == {"m"}  # forced: no blank
     assert "<blank>" in allowed(obj, '{"sum":')  # a choice: digits, "-" (and padding)
 
@@ -257,8 +311,12 @@ def test_response_formats():
     from mlx_lm_diffusion.output.grammar import response_format_processor
 
     assert response_format_processor(None, VOCAB, {"type": "text"}) is None
-    for bad in ({"type": "xml"}, {"type": "json_schema"}, "json", {"type": "json_schema", "json_schema": {
-            "schema": "{not json"}}):
+    for bad in (
+        {"type": "xml"},
+        {"type": "json_schema"},
+        "json",
+        {"type": "json_schema", "json_schema": {"schema": "{not json"}},
+    ):
         with pytest.raises(ValueError):
             response_format_processor(None, VOCAB, bad)
 
@@ -279,13 +337,17 @@ def _outlines_json_processor(model, tok, schema, monkeypatch):
 
     monkeypatch.setattr(kernels, "apply_token_bitmask", apply_token_bitmask)
     return OutlinesCoreBackend(outlines.from_mlxlm(model, tok)).get_json_schema_logits_processor(
-        json.dumps(schema), whitespace_pattern="")  # (compact JSON, as grammar.py asks of llguidance)
+        json.dumps(schema), whitespace_pattern=""
+    )  # (compact JSON, as grammar.py asks of llguidance)
 
 
 # (outlines' regexes do not bound integers by minimum / maximum: the schema keeps to what they enforce)
-OUTLINES_SCHEMA = {"type": "object", "properties": {"a": {"enum": ["x", "yy", 7]}, "b": {"type": "boolean"},
-                                                    "c": {"type": "string", "maxLength": 3}},
-                   "required": ["a", "b", "c"], "additionalProperties": False}
+OUTLINES_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"enum": ["x", "yy", 7]}, "b": {"type": "boolean"}, "c": {"type": "string", "maxLength": 3}},
+    "required": ["a", "b", "c"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -295,11 +357,20 @@ def test_the_outlines_processor_that_crashed_works(family, request, monkeypatch)
     block_at_once = _outlines_json_processor(model, tok, OUTLINES_SCHEMA, monkeypatch)
     with pytest.raises(AssertionError):  # what the engine used to call: a whole block of logits
         block_at_once(mx.array(PROMPT), mx.zeros((8, model.vocab_size)))
-    for seed, options in enumerate([{}, {"threshold": 0.3}, {"threshold": 0.3, "sampler": make_sampler(1.0)},
-                                    {"threshold": 0.3, "sampler": make_sampler(1.0)}]):
+    for seed, options in enumerate(
+        [
+            {},
+            {"threshold": 0.3},
+            {"threshold": 0.3, "sampler": make_sampler(1.0)},
+            {"threshold": 0.3, "sampler": make_sampler(1.0)},
+        ]
+    ):
         proc = _outlines_json_processor(model, tok, OUTLINES_SCHEMA, monkeypatch)
-        out = list(mld.stream_generate(model, tok, "JSON: ", max_tokens=48, block_length=16, seed=seed,
-                                       logits_processors=[proc], **options))
+        out = list(
+            mld.stream_generate(
+                model, tok, "JSON: ", max_tokens=48, block_length=16, seed=seed, logits_processors=[proc], **options
+            )
+        )
         assert out[-1].finish_reason == "stop"
         jsonschema.validate(json.loads("".join(r.text for r in out)), OUTLINES_SCHEMA)
 
@@ -310,8 +381,11 @@ def test_a_block_may_outlast_the_rules_schedule(llada, strategy):
     with presence_penalty): past the schedule the walk commits one token per step."""
     model, tok = llada
     proc = InOrder(len(PROMPT))
-    out = list(mld.stream_generate(model, tok, PROMPT, max_tokens=8, block_length=8, steps=2, strategy=strategy,
-                                   logits_processors=[proc]))
+    out = list(
+        mld.stream_generate(
+            model, tok, PROMPT, max_tokens=8, block_length=8, steps=2, strategy=strategy, logits_processors=[proc]
+        )
+    )
     assert [r.token for r in out] == LETTERS[:8] and out[-1].forwards <= 8
 
 
@@ -323,11 +397,22 @@ def test_generate_batch_feeds_each_row_its_own_stateful_processors(family, reque
     model, tok = request.getfixturevalue(family)
     prompts = [PROMPT, PROMPT[:3] + [40, 41, 42, 43, 44, 45], [33]]
     procs = [InOrder(len(p)) for p in prompts]
-    out = mld.generate_batch(model, tok, prompts, max_tokens=[12, 7, 9], block_length=6,
-                             logits_processors=[[p] for p in procs], return_token_ids=True)
+    out = mld.generate_batch(
+        model,
+        tok,
+        prompts,
+        max_tokens=[12, 7, 9],
+        block_length=6,
+        logits_processors=[[p] for p in procs],
+        return_token_ids=True,
+    )
     for prompt, limit, proc, tokens in zip(prompts, [12, 7, 9], procs, out.token_ids):
-        alone = [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=limit, block_length=6,
-                                                      logits_processors=[InOrder(len(prompt))])]
+        alone = [
+            r.token
+            for r in mld.stream_generate(
+                model, tok, prompt, max_tokens=limit, block_length=6, logits_processors=[InOrder(len(prompt))]
+            )
+        ]
         assert tokens == alone == LETTERS[:limit]
         assert proc.fed == prompt + tokens[:-1]
     with pytest.raises(ValueError, match="per-prompt lists for 3 prompts"):

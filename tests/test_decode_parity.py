@@ -32,9 +32,7 @@ def test_llada_more_steps_than_masks_skips_only_idle_forwards(llada):
     block; the engine stops the block when it is full: same tokens, fewer forwards."""
     model, tok = llada
     prompt = PROMPTS[0]
-    ref_tokens, ref_forwards = oracles.llada_generate(
-        model, prompt, gen_length=8, block_length=4, steps=6, mask_id=260
-    )
+    ref_tokens, ref_forwards = oracles.llada_generate(model, prompt, gen_length=8, block_length=4, steps=6, mask_id=260)
     tokens, forwards = engine_decode(model, tok, prompt, max_tokens=8, block_length=4, steps=6)
     assert tokens == ref_tokens
     assert forwards == 8 < ref_forwards == 12
@@ -70,12 +68,24 @@ def test_editing_matches_reference_loop(llada, editing_threshold, max_post_steps
     model, tok = llada
     prompt = PROMPTS[0]
     ref_tokens, ref_forwards = oracles.threshold_with_editing(
-        model, prompt, gen_length=16, block_length=8, threshold=0.5,
-        editing_threshold=editing_threshold, max_post_steps=max_post_steps, mask_id=260,
+        model,
+        prompt,
+        gen_length=16,
+        block_length=8,
+        threshold=0.5,
+        editing_threshold=editing_threshold,
+        max_post_steps=max_post_steps,
+        mask_id=260,
     )
     tokens, forwards = engine_decode(
-        model, tok, prompt, max_tokens=16, block_length=8, threshold=0.5,
-        editing_threshold=editing_threshold, max_post_steps=max_post_steps,
+        model,
+        tok,
+        prompt,
+        max_tokens=16,
+        block_length=8,
+        threshold=0.5,
+        editing_threshold=editing_threshold,
+        max_post_steps=max_post_steps,
     )
     assert tokens == ref_tokens
     assert forwards == ref_forwards

@@ -77,8 +77,14 @@ def test_held_out_set_is_excluded_from_training(pairs):
 
 def test_shipped_checkpoint_layout():
     files = {p.name: p for p in DEMO_MODEL_PATH.iterdir()}
-    assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json", "recipe.json"} <= set(files)
+    assert {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "recipe.json",
+    } <= set(files)
     assert sum(p.stat().st_size for p in files.values()) <= 10 * 2**20
     config = json.loads(files["config.json"].read_text())
     assert config["model_type"] == "llada"
@@ -101,7 +107,9 @@ def test_the_readme_table_is_the_shipped_record():
         return f"{m} (capped)" if m == 512 else str(m)
 
     for m in MAX_TOKENS:
-        row = " | ".join(pct[s, rule, m] for s in ("held-out", "carry chains") for rule in ("defaults", "threshold 0.9"))
+        row = " | ".join(
+            pct[s, rule, m] for s in ("held-out", "carry chains") for rule in ("defaults", "threshold 0.9")
+        )
         assert f"| {label(m)} | {row} |" in readme
         for s in ("held-out", "carry chains"):
             assert f"| {s} | {label(m)} | {pct[s, 'defaults', m]} | {pct[s, 'threshold 0.9', m]} |" in recipe
@@ -140,8 +148,12 @@ def test_chat_template_renders_the_raw_prompt(demo):
     one = [{"role": "user", "content": "357+468="}]
     assert tokenizer.apply_chat_template(one, tokenize=False, add_generation_prompt=True) == "357+468="
     assert tokenizer.apply_chat_template(one, add_generation_prompt=True) == tokenizer.encode("357+468=")
-    turns = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "1+1="},
-             {"role": "assistant", "content": "2"}, {"role": "user", "content": "357+468="}]
+    turns = [
+        {"role": "system", "content": "You add numbers."},
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "357+468="},
+    ]
     assert tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) == "357+468="
     parts = [{"role": "user", "content": [{"type": "text", "text": "357+"}, {"type": "text", "text": "468="}]}]
     assert tokenizer.apply_chat_template(parts, tokenize=False, add_generation_prompt=True) == "357+468="
@@ -168,22 +180,29 @@ def test_generation_config_holds_valid_decoding_defaults(demo):
     assert defaults == {k: generation[k] for k in ("block_length", "steps", "strategy")}
     # load() keeps them on the model: a decode with no options takes them
     resolved = resolve(DecodeOptions(), adapter_for(*demo), 10)
-    assert (resolved.max_tokens, resolved.block_length, resolved.steps, resolved.rule.name) == \
-        (generation["max_new_tokens"], generation["block_length"], generation["steps"], generation["strategy"])
+    assert (resolved.max_tokens, resolved.block_length, resolved.steps, resolved.rule.name) == (
+        generation["max_new_tokens"],
+        generation["block_length"],
+        generation["steps"],
+        generation["strategy"],
+    )
 
 
 def test_evaluation_cli_takes_max_tokens_and_threshold(tmp_path, capsys):
     from mlx_lm_diffusion.demo.evaluate import main
 
     out = tmp_path / "record.json"
-    assert main(["--problems", "32", "--max-tokens", str(DEMO_MAX_TOKENS), "--threshold", "0.9",
-                 "--json", str(out)]) == 0
+    assert (
+        main(["--problems", "32", "--max-tokens", str(DEMO_MAX_TOKENS), "--threshold", "0.9", "--json", str(out)]) == 0
+    )
     record = json.loads(out.read_text())
     rows = {(r["set"], r["rule"], r["max_tokens"]): r for r in record["results"]}
     rules = ("defaults", "threshold 0.9")
     assert set(rows) == {(s, rule, DEMO_MAX_TOKENS) for s in ("held-out", "carry chains") for rule in rules} | {
-        ("json", rule, m) for rule in rules for m in JSON_MAX_TOKENS} | {  # (json at lengths that hold it)
-        ("infill", rule, m) for rule in rules for m in INFILL_MAX_TOKENS}  # (and infills at middles 4-32)
+        ("json", rule, m) for rule in rules for m in JSON_MAX_TOKENS
+    } | {  # (json at lengths that hold it)
+        ("infill", rule, m) for rule in rules for m in INFILL_MAX_TOKENS
+    }  # (and infills at middles 4-32)
     # (32 problems a set; the infill's measured 1000-problem figures are in RECIPE.md)
     assert all(r["exact_match"] >= (0.8 if s == "infill" else 0.95) for (s, _, _), r in rows.items())
     assert rows["held-out", "threshold 0.9", DEMO_MAX_TOKENS]["tokens_per_forward"] > 1.0
@@ -200,8 +219,9 @@ def test_held_out_exact_match_at_defaults(one_per_step):
 @pytest.mark.parametrize("max_tokens", [5, 6, DEMO_MAX_TOKENS, 16, 64, LONGEST, 512])
 @pytest.mark.parametrize("threshold", [None, 0.9])
 def test_edge_cases_are_right_at_every_max_tokens(demo, max_tokens, threshold):
-    r = evaluate(*demo, EDGE_CASES, max_tokens=max_tokens, threshold=threshold,
-                 **({"strategy": None} if threshold else {}))
+    r = evaluate(
+        *demo, EDGE_CASES, max_tokens=max_tokens, threshold=threshold, **({"strategy": None} if threshold else {})
+    )
     wrong = {f"{a}+{b}=": ans for (a, b), ans, ok in zip(r.pairs, r.answers, r.correct) if not ok}
     assert not wrong
 
@@ -234,12 +254,22 @@ def test_json_answers_under_a_schema(demo, pairs):
     from mlx_lm_diffusion.output.grammar import json_schema_processor
 
     model, tokenizer = demo
-    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"sum": {"type": "integer"}},
+        "required": ["sum"],
+        "additionalProperties": False,
+    }
     some = pairs[:100]
-    answers = [mld.generate(model, tokenizer, f"{a}+{b}=",
-                            logits_processors=[json_schema_processor(tokenizer, model.vocab_size, schema)])
-               for a, b in some]
+    answers = [
+        mld.generate(
+            model,
+            tokenizer,
+            f"{a}+{b}=",
+            logits_processors=[json_schema_processor(tokenizer, model.vocab_size, schema)],
+        )
+        for a, b in some
+    ]
     assert all(json.loads(text).keys() == {"sum"} for text in answers)  # always the schema's object
     assert np.mean([json.loads(text)["sum"] == a + b for (a, b), text in zip(some, answers)]) >= JSON_FLOOR
     batched = evaluate(*demo, some, max_tokens=32, form="json")
@@ -268,24 +298,25 @@ def test_training_answers_are_right_aligned_then_eos_padded():
     for a, b, row in zip(batch.a.tolist(), batch.b.tolist(), batch.tokens):
         digits = [int(c) for c in str(a + b)]
         assert row[:P].tolist() == encode(f"{a}+{b}=")
-        assert row[P:P + 5].tolist() == [BLANK_ID] * (5 - len(digits)) + digits  # units in slot 5
-        assert (row[P + 5:] == EOS_ID).all() and len(row) == P + 14
+        assert row[P : P + 5].tolist() == [BLANK_ID] * (5 - len(digits)) + digits  # units in slot 5
+        assert (row[P + 5 :] == EOS_ID).all() and len(row) == P + 14
     full = canvas_batch(rng, 8, 0)  # FILL_CONTEXT: the rest of the context after the prompt
     assert full.tokens.shape[1] == CONTEXT and (full.gen_len == CONTEXT - full.prompt_len).all()
     short = canvas_batch(rng, 8, 5)  # 5 generated positions: the slots, no room for EOS
     assert (short.tokens[:, -5:] != EOS_ID).all()
     json_rows = canvas_batch(rng, 8, 20, "json")  # the "{" a grammar forces is the prompt's last token
     for a, b, row, P in zip(json_rows.a.tolist(), json_rows.b.tolist(), json_rows.tokens, json_rows.prompt_len):
-        text = "".join("_" if t == BLANK_ID else "E" if t == EOS_ID else str(t) if t < 10 else
-                       "+-={}\":,absum"[t - 10] for t in row)
+        text = "".join(
+            "_" if t == BLANK_ID else "E" if t == EOS_ID else str(t) if t < 10 else '+-={}":,absum'[t - 10] for t in row
+        )
         assert P == len(f"{a}+{b}={{") and len(text) == P + 20
         assert text.startswith(f'{a}+{b}={{"sum":') and text.endswith("}" + "E" * 8)
         assert text.replace("_", "").rstrip("E").endswith('={"sum":%d}' % (a + b))
     infill = canvas_batch(rng, 8, 6, "infill")
     for a, b, row, P in zip(infill.a.tolist(), infill.b.tolist(), infill.tokens, infill.prompt_len):
         assert row[:P].tolist() == encode(f"{a}+")
-        assert row[P:P + 6].tolist() == [BLANK_ID] * (6 - len(str(b))) + encode(str(b))
-        assert row[P + 6:].tolist() == encode(f"={a + b}")
+        assert row[P : P + 6].tolist() == [BLANK_ID] * (6 - len(str(b))) + encode(str(b))
+        assert row[P + 6 :].tolist() == encode(f"={a + b}")
         assert infill.gen_len[0] == 6  # the suffix is never masked
 
 
@@ -340,8 +371,7 @@ def test_inserted_blocks_keep_the_checkpoints_function(tmp_path):
 
     tiny = dict(batch_tokens=256, gen_lengths=(8,), gen_weights=(1,), d_model=32, n_heads=2, mlp=64, warmup=1)
     base = train(tmp_path / "base", steps=3, seed=1, n_layers=2, **tiny)["model"]
-    grown = train(tmp_path / "grown", steps=0, seed=2, n_layers=4, init=tmp_path / "base", insert_blocks=(0, 1),
-                  **tiny)
+    grown = train(tmp_path / "grown", steps=0, seed=2, n_layers=4, init=tmp_path / "base", insert_blocks=(0, 1), **tiny)
     x = mx.array([encode("357+468=") + [MASK_ID] * 8, encode("9+1=") + [MASK_ID] * 12])
     assert mx.array_equal(grown["model"](x), base(x))
     assert grown["record"]["insert_blocks"] == [0, 1] and grown["record"]["final_loss"] is None
@@ -359,8 +389,19 @@ def test_training_smoke_loss_falls_and_is_reproducible(tmp_path):
     from mlx_lm_diffusion import load
     from mlx_lm_diffusion.demo.train import train
 
-    kwargs = dict(steps=40, batch_tokens=512, gen_lengths=(5, 8, 16), gen_weights=(1, 1, 1), lr=3e-3, warmup=5,
-                  d_model=32, n_layers=1, n_heads=2, mlp=64, log_every=10)
+    kwargs = dict(
+        steps=40,
+        batch_tokens=512,
+        gen_lengths=(5, 8, 16),
+        gen_weights=(1, 1, 1),
+        lr=3e-3,
+        warmup=5,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        mlp=64,
+        log_every=10,
+    )
     run = train(tmp_path / "tiny", seed=3, **kwargs)
     losses = run["losses"]
     assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:5])
@@ -377,11 +418,13 @@ def test_training_smoke_loss_falls_and_is_reproducible(tmp_path):
 def test_training_mix_is_an_option_and_recorded():
     from mlx_lm_diffusion.demo.train import step_plan, train
 
-    kwargs = dict(steps=2, batch_tokens=256, lr=3e-3, warmup=1, d_model=16, n_layers=1, n_heads=2, mlp=32,
-                  log_every=1)
+    kwargs = dict(steps=2, batch_tokens=256, lr=3e-3, warmup=1, d_model=16, n_layers=1, n_heads=2, mlp=32, log_every=1)
     record = train(None, gen_lengths=(5, 24), gen_weights=(1, 2), form_weights=(1, 1, 0), **kwargs)["record"]
-    assert (record["gen_lengths"], record["gen_weights"], record["form_weights"]) == ([5, 24], [1.0, 2.0],
-                                                                                       [1.0, 1.0, 0.0])
+    assert (record["gen_lengths"], record["gen_weights"], record["form_weights"]) == (
+        [5, 24],
+        [1.0, 2.0],
+        [1.0, 1.0, 0.0],
+    )
     with pytest.raises(ValueError, match="same length"):
         train(None, gen_lengths=(16, 24), gen_weights=(1,), **kwargs)
     plan = step_plan(np.random.default_rng(0), 300, (5, 24, 118, 0), (1, 1, 1, 1))

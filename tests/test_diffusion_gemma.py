@@ -81,7 +81,11 @@ def test_released_config_layout_reads_the_same(gemma_path, gemma):
     text.update(global_head_dim=layer["head_dim"], num_global_key_value_heads=layer["num_key_value_heads"])
     top = ModelArgs.from_dict({**cfg, "text_config": text}).text
     args = gemma[0].args.text
-    assert (top.global_head_dim, top.num_global_key_value_heads) == (args.global_head_dim, args.num_global_key_value_heads) == (32, 1)
+    assert (
+        (top.global_head_dim, top.num_global_key_value_heads)
+        == (args.global_head_dim, args.num_global_key_value_heads)
+        == (32, 1)
+    )
 
 
 def test_sanitize_drops_tied_and_vision_weights_and_is_idempotent(gemma_path, gemma):
@@ -105,7 +109,8 @@ def test_sanitize_drops_tied_and_vision_weights_and_is_idempotent(gemma_path, ge
     assert all(mx.array_equal(restacked[k], once[k]) for k in once)
     # the encoder keeps its own layer scalars, distinct from the decoder's
     assert float(once["model.encoder.language_model.layers.0.layer_scalar"][0]) != float(
-        once["model.decoder.layers.0.layer_scalar"][0])
+        once["model.decoder.layers.0.layer_scalar"][0]
+    )
 
 
 def test_no_mask_token(gemma):
@@ -126,7 +131,7 @@ def _engine_decode(model, tok, prompts, **options):
     for last in Engine(adapter, resolved).run(mx.array(prompts)):
         pass
     P, N = len(prompts[0]), options["max_tokens"]
-    return last.canvas[:, P:P + N].tolist(), last.forwards
+    return last.canvas[:, P : P + N].tolist(), last.forwards
 
 
 class _NoText:
@@ -159,7 +164,9 @@ def mlx_vlm_model(gemma_path):
     cfg = json.loads((gemma_path / "config.json").read_text())
     cfg["vision_config"] = None
     layer = cfg["text_config"]["per_layer_config"]["1"]  # mlx-vlm reads these top-level only
-    cfg["text_config"].update(global_head_dim=layer["head_dim"], num_global_key_value_heads=layer["num_key_value_heads"])
+    cfg["text_config"].update(
+        global_head_dim=layer["head_dim"], num_global_key_value_heads=layer["num_key_value_heads"]
+    )
     model = ref.Model(ref.ModelConfig.from_dict(cfg))
     model.load_weights(list(model.sanitize(mx.load(str(gemma_path / "model.safetensors"))).items()), strict=True)
     model.config.generation_config = {"stability_threshold": 1, "confidence_threshold": 0.005}
@@ -172,9 +179,17 @@ def _mlx_vlm_decode(model, prompt, max_tokens, seed):
     mx.random.seed(seed)
     tokens, last = [], None
     for last in stream_diffusion_generate(
-        model, _NoText, _NoText, mx.array([prompt]), None, None, max_tokens=max_tokens,
+        model,
+        _NoText,
+        _NoText,
+        mx.array([prompt]),
+        None,
+        None,
+        max_tokens=max_tokens,
         temperature=1.0,  # the reference's draw: a sample of softmax(scaled logits)
-        skip_special_token_ids=[], max_denoising_steps=48, diffusion_full_canvas=True,
+        skip_special_token_ids=[],
+        max_denoising_steps=48,
+        diffusion_full_canvas=True,
         diffusion_sampler="entropy-bound",
     ):
         if not (last.is_draft or last.diffusion_block_complete or last.finish_reason):
@@ -202,8 +217,19 @@ def _entropy(z):
     return -(np.exp(logp) * logp).sum(-1)
 
 
-def diffusion_gemma_generate(model, prompts, *, max_new_tokens, canvas_length, steps=48, entropy_bound=0.1,
-                             t_min=0.4, t_max=0.8, confidence=0.005, seed=0):
+def diffusion_gemma_generate(
+    model,
+    prompts,
+    *,
+    max_new_tokens,
+    canvas_length,
+    steps=48,
+    entropy_bound=0.1,
+    t_min=0.4,
+    t_max=0.8,
+    confidence=0.005,
+    seed=0,
+):
     """transformers' DiffusionGemma `generate` (no EOS, stability threshold 1), batched, with
     MLX's PRNG drawn in the reference's order. Every canvas re-encodes the whole prefix into a
     fresh cache. Returns (tokens per row, decoder forwards)."""
@@ -240,7 +266,7 @@ def diffusion_gemma_generate(model, prompts, *, max_new_tokens, canvas_length, s
             if finished.all():
                 break
         x = np.concatenate([x, argmax], axis=1)
-    return x[:, len(prompts[0]):len(prompts[0]) + max_new_tokens].tolist(), forwards
+    return x[:, len(prompts[0]) : len(prompts[0]) + max_new_tokens].tolist(), forwards
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -250,7 +276,8 @@ def test_batch_follows_the_reference_loop(gemma, seed):
     model, tok = gemma
     prompts = [PROMPTS[0], [80, 81, 82, 83, 84]]
     ref_tokens, ref_forwards = diffusion_gemma_generate(
-        model, prompts, max_new_tokens=40, canvas_length=CANVAS, seed=seed)
+        model, prompts, max_new_tokens=40, canvas_length=CANVAS, seed=seed
+    )
     tokens, forwards = _engine_decode(model, tok, prompts, max_tokens=40, seed=seed)
     assert tokens == ref_tokens
     assert forwards == ref_forwards
@@ -263,17 +290,20 @@ def test_stream_contract(gemma):
     prompt = PROMPTS[0]
     P = len(prompt)
     drafts = []
-    responses = list(mld.stream_generate(model, tok, prompt, max_tokens=40, seed=0,
-                                         draft_callback=lambda s: drafts.append(s.canvas.copy())))
+    responses = list(
+        mld.stream_generate(
+            model, tok, prompt, max_tokens=40, seed=0, draft_callback=lambda s: drafts.append(s.canvas.copy())
+        )
+    )
     assert len(drafts) == responses[-1].forwards
     reached = [d.shape[1] - P for d in drafts]  # drafts reach the end of the current canvas
     assert reached == sorted(reached) and set(reached) <= {16, 32, 48}
     tokens = [r.token for r in responses]
-    assert tokens == drafts[-1][0, P:P + len(tokens)].tolist()
+    assert tokens == drafts[-1][0, P : P + len(tokens)].tolist()
     groups = np.unique([r.forwards for r in responses], return_counts=True)[1]
     assert all(n == CANVAS for n in groups[:-1])  # a whole canvas at a time
     for i, r in enumerate(responses):
-        for canvas in drafts[r.forwards - 1:]:
+        for canvas in drafts[r.forwards - 1 :]:
             assert canvas[0, P + i] == r.token
     assert responses[-1].finish_reason in ("stop", "length")
     assert [r.generation_tokens for r in responses] == list(range(1, len(tokens) + 1))
@@ -313,19 +343,29 @@ def test_options_and_seeds(gemma):
     assert resolved.rule.bound == 0.5  # (the rule holds the one entropy bound)
     resolved = resolve(DecodeOptions(**kw), adapter, 5)
     assert resolved.rule.bound == 0.1 and resolved.steps == 48 and resolved.block_length == CANVAS
-    assert dict(resolved.family) == dict(t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.005,
-                                         fast_self_conditioning=False, self_conditioning_k=256, fast_step=False)  # (exact)
+    assert dict(resolved.family) == dict(
+        t_min=0.4,
+        t_max=0.8,
+        stability_threshold=1,
+        confidence_threshold=0.005,
+        fast_self_conditioning=False,
+        self_conditioning_k=256,
+        fast_step=False,
+    )  # (exact)
     capped = resolve(DecodeOptions(max_tokens=100000), adapter, 5)  # whole canvases that fit the context
     assert capped.max_tokens == (adapter.max_length - 5) // CANVAS * CANVAS
 
 
-@pytest.mark.parametrize("options,word", [
-    (dict(editing_threshold=0.5), "uniform noise"),
-    (dict(causal_context=True), "causal_context"),
-    (dict(entropy_bound=-1.0), "entropy_bound"),
-    (dict(max_tokens=8, block_length=4096), "context"),  # (a canvas larger than the context)
-    (dict(steps=0), "steps"),
-])
+@pytest.mark.parametrize(
+    "options,word",
+    [
+        (dict(editing_threshold=0.5), "uniform noise"),
+        (dict(causal_context=True), "causal_context"),
+        (dict(entropy_bound=-1.0), "entropy_bound"),
+        (dict(max_tokens=8, block_length=4096), "context"),  # (a canvas larger than the context)
+        (dict(steps=0), "steps"),
+    ],
+)
 def test_bad_options(gemma, options, word):
     model, tok = gemma
     with pytest.raises(ValueError, match=word):
@@ -343,7 +383,10 @@ def test_quantized_convert_and_reload(tmp_path, gemma_path, gemma):
     assert type(model.layers[0].self_attn.q_proj).__name__ == "QuantizedLinear"
     prompt, canvas = mx.array([PROMPTS[1]]), mx.array([list(range(CANVAS))])
     sc = gemma[0](prompt, canvas=canvas)
-    ours, full = model(prompt, canvas=canvas, self_conditioning=sc), gemma[0](prompt, canvas=canvas, self_conditioning=sc)
+    ours, full = (
+        model(prompt, canvas=canvas, self_conditioning=sc),
+        gemma[0](prompt, canvas=canvas, self_conditioning=sc),
+    )
     # quantization noise (which also flips some expert choices), not a different model
     assert np.corrcoef(np.array(ours).ravel(), np.array(full).ravel())[0, 1] > 0.95
     assert isinstance(mld.generate(model, tok, PROMPTS[0], max_tokens=8, seed=0), str)
@@ -352,8 +395,20 @@ def test_quantized_convert_and_reload(tmp_path, gemma_path, gemma):
 def test_cli_generates_and_shows_the_canvas(gemma_path):
     from cli_run import run_main
 
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(gemma_path), "--prompt", "Hi",
-                 "--max-tokens", "8", "--steps", "4", "--seed", "0", "--show-canvas")
+    r = run_main(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(gemma_path),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "8",
+        "--steps",
+        "4",
+        "--seed",
+        "0",
+        "--show-canvas",
+    )
     assert r.returncode == 0, r.stderr
     assert "forwards" in r.stdout and "[forward 1]" in r.stderr and "Traceback" not in r.stderr
 

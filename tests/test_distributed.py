@@ -109,14 +109,32 @@ SAMPLED_OPTIONS = {"llada2_2": dict(edit_ops=())}  # (LLaDA2.2's edit decoding i
 
 
 def _cases(checkpoints: dict) -> list:
-    return [{"name": name, "path": str(checkpoints[name]), "prompt": PROMPT, "options": options,
-             "sampled_options": SAMPLED_OPTIONS.get(name, {}), "autoregressive": name.startswith("ar_")}
-            for name, options in CASES.items()]
+    return [
+        {
+            "name": name,
+            "path": str(checkpoints[name]),
+            "prompt": PROMPT,
+            "options": options,
+            "sampled_options": SAMPLED_OPTIONS.get(name, {}),
+            "autoregressive": name.startswith("ar_"),
+        }
+        for name, options in CASES.items()
+    ]
 
 
 def _cli_args(checkpoints: dict, max_tokens: int) -> list:
-    return ["--model", str(checkpoints["llada"]), "--prompt", "hello", "--max-tokens", str(max_tokens),
-            "--block-length", "8", "--verbose", "False"]
+    return [
+        "--model",
+        str(checkpoints["llada"]),
+        "--prompt",
+        "hello",
+        "--max-tokens",
+        str(max_tokens),
+        "--block-length",
+        "8",
+        "--verbose",
+        "False",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +143,25 @@ def two_ranks(checkpoints, tmp_path_factory) -> dict:
     ended once rank 1 was killed mid-decode (tests/distributed_child.py)."""
     out = tmp_path_factory.mktemp("ranks")
     job = out / "job.json"
-    job.write_text(json.dumps({
-        "cases": _cases(checkpoints), "cli": _cli_args(checkpoints, 16),
-        "die_cli": _cli_args(checkpoints, 400), "die_at_step": 5,
-    }))
+    job.write_text(
+        json.dumps(
+            {
+                "cases": _cases(checkpoints),
+                "cli": _cli_args(checkpoints, 16),
+                "die_cli": _cli_args(checkpoints, 400),
+                "die_at_step": 5,
+            }
+        )
+    )
     run = launch([str(TESTS / "distributed_child.py"), str(job), str(out)])
     ended = time.time()
     assert (out / "rank1.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
-    return {"ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)], "run": run,
-            "killed_at": float((out / "killed_at").read_text()) if (out / "killed_at").exists() else None,
-            "ended": ended}
+    return {
+        "ranks": [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)],
+        "run": run,
+        "killed_at": float((out / "killed_at").read_text()) if (out / "killed_at").exists() else None,
+        "ended": ended,
+    }
 
 
 def _single_process(checkpoints: dict, name: str):
@@ -175,9 +202,26 @@ def test_the_readme_launch_of_the_console_script_answers_once():
     env = _env()
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     assert Path(sys.executable).with_name("mlx_lm_diffusion.generate").exists()  # (pip install's console script)
-    run = subprocess.run([str(LAUNCH), "--backend", "ring", "-n", "2", "--", "mlx_lm_diffusion.generate",
-                          "--prompt", "357+468=", "--verbose", "False"],
-                         env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, cwd=ROOT)
+    run = subprocess.run(
+        [
+            str(LAUNCH),
+            "--backend",
+            "ring",
+            "-n",
+            "2",
+            "--",
+            "mlx_lm_diffusion.generate",
+            "--prompt",
+            "357+468=",
+            "--verbose",
+            "False",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["825"]  # (rank 0 prints; the demo model, as without mlx.launch)
 
@@ -186,8 +230,9 @@ def test_a_rank_killed_mid_decode_ends_the_other_with_an_error(two_ranks):
     run = two_ranks["run"]
     assert two_ranks["killed_at"] is not None, run.stderr[-3000:]
     # (the heartbeat's word, or the collective's failure when that comes first)
-    assert ("error: rank 0/2: rank 1 is gone" in run.stderr or "error: rank 0/2: the distributed group failed"
-            in run.stderr), run.stderr[-3000:]
+    assert (
+        "error: rank 0/2: rank 1 is gone" in run.stderr or "error: rank 0/2: the distributed group failed" in run.stderr
+    ), run.stderr[-3000:]
     assert "rank 0 exited with code 1" in run.stderr  # (mlx.launch's report; SIGTERM was ignored)
     assert two_ranks["ended"] - two_ranks["killed_at"] < 60
 
@@ -263,10 +308,29 @@ def test_the_server_under_mlx_launch_answers_cancels_and_stops(checkpoints, tmp_
     (tmp_path / "hub").mkdir()
     log = open(tmp_path / "server.log", "w")
     launcher = subprocess.Popen(
-        [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "--", "-m",
-         "mlx_lm_diffusion.server", "--model", str(checkpoints["llada"]), "--port", str(port),
-         "--block-length", "8"],
-        env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        [
+            str(LAUNCH),
+            "--backend",
+            "ring",
+            "-n",
+            "2",
+            "--python",
+            sys.executable,
+            "--",
+            "-m",
+            "mlx_lm_diffusion.server",
+            "--model",
+            str(checkpoints["llada"]),
+            "--port",
+            str(port),
+            "--block-length",
+            "8",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
         deadline = time.monotonic() + LAUNCH_TIMEOUT
@@ -285,7 +349,8 @@ def test_the_server_under_mlx_launch_answers_cancels_and_stops(checkpoints, tmp_
 
         # a long stream abandoned after two chunks: every rank stops it at the same forward
         stream = client.chat.completions.create(
-            model="default_model", messages=[{"role": "user", "content": "hi"}], max_tokens=400, stream=True)
+            model="default_model", messages=[{"role": "user", "content": "hi"}], max_tokens=400, stream=True
+        )
         for i, _ in enumerate(stream):
             if i == 1:
                 break
@@ -346,8 +411,16 @@ def test_a_group_that_cannot_form_ends_each_rank_with_one_line(tmp_path):
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{ports[0]}"], [f"127.0.0.1:{ports[1]}"]]))
     env = {**os.environ, "MLX_HOSTFILE": str(hosts), "MLX_RANK": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(DEMO_MODEL_PATH),
-                          "--prompt", "1+1="], env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+    run = subprocess.run(
+        [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(DEMO_MODEL_PATH), "--prompt", "1+1="],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT,
+    )
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    assert run.stderr.strip().splitlines()[-1].startswith(
-        "error: rank 1: the distributed group could not form: [ring] Couldn't connect")
+    assert (
+        run.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: rank 1: the distributed group could not form: [ring] Couldn't connect")
+    )

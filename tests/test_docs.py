@@ -126,7 +126,13 @@ def matches(expected: List[str], actual: str) -> bool:
             pattern += r"(?:[^\n]*\n)*?"
         else:
             pattern += ".*?".join(re.escape(part) for part in line.split("...")) + r"\n"
-    return re.fullmatch(pattern, "".join(line + "\n" for line in got), ) is not None
+    return (
+        re.fullmatch(
+            pattern,
+            "".join(line + "\n" for line in got),
+        )
+        is not None
+    )
 
 
 def _trimmed(lines: List[str]) -> List[str]:
@@ -186,8 +192,15 @@ class ShellRunner:
 
     def _run(self, script: Path, stderr: Path) -> bool:
         with open(stderr, "wb") as err:
-            process = subprocess.Popen(["bash", str(script)], cwd=self.workdir, env=self.environment(),
-                                       stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True)
+            process = subprocess.Popen(
+                ["bash", str(script)],
+                cwd=self.workdir,
+                env=self.environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=err,
+                stderr=err,
+                start_new_session=True,
+            )
             timed_out = False
             try:
                 process.wait(timeout=BLOCK_TIMEOUT)
@@ -207,8 +220,9 @@ class ShellRunner:
             if rc != "0":
                 problems.append(f"$ {command.text}\nexit status {rc}; its stdout:\n{actual}")
             elif not matches(command.expected, actual):
-                problems.append(f"$ {command.text}\nexpected:\n" + "\n".join(command.expected)
-                                + f"\ngot:\n{ANSI.sub('', actual)}")
+                problems.append(
+                    f"$ {command.text}\nexpected:\n" + "\n".join(command.expected) + f"\ngot:\n{ANSI.sub('', actual)}"
+                )
         return problems
 
 
@@ -326,11 +340,17 @@ def test_every_code_block_is_run():
 
 
 def test_console_parser():
-    commands = parse_console("$ echo a \\\n    b\na b\n$ cat <<'EOF'\nx\nEOF\nx\n$ true\n"
-                             "$ echo '{\n  1}'\n{\n  1}\n$ for i in 1; do\n>   echo $i\n> done\n1\n")
+    commands = parse_console(
+        "$ echo a \\\n    b\na b\n$ cat <<'EOF'\nx\nEOF\nx\n$ true\n"
+        "$ echo '{\n  1}'\n{\n  1}\n$ for i in 1; do\n>   echo $i\n> done\n1\n"
+    )
     assert [(c.text, c.expected) for c in commands] == [
-        ("echo a \\\n    b", ["a b"]), ("cat <<'EOF'\nx\nEOF", ["x"]), ("true", []),
-        ("echo '{\n  1}'", ["{", "  1}"]), ("for i in 1; do\n  echo $i\ndone", ["1"])]
+        ("echo a \\\n    b", ["a b"]),
+        ("cat <<'EOF'\nx\nEOF", ["x"]),
+        ("true", []),
+        ("echo '{\n  1}'", ["{", "  1}"]),
+        ("for i in 1; do\n  echo $i\ndone", ["1"]),
+    ]
     assert matches(["a", "...", "z"], "a\nb\nc\nz\n") and matches(["a", "...", "z"], "a\nz")
     assert matches(["t: ... s"], "t: 1.5 s   \n") and not matches(["t: ... s"], "t: 1.5 ms\nmore")
     assert matches(["825"], "\x1b[1m825\x1b[0m\n\n") and not matches(["825"], "826")
@@ -349,7 +369,6 @@ def test_shell_cleanup_kills_background_jobs(tmp_path):
     assert runner(Fake()) is None
     status = Path(f"/proc/{int(pidfile.read_text())}/status")
     assert not status.exists() or "zombie" in status.read_text()
-
 
 
 def test_every_page_writes_the_checkpoints_it_loads():

@@ -48,11 +48,22 @@ def test_next_token_training_after_install_refuses_a_diffusion_model(llada, tmp_
     lora = importlib.import_module("mlx_lm.lora")
     trainer = importlib.import_module("mlx_lm.tuner.trainer")
     before = {name for name, _ in model.named_modules()}
-    args = SimpleNamespace(adapter_path=str(tmp_path / "adapters"), seed=0, num_layers=1, fine_tune_type="lora",
-                           lora_parameters={"rank": 2, "dropout": 0.0, "scale": 1.0}, batch_size=1, test_batches=1)
-    for call in (lambda: lora.train_model(args, model, [], []), lambda: lora.evaluate_model(args, model, []),
-                 lambda: trainer.train(model, None, []), lambda: trainer.evaluate(model, [], 1, 1),
-                 lambda: trainer.evaluate(model, [], 1, 1, loss=trainer.default_loss)):
+    args = SimpleNamespace(
+        adapter_path=str(tmp_path / "adapters"),
+        seed=0,
+        num_layers=1,
+        fine_tune_type="lora",
+        lora_parameters={"rank": 2, "dropout": 0.0, "scale": 1.0},
+        batch_size=1,
+        test_batches=1,
+    )
+    for call in (
+        lambda: lora.train_model(args, model, [], []),
+        lambda: lora.evaluate_model(args, model, []),
+        lambda: trainer.train(model, None, []),
+        lambda: trainer.evaluate(model, [], 1, 1),
+        lambda: trainer.evaluate(model, [], 1, 1, loss=trainer.default_loss),
+    ):
         with pytest.raises(ValueError, match="next-token loss"):
             call()
     # refused before anything was done: no LoRA layers, no adapter folder
@@ -70,8 +81,16 @@ def test_next_token_training_after_install_refuses_a_diffusion_model(llada, tmp_
 
 def test_refusals_pass_autoregressive_models_through(installed):
     mx.random.seed(0)
-    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
-                           num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=128,
+    )
     model = llama.Model(args)
     ppl, _ = importlib.import_module("mlx_lm.perplexity").eval_ppl(model, mx.array([PROMPT * 2] * 2), batch_size=2)
     assert 1.0 < ppl < 1e4
@@ -96,8 +115,10 @@ def test_stream_generate_bound_before_install_names_install(llada):
 
 
 def test_refusals_leave_autoregressive_models_alone_and_uninstall_restores():
-    originals = {(m, a): getattr(importlib.import_module(m), a) for m, a, _, _ in
-                 importlib.import_module("mlx_lm_diffusion.api.install").REFUSALS}
+    originals = {
+        (m, a): getattr(importlib.import_module(m), a)
+        for m, a, _, _ in importlib.import_module("mlx_lm_diffusion.api.install").REFUSALS
+    }
     mld.install()
     try:
         assert importlib.import_module("mlx_lm_diffusion.api.install").installed()
@@ -115,8 +136,12 @@ def test_cache_prompt_cli_after_install_is_one_clear_error(llada_path, tmp_path)
         "sys.argv = ['cache_prompt', '--model', sys.argv[1], '--prompt', 'Hello', "
         "'--prompt-cache-file', sys.argv[2]]; cp.main()"
     )
-    r = subprocess.run([sys.executable, "-c", script, str(llada_path), str(tmp_path / "c.safetensors")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(llada_path), str(tmp_path / "c.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "keeps none" in r.stderr and "update_and_fetch" not in r.stderr
     assert not (tmp_path / "c.safetensors").exists()

@@ -42,8 +42,9 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - top - np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
 
 
-def numpy_estimate(model, tokens: np.ndarray, mask_id: int, blocks, draws, shift: int = 0,
-                   causal_prefix: bool = False) -> float:
+def numpy_estimate(
+    model, tokens: np.ndarray, mask_id: int, blocks, draws, shift: int = 0, causal_prefix: bool = False
+) -> float:
     """The bound from its definition: per sample and block, the canvas up to the block's end
     (clean before it, masked where drawn), the model's raw logits with its own attention
     (full; block-causal for SDAR and LLaDA2; for Nemotron, `causal_prefix`: causal before
@@ -89,8 +90,15 @@ def test_the_bound_is_the_numpy_computation_over_the_same_masks(family, request)
     assert len(estimate.blocks) > 1 or family in ("llada", "dream")
     assert [batch[0].samples for batch in estimate.draws] == [8, 4]
     assert estimate.forwards == 2 * len(estimate.blocks)
-    expected = numpy_estimate(model, tokens, adapter.mask_id, estimate.blocks, estimate.draws,
-                              shift=1 if family == "dream" else 0, causal_prefix=family == "nemotron")
+    expected = numpy_estimate(
+        model,
+        tokens,
+        adapter.mask_id,
+        estimate.blocks,
+        estimate.draws,
+        shift=1 if family == "dream" else 0,
+        causal_prefix=family == "nemotron",
+    )
     assert estimate.log_likelihood == pytest.approx(expected, rel=1e-5)
     # given back, the draws give the same estimate
     again = estimate_log_likelihood(adapter, context, continuation, draws=estimate.draws)
@@ -104,8 +112,10 @@ def test_the_draws_are_llada_stratified_counts():
         counts = draw.masks.sum(axis=1)
         assert np.array_equal(draw.times, counts / length)
         # x_i = round(linspace(k, k + (b - 1) L / b, b)), wrapped into 1..L, for some k in 1..L
-        candidates = [(np.round(np.linspace(k, k + (batch - 1) * length / batch, batch)).astype(int) - 1) % length + 1
-                      for k in range(1, length + 1)]
+        candidates = [
+            (np.round(np.linspace(k, k + (batch - 1) * length / batch, batch)).astype(int) - 1) % length + 1
+            for k in range(1, length + 1)
+        ]
         assert any(np.array_equal(counts, c) for c in candidates)
 
 
@@ -114,8 +124,10 @@ def test_the_standard_error_falls_as_one_over_root_samples(llada):
     context, continuation = llada[1].encode(CONTEXT), llada[1].encode(CONTINUATION)
 
     def runs(samples):
-        return [estimate_log_likelihood(adapter, context, continuation, samples=samples, batch_size=16, seed=s)
-                for s in range(6)]
+        return [
+            estimate_log_likelihood(adapter, context, continuation, samples=samples, batch_size=16, seed=s)
+            for s in range(6)
+        ]
 
     few, many = runs(64), runs(256)
     ratio = np.mean([e.standard_error for e in many]) / np.mean([e.standard_error for e in few])
@@ -183,8 +195,9 @@ def test_rolling_scores_a_text_in_windows_of_the_context(short_llada):
     short, long = "tiny text", "a text longer than the twenty-four positions of this model"
     ids = tokenizer.encode(short, add_special_tokens=False)
     alone = estimate_log_likelihood(adapter, [], ids, 8, 8, request_seed(lm.seed, [], ids))
-    scores = lm.loglikelihood_rolling([instance("loglikelihood_rolling", (short,)),
-                                       instance("loglikelihood_rolling", (long,))])
+    scores = lm.loglikelihood_rolling(
+        [instance("loglikelihood_rolling", (short,)), instance("loglikelihood_rolling", (long,))]
+    )
     assert scores[0] == alone.log_likelihood  # one window, on nothing at all
     assert np.isfinite(scores[1]) and scores[1] < scores[0]
     assert lm.speed.task("t").scoring_forwards == 1 + 3  # 59 tokens: windows of 23, 23 and 13
@@ -277,8 +290,10 @@ def task_dir(tmp_path_factory):
     cache = root / "hf-datasets"
     addition = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a, b in held_out_problems(N_PROBLEMS)]
     five = five_digit_sums(np.random.default_rng(77), N_PROBLEMS)
-    for name, docs, template in (("addition", addition, ADDITION),
-                                 ("choice", five_digit_choices(five, np.random.default_rng(0)), CHOICE)):
+    for name, docs, template in (
+        ("addition", addition, ADDITION),
+        ("choice", five_digit_choices(five, np.random.default_rng(0)), CHOICE),
+    ):
         data = root / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
         (root / f"demo_{name}.yaml").write_text(template.format(data=data, cache=cache))
@@ -312,13 +327,27 @@ def test_the_cli_matches_the_demo_evaluation_and_sweeps(demo, task_dir, tmp_path
     from mlx_lm_diffusion.demo.problems import held_out_problems
 
     out_dir = tmp_path / "out"
-    code, out, err = run_cli(capsys, "--model", str(DEMO_MODEL_PATH), "--tasks", "demo_addition",
-                             "--include-path", str(task_dir), "--output-dir", str(out_dir), "--batch-size", "16",
-                             "--sweep", "threshold=0.5,0.9")
+    code, out, err = run_cli(
+        capsys,
+        "--model",
+        str(DEMO_MODEL_PATH),
+        "--tasks",
+        "demo_addition",
+        "--include-path",
+        str(task_dir),
+        "--output-dir",
+        str(out_dir),
+        "--batch-size",
+        "16",
+        "--sweep",
+        "threshold=0.5,0.9",
+    )
     assert code == 0, err
     rows = table_rows(out)
-    assert [r[:3] for r in rows] == [["threshold=0.5", "demo_addition", "exact_match"],
-                                    ["threshold=0.9", "demo_addition", "exact_match"]]
+    assert [r[:3] for r in rows] == [
+        ["threshold=0.5", "demo_addition", "exact_match"],
+        ["threshold=0.9", "demo_addition", "exact_match"],
+    ]
     assert table_rows((out_dir / "evaluation.md").read_text()) == rows
     pairs = held_out_problems(N_PROBLEMS)
     for row, threshold in zip(rows, (0.5, 0.9)):
@@ -342,9 +371,21 @@ def test_the_cli_matches_the_demo_evaluation_and_sweeps(demo, task_dir, tmp_path
 def test_multiple_choice_by_the_bound_finds_the_sum(task_dir, tmp_path, capsys):
     from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 
-    code, out, err = run_cli(capsys, "--model", str(DEMO_MODEL_PATH), "--tasks", "demo_addition_choice",
-                             "--include-path", str(task_dir), "--output-dir", str(tmp_path), "--mc-samples", "16",
-                             "--batch-size", "16")
+    code, out, err = run_cli(
+        capsys,
+        "--model",
+        str(DEMO_MODEL_PATH),
+        "--tasks",
+        "demo_addition_choice",
+        "--include-path",
+        str(task_dir),
+        "--output-dir",
+        str(tmp_path),
+        "--mc-samples",
+        "16",
+        "--batch-size",
+        "16",
+    )
     assert code == 0, err
     (row,) = table_rows(out)
     assert row[:3] == ["defaults", "demo_addition_choice", "acc"]
@@ -363,18 +404,21 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--sweep", "threshold"], "--sweep takes name=value"),
-    (["--sweep", "threshold=0.5,"], "is not a number"),
-    (["--sweep", "temperature=0.5"], "unknown decoding option 'temperature'"),
-    (["--sweep", "threshold=1.5"], "threshold must be a number in [0, 1]"),
-    (["--sweep", "threshold=0.5", "threshold=0.9"], "names 'threshold' twice"),
-    (["--threshold", "0.5", "--sweep", "threshold=0.9"], "--threshold is given as a flag and as a --sweep axis"),
-    (["--mc-samples", "0"], "--mc-samples must be at least 1"),
-    (["--batch-size", "x"], "invalid int value"),
-    (["--chat-template-args", "[1]"], "must be a JSON object"),
-    (["--strategy", "nope"], "strategy must be one of"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sweep", "threshold"], "--sweep takes name=value"),
+        (["--sweep", "threshold=0.5,"], "is not a number"),
+        (["--sweep", "temperature=0.5"], "unknown decoding option 'temperature'"),
+        (["--sweep", "threshold=1.5"], "threshold must be a number in [0, 1]"),
+        (["--sweep", "threshold=0.5", "threshold=0.9"], "names 'threshold' twice"),
+        (["--threshold", "0.5", "--sweep", "threshold=0.9"], "--threshold is given as a flag and as a --sweep axis"),
+        (["--mc-samples", "0"], "--mc-samples must be at least 1"),
+        (["--batch-size", "x"], "invalid int value"),
+        (["--chat-template-args", "[1]"], "must be a JSON object"),
+        (["--strategy", "nope"], "strategy must be one of"),
+    ],
+)
 def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
     code, _, err = run_cli(capsys, "--tasks", "anything", *argv)
     assert code == 2
@@ -383,8 +427,9 @@ def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys):
 
 def test_an_unknown_task_is_refused_before_loading(task_dir, capsys, monkeypatch):
     monkeypatch.setattr(task_index, "BUILTIN_TASKS", False)  # (indexing lm-eval's 15k task files takes ~10 s)
-    code, _, err = run_cli(capsys, "--model", "/nonexistent", "--tasks", "demo_addition", "no_such_task",
-                           "--include-path", str(task_dir))
+    code, _, err = run_cli(
+        capsys, "--model", "/nonexistent", "--tasks", "demo_addition", "no_such_task", "--include-path", str(task_dir)
+    )
     assert code == 2
     assert "unknown task 'no_such_task'" in one_error_line(err)
     code, _, err = run_cli(capsys, "--tasks", "demo_addition", "--include-path", str(task_dir / "nope"))
@@ -392,8 +437,19 @@ def test_an_unknown_task_is_refused_before_loading(task_dir, capsys, monkeypatch
 
 
 def test_a_family_without_a_bound_is_refused(gemma_path, task_dir, tmp_path, capsys):
-    code, _, err = run_cli(capsys, "--model", str(gemma_path), "--tasks", "demo_addition_choice", "--limit", "1",
-                           "--include-path", str(task_dir), "--output-dir", str(tmp_path))
+    code, _, err = run_cli(
+        capsys,
+        "--model",
+        str(gemma_path),
+        "--tasks",
+        "demo_addition_choice",
+        "--limit",
+        "1",
+        "--include-path",
+        str(task_dir),
+        "--output-dir",
+        str(tmp_path),
+    )
     assert code == 2
     assert "no likelihood bound for a uniform-noise canvas" in err.strip().splitlines()[-1]
 
@@ -408,8 +464,10 @@ def test_without_lm_eval_the_cli_names_the_extra(monkeypatch, capsys):
 def test_sweep_settings_are_the_cartesian_product():
     axes = parse_axes(["threshold=0.7,0.9", "cache=none,dual", "block_length=4"])
     assert settings(axes) == [
-        {"threshold": 0.7, "cache": None, "block_length": 4}, {"threshold": 0.7, "cache": "dual", "block_length": 4},
-        {"threshold": 0.9, "cache": None, "block_length": 4}, {"threshold": 0.9, "cache": "dual", "block_length": 4},
+        {"threshold": 0.7, "cache": None, "block_length": 4},
+        {"threshold": 0.7, "cache": "dual", "block_length": 4},
+        {"threshold": 0.9, "cache": None, "block_length": 4},
+        {"threshold": 0.9, "cache": "dual", "block_length": 4},
     ]
     assert settings([]) == [{}]
 
@@ -421,12 +479,14 @@ def test_generate_until_stops_limits_and_applies_the_chat_template(demo, llada):
     from mlx_lm_diffusion.evaluation.harness import DiffusionLM
 
     lm = DiffusionLM(loaded=demo, use_chat_template=False)
-    answers = lm.generate_until([
-        instance("generate_until", ("357+468=", {"until": ["2"], "max_gen_toks": 8})),
-        instance("generate_until", ("357+468=", {"until": "x", "max_gen_toks": 8})),
-        instance("generate_until", ("357+468=", {"until": ["5"], "max_gen_toks": 8})),
-        instance("generate_until", ("9999+9999=", {"until": [], "max_gen_toks": 3})),
-    ])
+    answers = lm.generate_until(
+        [
+            instance("generate_until", ("357+468=", {"until": ["2"], "max_gen_toks": 8})),
+            instance("generate_until", ("357+468=", {"until": "x", "max_gen_toks": 8})),
+            instance("generate_until", ("357+468=", {"until": ["5"], "max_gen_toks": 8})),
+            instance("generate_until", ("9999+9999=", {"until": [], "max_gen_toks": 3})),
+        ]
+    )
     assert answers[:3] == ["8", "825", "82"]
     assert 1 <= len(answers[3]) <= 3  # 3 positions of the five-digit answer's 5 (one character per token)
     speed = lm.speed.task("t")
@@ -445,15 +505,25 @@ def test_task_yaml_that_runs_code_needs_the_confirmation(tmp_path, capsys, monke
     or an `include:` from outside its directory is refused before anything loads unless
     --confirm-run-unsafe-code; the check reads the YAML as text and runs none of it."""
     monkeypatch.setattr(task_index, "BUILTIN_TASKS", False)
-    for name, yaml in (("fn", "task: t_fn\nprocess_docs: !function utils.process_docs\n"),
-                       ("inc", "include: ../../elsewhere/base.yaml\ntask: t_inc\n")):
+    for name, yaml in (
+        ("fn", "task: t_fn\nprocess_docs: !function utils.process_docs\n"),
+        ("inc", "include: ../../elsewhere/base.yaml\ntask: t_inc\n"),
+    ):
         folder = tmp_path / name
         folder.mkdir()
         (folder / "task.yaml").write_text(yaml)
         code, _, err = run_cli(capsys, "--model", "/nonexistent", "--tasks", f"t_{name}", "--include-path", str(folder))
         assert code == 2 and "--confirm-run-unsafe-code" in one_error_line(err), err
-        code, _, err = run_cli(capsys, "--model", "/nonexistent", "--tasks", f"t_{name}", "--include-path", str(folder),
-                               "--confirm-run-unsafe-code")
+        code, _, err = run_cli(
+            capsys,
+            "--model",
+            "/nonexistent",
+            "--tasks",
+            f"t_{name}",
+            "--include-path",
+            str(folder),
+            "--confirm-run-unsafe-code",
+        )
         assert "--confirm-run-unsafe-code" not in err  # (past the gate: it fails later, on the model or the task)
 
 
@@ -462,8 +532,9 @@ def test_task_data_that_cannot_be_read_is_one_line(tmp_path, capsys):
     data = tmp_path / "addition.jsonl"
     data.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", \n')
     (tmp_path / "demo_addition.yaml").write_text(ADDITION.format(data=data, cache=tmp_path / "hf-datasets"))
-    code, _, err = run_cli(capsys, "--tasks", "demo_addition", "--include-path", str(tmp_path),
-                           "--output-dir", str(tmp_path / "out"))
+    code, _, err = run_cli(
+        capsys, "--tasks", "demo_addition", "--include-path", str(tmp_path), "--output-dir", str(tmp_path / "out")
+    )
     assert code == 2 and "Traceback" not in err
     last = err.strip().splitlines()[-1]  # (datasets prints its progress bar before it)
     assert last.startswith("error: the data of task demo_addition cannot be read: ArrowInvalid")
@@ -479,8 +550,19 @@ def _rows(grid: bool) -> list:
     for k, (threshold, block) in enumerate([(0.5, 4), (0.5, 8), (0.9, 4), (0.9, 8)]):
         setting = {"threshold": threshold, "block_length": block} if grid else {"threshold": threshold + k / 100}
         label = " ".join(f"{n}={v}" for n, v in setting.items())
-        rows.append(Row(label, "demo_addition", "exact_match", 0.9 + 0.02 * k, 0.01 * (k + 1), 5.0 - k, 100.0 * (4 - k),
-                        100, tuple(setting.items())))
+        rows.append(
+            Row(
+                label,
+                "demo_addition",
+                "exact_match",
+                0.9 + 0.02 * k,
+                0.01 * (k + 1),
+                5.0 - k,
+                100.0 * (4 - k),
+                100,
+                tuple(setting.items()),
+            )
+        )
     return rows
 
 

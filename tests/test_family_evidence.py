@@ -88,18 +88,53 @@ def test_install_leaves_mlx_lms_own_model_types_to_mlx_lm(tmp_path):
     from mlx_lm.models import lfm2, qwen3, qwen3_5
     from mlx_lm.utils import load_model
 
-    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "vocab_size": 64, "max_position_embeddings": 128}
+    small = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 64,
+        "max_position_embeddings": 128,
+    }
     stock = {
-        qwen3: {"model_type": "qwen3", **small, "intermediate_size": 64, "rms_norm_eps": 1e-6, "head_dim": 8,
-                "tie_word_embeddings": True, "rope_theta": 10000.0, "mask_token_id": 63, "block_size": 4},
-        qwen3_5: {"model_type": "qwen3_5", "text_config": {
-            "model_type": "qwen3_5_text", **small, "intermediate_size": 64, "linear_num_value_heads": 2,
-            "linear_num_key_heads": 2, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
-            "full_attention_interval": 2, "tie_word_embeddings": True}},
-        lfm2: {"model_type": "lfm2", **small, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3,
-               "block_dim": 32, "block_ff_dim": 64, "block_multiple_of": 8, "block_ffn_dim_multiplier": 1.0,
-               "block_auto_adjust_ff_dim": False, "layer_types": ["conv", "full_attention"]},
+        qwen3: {
+            "model_type": "qwen3",
+            **small,
+            "intermediate_size": 64,
+            "rms_norm_eps": 1e-6,
+            "head_dim": 8,
+            "tie_word_embeddings": True,
+            "rope_theta": 10000.0,
+            "mask_token_id": 63,
+            "block_size": 4,
+        },
+        qwen3_5: {
+            "model_type": "qwen3_5",
+            "text_config": {
+                "model_type": "qwen3_5_text",
+                **small,
+                "intermediate_size": 64,
+                "linear_num_value_heads": 2,
+                "linear_num_key_heads": 2,
+                "linear_key_head_dim": 8,
+                "linear_value_head_dim": 8,
+                "full_attention_interval": 2,
+                "tie_word_embeddings": True,
+            },
+        },
+        lfm2: {
+            "model_type": "lfm2",
+            **small,
+            "norm_eps": 1e-5,
+            "conv_bias": False,
+            "conv_L_cache": 3,
+            "block_dim": 32,
+            "block_ff_dim": 64,
+            "block_multiple_of": 8,
+            "block_ffn_dim_multiplier": 1.0,
+            "block_auto_adjust_ff_dim": False,
+            "layer_types": ["conv", "full_attention"],
+        },
     }
     mld.install()
     try:
@@ -117,8 +152,9 @@ def test_lfm2_diffusion_saved_as_lfm2_loads_by_its_noise_conditioning(tmp_path):
     make it the diffusion family; mlx-lm's own LFM2 without them stays mlx-lm's."""
     from mlx_lm_diffusion.testing.hybrid_checkpoints import write_lfm2_diffusion
 
-    path = _edit_config(write_lfm2_diffusion(tmp_path / "as-lfm2"), model_type="lfm2",
-                        architectures=["Lfm2ForCausalLM"])
+    path = _edit_config(
+        write_lfm2_diffusion(tmp_path / "as-lfm2"), model_type="lfm2", architectures=["Lfm2ForCausalLM"]
+    )
     assert type(mld.load(str(path))[0]).__module__ == "model_adapters.families.lfm2_diffusion"
     assert evidence.family_overrides(path, {"model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"]}) == {}
 

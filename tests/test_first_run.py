@@ -100,8 +100,12 @@ def test_python_api_and_stock_mlx_lm_at_their_defaults(demo):
 
 
 def test_chat_repl_on_a_terminal(demo_path):
-    code, out, _ = run_in_pty([str(BIN / "mlx_lm_diffusion.chat"), "--model", demo_path],
-                              [PROMPT, "r", PROMPT, b"\x04"], timeout=TIMEOUT, wait_for="\u203a")
+    code, out, _ = run_in_pty(
+        [str(BIN / "mlx_lm_diffusion.chat"), "--model", demo_path],
+        [PROMPT, "r", PROMPT, b"\x04"],
+        timeout=TIMEOUT,
+        wait_for="\u203a",
+    )
     out = plain(out)
     assert code == 0, out
     assert "Traceback" not in out
@@ -110,10 +114,13 @@ def test_chat_repl_on_a_terminal(demo_path):
 
 
 def test_stock_mlx_lm_chat_after_install_on_a_terminal(demo_path):
-    script = ("import sys, mlx_lm_diffusion as mld; mld.install(); import mlx_lm.chat as c; "
-              "sys.argv = ['mlx_lm.chat', '--model', sys.argv[1]]; c.main()")
-    code, out, _ = run_in_pty([sys.executable, "-c", script, demo_path], [PROMPT, "q"],
-                              timeout=TIMEOUT, wait_for="\u203a")
+    script = (
+        "import sys, mlx_lm_diffusion as mld; mld.install(); import mlx_lm.chat as c; "
+        "sys.argv = ['mlx_lm.chat', '--model', sys.argv[1]]; c.main()"
+    )
+    code, out, _ = run_in_pty(
+        [sys.executable, "-c", script, demo_path], [PROMPT, "q"], timeout=TIMEOUT, wait_for="\u203a"
+    )
     out = plain(out)
     assert code == 0, out
     assert "Traceback" not in out and re.search(rf"(?m)^{ANSWER}\s*$", out), out
@@ -131,22 +138,23 @@ def client(tmp_path_factory):
     # (no --model: the embedded demo, as a newcomer starts it)
     with console_server([str(BIN / "mlx_lm_diffusion.server")], env, log) as port:
         assert "embedded demo model" in log.read_text()
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                            timeout=TIMEOUT)
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("max_tokens", [None, 8, 64, 512])
 def test_server_chat(client, max_tokens):
     extra = {} if max_tokens is None else {"max_tokens": max_tokens}
-    r = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": PROMPT}],
-                                       temperature=0, **extra)
+    r = client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": PROMPT}], temperature=0, **extra
+    )
     assert (r.choices[0].message.content or "").strip() == ANSWER
     assert r.choices[0].finish_reason == "stop"
 
 
 def test_server_chat_streamed(client):
-    chunks = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": PROMPT}],
-                                            stream=True)
+    chunks = client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": PROMPT}], stream=True
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text.strip() == ANSWER
 

@@ -34,8 +34,24 @@ def adapted(tmp_path_factory) -> tuple:
     line = json.dumps({"text": "the cat sat on the mat. " * 2}) + "\n"
     (data / "train.jsonl").write_text(line * 8)
     (data / "valid.jsonl").write_text(line * 2)
-    r = run_main("mlx_lm_diffusion.lora", "--model", str(model), "--train", "--data", str(data), "--num-layers", "-1",
-                 "--iters", "2", "--batch-size", "2", "--val-batches", "1", "--adapter-path", str(root / "adapters"))
+    r = run_main(
+        "mlx_lm_diffusion.lora",
+        "--model",
+        str(model),
+        "--train",
+        "--data",
+        str(data),
+        "--num-layers",
+        "-1",
+        "--iters",
+        "2",
+        "--batch-size",
+        "2",
+        "--val-batches",
+        "1",
+        "--adapter-path",
+        str(root / "adapters"),
+    )
     assert r.returncode == 0, r.stderr
     return model, root / "adapters"
 
@@ -57,9 +73,11 @@ def _everything_but_the_card(path, hf_path):
     raise Exception("No space left on device (os error 28)")  # (the tokenizers library's words)
 
 
-FAILURES = {"weights, MLX": ("save_model", _truncated_weights),
-            "weights, OSError": ("save_model", _weights_then_no_space),
-            "last file": ("create_model_card", _everything_but_the_card)}
+FAILURES = {
+    "weights, MLX": ("save_model", _truncated_weights),
+    "weights, OSError": ("save_model", _weights_then_no_space),
+    "last file": ("create_model_card", _everything_but_the_card),
+}
 
 
 def _leftovers(parent: Path) -> list:
@@ -73,8 +91,15 @@ def test_fuse_on_a_full_disk_says_one_line_and_leaves_nothing(failure, adapted, 
     monkeypatch.setattr(mlx_lm.utils, name, fail)
     out = tmp_path / "out"
     out.mkdir()
-    r = run_main("mlx_lm_diffusion.fuse", "--model", str(model), "--adapter-path", str(adapters),
-                 "--save-path", str(out / "fused"))
+    r = run_main(
+        "mlx_lm_diffusion.fuse",
+        "--model",
+        str(model),
+        "--adapter-path",
+        str(adapters),
+        "--save-path",
+        str(out / "fused"),
+    )
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot write {out / 'fused'}: "), r.stderr
@@ -84,7 +109,8 @@ def test_fuse_on_a_full_disk_says_one_line_and_leaves_nothing(failure, adapted, 
 
 
 def test_a_failed_fuse_leaves_an_existing_save_path_as_it_was_and_a_fuse_replaces_its_files(
-        adapted, tmp_path, monkeypatch):
+    adapted, tmp_path, monkeypatch
+):
     model, adapters = adapted
     target = tmp_path / "fused"
     target.mkdir()
@@ -92,13 +118,15 @@ def test_a_failed_fuse_leaves_an_existing_save_path_as_it_was_and_a_fuse_replace
     (target / "notes.txt").write_text("mine")
     with monkeypatch.context() as m:
         m.setattr(mlx_lm.utils, "create_model_card", _everything_but_the_card)
-        r = run_main("mlx_lm_diffusion.fuse", "--model", str(model), "--adapter-path", str(adapters),
-                     "--save-path", str(target))
+        r = run_main(
+            "mlx_lm_diffusion.fuse", "--model", str(model), "--adapter-path", str(adapters), "--save-path", str(target)
+        )
         assert r.returncode == 2, r.stderr
     assert _leftovers(tmp_path) == ["fused"] and _leftovers(target) == ["config.json", "notes.txt"]
     assert (target / "config.json").read_text() == "{}"
-    r = run_main("mlx_lm_diffusion.fuse", "--model", str(model), "--adapter-path", str(adapters),
-                 "--save-path", str(target))
+    r = run_main(
+        "mlx_lm_diffusion.fuse", "--model", str(model), "--adapter-path", str(adapters), "--save-path", str(target)
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((target / "config.json").read_text())["model_type"] == "llada"
     assert (target / "notes.txt").read_text() == "mine" and (target / "model.safetensors").exists()

@@ -21,8 +21,10 @@ USER = [{"role": "user", "content": "Hello"}]
 @pytest.fixture(scope="module")
 def port(llada_path):
     # a small forward budget keeps every accepted body cheap on the tiny model
-    with running_server(["--model", str(llada_path), "--port", "0", "--max-tokens", "8",
-                         "--max-forwards", "64"]) as (httpd, _):
+    with running_server(["--model", str(llada_path), "--port", "0", "--max-tokens", "8", "--max-forwards", "64"]) as (
+        httpd,
+        _,
+    ):
         yield httpd.server_address[1]
 
 
@@ -47,8 +49,7 @@ def test_every_fuzzed_body_gets_a_clean_json_answer(port, route):
     reference = answer(port)
     problems, served = [], []
 
-    @settings(max_examples=120, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(st.integers(0, 2**32 - 1))  # a seed: hypothesis's own randoms lean to edge values
     def one(seed: int):
         rng = random.Random(seed)

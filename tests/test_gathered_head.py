@@ -61,7 +61,7 @@ def decode(model, tok, gather, spike=None, prompt=PROMPT, **options):
         if last.block_logprobs is not None:
             for position in range(start, end):
                 kept[position] = np.array(last.block_logprobs[0, position - start])
-    tokens = last.canvas[0, len(prompt):].tolist()
+    tokens = last.canvas[0, len(prompt) :].tolist()
     return tokens, last.forwards, kept, spy.calls
 
 
@@ -92,8 +92,9 @@ def test_buckets_are_few_and_cover_the_count():
 
 
 def test_read_positions_come_first_and_padding_is_distinct():
-    read = mx.array([[False, True, False, True, True, False, False, False],
-                     [True, False, False, False, False, False, False, True]])
+    read = mx.array(
+        [[False, True, False, True, True, False, False, False], [True, False, False, False, False, False, False, True]]
+    )
     rows = read_positions(read, 4)
     assert rows.tolist() == [[1, 3, 4, 0], [0, 7, 1, 2]]
     values = mx.array([[10.0, 11.0, 12.0, 13.0], [20.0, 21.0, 22.0, 23.0]])
@@ -142,8 +143,11 @@ def test_dream_whole_canvas_rules(dream, rule):
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-@pytest.mark.parametrize("rule", [dict(strategy="entropy", steps=4), dict(threshold=0.5), dict(strategy="topk_margin", steps=8)],
-                         ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()))
+@pytest.mark.parametrize(
+    "rule",
+    [dict(strategy="entropy", steps=4), dict(threshold=0.5), dict(strategy="topk_margin", steps=8)],
+    ids=lambda r: "-".join(f"{k}={v}" for k, v in r.items()),
+)
 def test_dream_caches_with_the_shift(dream, rule, cache):
     """Dream's block-first position is predicted from the hidden state kept at the
     block's first forward: gathered or not, the same logits reach it."""
@@ -151,10 +155,13 @@ def test_dream_caches_with_the_shift(dream, rule, cache):
     assert_same_decode(model, tok, max_tokens=24, block_length=8, cache=cache, **rule)
 
 
-@pytest.mark.parametrize("family, options", [
-    ("llada", dict(max_tokens=16, block_length=8, steps=16)),  # one commit a step: 8, 7, ..., 1 masks
-    ("dream", dict(max_tokens=12, steps=12)),  # the whole canvas, Dream's counts
-])
+@pytest.mark.parametrize(
+    "family, options",
+    [
+        ("llada", dict(max_tokens=16, block_length=8, steps=16)),  # one commit a step: 8, 7, ..., 1 masks
+        ("dream", dict(max_tokens=12, steps=12)),  # the whole canvas, Dream's counts
+    ],
+)
 def test_statistics_cover_the_rows_read_only(request, monkeypatch, family, options):
     """A step whose bucket of masks is the block's width (7 masks of 8: bucket 8) runs the
     head over the whole block, but the passes over the vocabulary (greedy_parts) cover the
@@ -192,16 +199,19 @@ def test_sampled_proposals_are_not_gathered(llada):
 def test_processors_and_editing_read_the_whole_block(llada):
     model, tok = llada
     processors = [lambda tokens, logits: logits]
-    _, calls = assert_same_decode(model, tok, expect_gather=False, max_tokens=16, block_length=8, threshold=0.5,
-                                  logits_processors=processors)
+    _, calls = assert_same_decode(
+        model, tok, expect_gather=False, max_tokens=16, block_length=8, threshold=0.5, logits_processors=processors
+    )
     assert calls == []
-    _, calls = assert_same_decode(model, tok, expect_gather=False, max_tokens=16, block_length=8, threshold=0.5,
-                                  editing_threshold=0.3)
+    _, calls = assert_same_decode(
+        model, tok, expect_gather=False, max_tokens=16, block_length=8, threshold=0.5, editing_threshold=0.3
+    )
     assert calls == []
 
 
-@pytest.mark.parametrize("rule", [dict(strategy="low_confidence", steps=5), dict(threshold=0.4),
-                                  dict(strategy="entropy", steps=9)])
+@pytest.mark.parametrize(
+    "rule", [dict(strategy="low_confidence", steps=5), dict(threshold=0.4), dict(strategy="entropy", steps=9)]
+)
 def test_padding_never_reaches_a_commit(llada, dream, rule):
     """Padding slots get a certain proposal of token 7: the tokens do not change."""
     for family, (model, tok) in (("llada", llada), ("dream", dream)):
@@ -217,10 +227,15 @@ def test_padding_never_reaches_a_commit(llada, dream, rule):
 # -- block-causal, causal-prefix and autoregressive families
 
 
-@pytest.mark.parametrize("rule", [dict(strategy="low_confidence_dynamic", threshold=0.5, steps=8),
-                                  dict(strategy="low_confidence_static", steps=4),
-                                  dict(strategy="entropy_bounded", entropy_bound=0.6)],
-                         ids=["dynamic", "static", "entropy_bounded"])
+@pytest.mark.parametrize(
+    "rule",
+    [
+        dict(strategy="low_confidence_dynamic", threshold=0.5, steps=8),
+        dict(strategy="low_confidence_static", steps=4),
+        dict(strategy="entropy_bounded", entropy_bound=0.6),
+    ],
+    ids=["dynamic", "static", "entropy_bounded"],
+)
 def test_sdar_block_windows(sdar, rule):
     model, tok = sdar
     assert_same_decode(model, tok, max_tokens=24, block_length=8, **rule)
@@ -230,13 +245,15 @@ def test_llada2_threshold_and_editing(llada2):
     model, tok = llada2
     assert_same_decode(model, tok, max_tokens=40, block_length=32, threshold=0.95, steps=32)
     # LLaDA2.1 editing reads committed rows too: nothing is gathered, same tokens
-    assert_same_decode(model, tok, expect_gather=False, max_tokens=40, block_length=32, threshold=0.7,
-                       editing_threshold=0.5)
+    assert_same_decode(
+        model, tok, expect_gather=False, max_tokens=40, block_length=32, threshold=0.7, editing_threshold=0.5
+    )
 
 
 @pytest.mark.parametrize("causal_context", [True, False])
-@pytest.mark.parametrize("rule", [dict(threshold=0.5), dict(strategy="low_confidence", steps=4)],
-                         ids=["threshold", "quota"])
+@pytest.mark.parametrize(
+    "rule", [dict(threshold=0.5), dict(strategy="low_confidence", steps=4)], ids=["threshold", "quota"]
+)
 def test_nemotron_blocks(nemotron, rule, causal_context):
     model, tok = nemotron
     assert_same_decode(model, tok, max_tokens=24, block_length=8, causal_context=causal_context, **rule)
@@ -260,17 +277,26 @@ def test_ar_adapter_gathers_its_logits(causal):
 @pytest.mark.parametrize("schedule", ["linear", "cosine", "sigmoid"])
 @pytest.mark.parametrize("temperatures", [[0.0] * 6, [1.0, 0.0, 0.5, 0.0, 0.0, 0.0]], ids=["greedy", "mixed"])
 def test_protocol_schedules(llada, causal, monkeypatch, schedule, temperatures):
-    request = {"prompt_tokens": PROMPT, "target_length": 23, "num_steps": 6, "mask_schedule": schedule,
-               "temperature_schedule": temperatures, "top_p": 1.0, "seed": 4}
+    request = {
+        "prompt_tokens": PROMPT,
+        "target_length": 23,
+        "num_steps": 6,
+        "mask_schedule": schedule,
+        "temperature_schedule": temperatures,
+        "top_p": 1.0,
+        "seed": 4,
+    }
     # (the ar adapter unmasks one token per step: linear, a step per generated position)
     steps = 23 - len(PROMPT)
-    one_per_step = dict(request, num_steps=steps, temperature_schedule=(temperatures * steps)[:steps],
-                        mask_schedule="linear")
+    one_per_step = dict(
+        request, num_steps=steps, temperature_schedule=(temperatures * steps)[:steps], mask_schedule="linear"
+    )
     for (model, tok), request in ((llada, request), (causal, one_per_step)):
         gathered = []
         real = MaskedBlockDecoder._rows_read
-        monkeypatch.setattr(MaskedBlockDecoder, "_rows_read",
-                            lambda self, *a: gathered.append(real(self, *a)) or gathered[-1])
+        monkeypatch.setattr(
+            MaskedBlockDecoder, "_rows_read", lambda self, *a: gathered.append(real(self, *a)) or gathered[-1]
+        )
         on = run_request(model, tok, dict(request))
         monkeypatch.setattr(MaskedBlockDecoder, "_rows_read", lambda self, *a: None)
         off = run_request(model, tok, dict(request))

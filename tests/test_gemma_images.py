@@ -83,8 +83,13 @@ def hf_encoder_masks(reference, ids, token_types):
 
     N = ids.shape[1]
     return DiffusionGemmaEncoderModel.create_masks_for_generate(
-        config=reference.config, inputs_embeds=torch.zeros(1, N, 1), attention_mask=None, cache=None,
-        position_ids=torch.arange(N)[None], mm_token_type_ids=torch.from_numpy(token_types))
+        config=reference.config,
+        inputs_embeds=torch.zeros(1, N, 1),
+        attention_mask=None,
+        cache=None,
+        position_ids=torch.arange(N)[None],
+        mm_token_type_ids=torch.from_numpy(token_types),
+    )
 
 
 # ---------------------------------------------------------------------------- loading
@@ -128,8 +133,14 @@ def test_forward_with_an_image_matches_transformers(loaded, reference):
     patches, positions = hf_pixels(pixels)
     canvas = np.random.default_rng(0).integers(0, VOCAB, (1, CANVAS))
     T = torch.from_numpy
-    hf = dict(input_ids=T(ids), attention_mask=hf_encoder_masks(reference, ids, types), pixel_values=patches,
-              image_position_ids=positions, mm_token_type_ids=T(types), decoder_input_ids=T(canvas))
+    hf = dict(
+        input_ids=T(ids),
+        attention_mask=hf_encoder_masks(reference, ids, types),
+        pixel_values=patches,
+        image_position_ids=positions,
+        mm_token_type_ids=T(types),
+        decoder_input_ids=T(canvas),
+    )
     vision = VisionInputs(mx.array(pixels), mx.array(types))
     with torch.no_grad():
         first = reference(**hf).logits.numpy()
@@ -164,7 +175,9 @@ def mlx_vlm_model(vision_path):
 
     cfg = json.loads((vision_path / "config.json").read_text())
     layer = cfg["text_config"]["per_layer_config"]["1"]  # mlx-vlm reads these top-level only
-    cfg["text_config"].update(global_head_dim=layer["head_dim"], num_global_key_value_heads=layer["num_key_value_heads"])
+    cfg["text_config"].update(
+        global_head_dim=layer["head_dim"], num_global_key_value_heads=layer["num_key_value_heads"]
+    )
     model = ref.Model(ref.ModelConfig.from_dict(cfg))
     model.load_weights(list(model.sanitize(mx.load(str(vision_path / "model.safetensors"))).items()), strict=True)
     model.config.generation_config = {"stability_threshold": 1, "confidence_threshold": 0.005}
@@ -177,9 +190,19 @@ def mlx_vlm_decode(model, ids, pixels, types, max_tokens, seed):
     mx.random.seed(seed)
     tokens, last = [], None
     for last in stream_diffusion_generate(
-        model, _NoText, _NoText, mx.array(ids), mx.array(pixels), None, max_tokens=max_tokens,
-        temperature=1.0, skip_special_token_ids=[], max_denoising_steps=48, diffusion_full_canvas=True,
-        diffusion_sampler="entropy-bound", mm_token_type_ids=mx.array(types),
+        model,
+        _NoText,
+        _NoText,
+        mx.array(ids),
+        mx.array(pixels),
+        None,
+        max_tokens=max_tokens,
+        temperature=1.0,
+        skip_special_token_ids=[],
+        max_denoising_steps=48,
+        diffusion_full_canvas=True,
+        diffusion_sampler="entropy-bound",
+        mm_token_type_ids=mx.array(types),
     ):
         if not (last.is_draft or last.diffusion_block_complete or last.finish_reason):
             tokens.append(last.token)
@@ -194,7 +217,7 @@ def engine_decode(model, tok, ids, vision, **options):
     last = None
     for last in Engine(adapter, resolved).run(mx.array([ids])):
         pass
-    return last.canvas[0, len(ids):len(ids) + options["max_tokens"]].tolist(), last.forwards
+    return last.canvas[0, len(ids) : len(ids) + options["max_tokens"]].tolist(), last.forwards
 
 
 CASES = [("Look: <|image|> what is it?", (20, 12, 0)), ("<|image|>Describe.", (16, 24, 1))]
@@ -265,7 +288,7 @@ def reference_tokens(model, processor, ids, out):
     last = None
     for last in Engine(adapter, resolved).run(mx.array([ids])):
         pass
-    tokens = last.canvas[0, len(ids):len(ids) + last.final[0]].tolist()
+    tokens = last.canvas[0, len(ids) : len(ids) + last.final[0]].tolist()
     return tokens
 
 
@@ -277,34 +300,43 @@ def test_python_door_paths_pil_images_and_messages_agree(loaded, picture_files):
     message = lambda part: [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]  # noqa: E731
     assert library_tokens(model, processor, message({"type": "image", "image": make_image()})) == expected
     assert library_tokens(model, processor, message({"type": "image", "image": path})) == expected
-    assert library_tokens(model, processor, message({"type": "image_url", "image_url": {"url": data_url()}})) == expected
+    assert (
+        library_tokens(model, processor, message({"type": "image_url", "image_url": {"url": data_url()}})) == expected
+    )
     text = images.text_tokenizer(processor).apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     # a text prompt with the placeholder; images as paths or PIL images (mlx-vlm's image=[...])
     raw = [r.token for r in mld.stream_generate(model, processor, text, image=[path], max_tokens=CANVAS, seed=0)]
     assert raw == library_tokens(model, processor, text, image=[make_image()])
     assert mld.generate(model, processor, "Hi", image=path, max_tokens=CANVAS, seed=0) == mld.generate(
-        model, processor, "<|image|>Hi", image=[make_image()], max_tokens=CANVAS, seed=0)
+        model, processor, "<|image|>Hi", image=[make_image()], max_tokens=CANVAS, seed=0
+    )
 
 
 def test_text_requests_are_unchanged_by_the_processor(loaded):
     model, processor = loaded
     tok = images.text_tokenizer(processor)
     assert mld.generate(model, processor, "Hello", max_tokens=CANVAS, seed=3) == mld.generate(
-        model, tok, "Hello", max_tokens=CANVAS, seed=3)
+        model, tok, "Hello", max_tokens=CANVAS, seed=3
+    )
     batch = mld.generate_batch(model, processor, ["ab", "cd"], max_tokens=CANVAS, seed=1)
     assert batch.texts == mld.generate_batch(model, tok, ["ab", "cd"], max_tokens=CANVAS, seed=1).texts
 
 
-@pytest.mark.parametrize("source,word", [
-    ("not_an_image.png", "not an image"),
-    ("truncated.png", "not a readable image"),
-    ("missing.png", "no image at"),
-    ("http://127.0.0.1:9/cat.png", "remote image URLs are refused"),
-    ("data:image/png;base64,@@@", "base64"),
-    ("data:text/plain;base64,aGk=", "data:image/"),
-])
+@pytest.mark.parametrize(
+    "source,word",
+    [
+        ("not_an_image.png", "not an image"),
+        ("truncated.png", "not a readable image"),
+        ("missing.png", "no image at"),
+        ("http://127.0.0.1:9/cat.png", "remote image URLs are refused"),
+        ("data:image/png;base64,@@@", "base64"),
+        ("data:text/plain;base64,aGk=", "data:image/"),
+    ],
+)
 def test_bad_images_are_a_clear_error_before_anything_runs(loaded, picture_files, source, word):
     model, processor = loaded
     if not source.startswith(("http", "data")):
@@ -330,7 +362,9 @@ def test_limits_and_mismatches(loaded, llada):
     with pytest.raises(ValueError, match=r"takes no images \(no vision tower\)"):  # nor a model without one
         mld.generate(llada[0], llada[1], "x", image=[make_image()], max_tokens=4)
     with pytest.raises(ValueError, match="image tokens"):  # features and placeholders must agree
-        mld.generate(model, processor, [5, IMAGE_ID, 6], vision=VisionInputs(mx.zeros((1, 3, 16, 16))), max_tokens=CANVAS)
+        mld.generate(
+            model, processor, [5, IMAGE_ID, 6], vision=VisionInputs(mx.zeros((1, 3, 16, 16))), max_tokens=CANVAS
+        )
 
 
 def run_cli(*argv):
@@ -340,14 +374,34 @@ def run_cli(*argv):
 def test_cli_image_flag(loaded, vision_path, picture_files):
     model, processor = loaded
     path = str(picture_files / "allowed" / "a.png")
-    r = run_cli("--model", str(vision_path), "--prompt", "What is it?", "--image", path, "--max-tokens",
-                str(CANVAS), "--seed", "0", "--verbose", "False")
+    r = run_cli(
+        "--model",
+        str(vision_path),
+        "--prompt",
+        "What is it?",
+        "--image",
+        path,
+        "--max-tokens",
+        str(CANVAS),
+        "--seed",
+        "0",
+        "--verbose",
+        "False",
+    )
     assert r.returncode == 0, r.stderr
     ids, out = templated_ids(processor)
     expected = mld.generate(model, processor, ids, vision=VisionInputs(out["pixel_values"]), max_tokens=CANVAS, seed=0)
     assert r.stdout == expected + "\n"
-    bad = run_cli("--model", str(vision_path), "--prompt", "x", "--image", str(picture_files / "truncated.png"),
-                  "--max-tokens", "4")
+    bad = run_cli(
+        "--model",
+        str(vision_path),
+        "--prompt",
+        "x",
+        "--image",
+        str(picture_files / "truncated.png"),
+        "--max-tokens",
+        "4",
+    )
     assert bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.strip().splitlines()) == 1
     assert "not a readable image" in bad.stderr
 
@@ -367,8 +421,14 @@ def test_chat_image_command_attaches_to_the_next_message(loaded, vision_path, pi
     assert "attached to the next message" in printed and "not a readable image" in printed
     ids, out = templated_ids(processor)
     mx.random.seed(7)
-    expected = mld.generate(model, processor, ids, vision=VisionInputs(out["pixel_values"]), max_tokens=CANVAS,
-                            sampler=chat._sampler(args, images.text_tokenizer(processor)))
+    expected = mld.generate(
+        model,
+        processor,
+        ids,
+        vision=VisionInputs(out["pixel_values"]),
+        max_tokens=CANVAS,
+        sampler=chat._sampler(args, images.text_tokenizer(processor)),
+    )
     assert ui.turns == [expected]
 
 
@@ -397,8 +457,20 @@ def image_server(vision_path, picture_files, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf") / "hub"))
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-        argv = ["--model", str(vision_path), "--port", "0", "--max-tokens", str(CANVAS), "--max-images", "2",
-                "--max-image-bytes", "30000", "--allowed-image-dir", str(picture_files / "allowed")]
+        argv = [
+            "--model",
+            str(vision_path),
+            "--port",
+            "0",
+            "--max-tokens",
+            str(CANVAS),
+            "--max-images",
+            "2",
+            "--max-image-bytes",
+            "30000",
+            "--allowed-image-dir",
+            str(picture_files / "allowed"),
+        ]
         with running_server(argv) as served:
             yield served[0].server_address[1]
 
@@ -412,8 +484,9 @@ def test_server_answers_image_url_parts_with_the_openai_client(image_server, loa
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{image_server}/v1", api_key="x", max_retries=0, timeout=240)
-    reply = client.chat.completions.create(model="default_model", messages=image_message(data_url()),
-                                           temperature=0.0, seed=0, max_tokens=CANVAS)
+    reply = client.chat.completions.create(
+        model="default_model", messages=image_message(data_url()), temperature=0.0, seed=0, max_tokens=CANVAS
+    )
     model, processor = loaded
     mx.random.seed(0)
     # (temperature 0 is no sampler, on both servers as in the CLI: DiffusionGemma's own draw)
@@ -421,8 +494,9 @@ def test_server_answers_image_url_parts_with_the_openai_client(image_server, loa
     assert reply.choices[0].message.content == expected
     # a file under --allowed-image-dir reads the same
     path = str(picture_files / "allowed" / "a.png")
-    again = client.chat.completions.create(model="default_model", messages=image_message(path),
-                                           temperature=0.0, seed=0, max_tokens=CANVAS)
+    again = client.chat.completions.create(
+        model="default_model", messages=image_message(path), temperature=0.0, seed=0, max_tokens=CANVAS
+    )
     assert again.choices[0].message.content == expected
 
 
@@ -442,16 +516,19 @@ def noisy_png(size=120) -> str:
     return data_url(Image.fromarray(pixels))
 
 
-@pytest.mark.parametrize("urls,status,word", [
-    (lambda d: [str(d / "outside.png")], 400, "not under the allowed image directory"),
-    (lambda d: [str(d / "allowed" / ".." / "outside.png")], 400, "not under the allowed image directory"),
-    (lambda d: ["relative.png"], 400, "not under the allowed image directory"),
-    (lambda d: ["http://127.0.0.1:9/cat.png"], 400, "data: URLs"),
-    (lambda d: [data_url()] * 3, 400, "at most 2"),
-    (lambda d: [noisy_png()], 413, "larger than the limit"),
-    (lambda d: ["data:image/png;base64," + base64.b64encode(b"not a png").decode()], 400, "not an image"),
-    (lambda d: ["data:image/png;base64," + base64.b64encode(png_bytes()[:300]).decode()], 400, "readable"),
-])
+@pytest.mark.parametrize(
+    "urls,status,word",
+    [
+        (lambda d: [str(d / "outside.png")], 400, "not under the allowed image directory"),
+        (lambda d: [str(d / "allowed" / ".." / "outside.png")], 400, "not under the allowed image directory"),
+        (lambda d: ["relative.png"], 400, "not under the allowed image directory"),
+        (lambda d: ["http://127.0.0.1:9/cat.png"], 400, "data: URLs"),
+        (lambda d: [data_url()] * 3, 400, "at most 2"),
+        (lambda d: [noisy_png()], 413, "larger than the limit"),
+        (lambda d: ["data:image/png;base64," + base64.b64encode(b"not a png").decode()], 400, "not an image"),
+        (lambda d: ["data:image/png;base64," + base64.b64encode(png_bytes()[:300]).decode()], 400, "readable"),
+    ],
+)
 def test_server_refuses_bad_images_with_openai_errors(image_server, picture_files, urls, status, word):
     got, body = post_json(image_server, {"messages": image_message(*urls(picture_files)), "max_tokens": 4})
     assert got == status, body
@@ -509,13 +586,15 @@ def test_fast_self_conditioning_is_opt_in(loaded):
     assert adapter.top_k == 0  # the default is the reference's step
     adapter.configure(resolve(DecodeOptions(max_tokens=CANVAS, fast_self_conditioning=True), adapter, 4))
     assert adapter.top_k == 256
-    adapter.configure(resolve(DecodeOptions(max_tokens=CANVAS, fast_self_conditioning=True, self_conditioning_k=2),
-                              adapter, 4))
+    adapter.configure(
+        resolve(DecodeOptions(max_tokens=CANVAS, fast_self_conditioning=True, self_conditioning_k=2), adapter, 4)
+    )
     assert adapter.top_k == 2
     kw = dict(max_tokens=2 * CANVAS, seed=0)
     base = mld.generate(model, processor, "Hello", **kw)
-    assert base == mld.generate(model, processor, "Hello", fast_self_conditioning=True,
-                                self_conditioning_k=VOCAB, **kw)  # k = V: the exact step
+    assert base == mld.generate(
+        model, processor, "Hello", fast_self_conditioning=True, self_conditioning_k=VOCAB, **kw
+    )  # k = V: the exact step
     assert base != mld.generate(model, processor, "Hello", fast_self_conditioning=True, self_conditioning_k=1, **kw)
     with pytest.raises(ValueError, match="self_conditioning_k"):
         mld.generate(model, processor, "Hello", self_conditioning_k=0, max_tokens=CANVAS)
@@ -561,7 +640,7 @@ def video_file(tmp_path_factory):
     for i in range(8):
         frame = np.zeros((24, 32, 3), np.uint8)
         frame[:, :, 0] = i * 30
-        frame[5:10, i * 3:i * 3 + 6] = 255
+        frame[5:10, i * 3 : i * 3 + 6] = 255
         writer.write(frame)
     writer.release()
     return path
@@ -583,8 +662,21 @@ def test_video_frames_go_through_the_vision_tower(loaded, vision_path, video_fil
     kw = dict(max_tokens=CANVAS, seed=0)
     with_video = mld.generate(model, processor, "What happens?", video=[str(video_file)], **kw)
     assert with_video != mld.generate(model, processor, "What happens?", **kw)
-    r = run_cli("--model", str(vision_path), "--prompt", "What happens?", "--video", str(video_file),
-                "--max-tokens", str(CANVAS), "--seed", "0", "--verbose", "False", "--ignore-chat-template")
+    r = run_cli(
+        "--model",
+        str(vision_path),
+        "--prompt",
+        "What happens?",
+        "--video",
+        str(video_file),
+        "--max-tokens",
+        str(CANVAS),
+        "--seed",
+        "0",
+        "--verbose",
+        "False",
+        "--ignore-chat-template",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == with_video + "\n"
     with pytest.raises(ValueError, match="not both"):

@@ -42,8 +42,18 @@ def data_url(picture=None) -> str:
 
 def request(processor, text=TEXT, steps=4, schedule="cosine", temperatures=None, **extra):
     ids = processor.tokenizer.encode(text, add_special_tokens=False)
-    return {**dict(prompt_tokens=ids, target_length=len(ids) + NEW, num_steps=steps, mask_schedule=schedule,
-                   temperature_schedule=temperatures or [0.0] * steps, top_p=1.0, seed=0), **extra}
+    return {
+        **dict(
+            prompt_tokens=ids,
+            target_length=len(ids) + NEW,
+            num_steps=steps,
+            mask_schedule=schedule,
+            temperature_schedule=temperatures or [0.0] * steps,
+            top_p=1.0,
+            seed=0,
+        ),
+        **extra,
+    }
 
 
 def oracle(model, processor, req, pictures=()):
@@ -76,8 +86,9 @@ def oracle(model, processor, req, pictures=()):
         tokens[chosen], confidence[chosen], open_[chosen] = best[chosen], conf[chosen], False
         if chosen:
             P = len(req["prompt_tokens"])
-            trace.append({"step": t, "token_indices": [P + i for i in chosen],
-                          "unmasked_tokens": best[chosen].tolist()})
+            trace.append(
+                {"step": t, "token_indices": [P + i for i in chosen], "unmasked_tokens": best[chosen].tolist()}
+            )
     assert shift >= 0
     return req["prompt_tokens"] + tokens.tolist(), trace, confidence
 
@@ -87,8 +98,9 @@ def oracle(model, processor, req, pictures=()):
 def test_protocol_decodes_diffusion_gemma_as_the_oracle(loaded, schedule, steps, with_image):
     model, processor = loaded
     pictures = [make_image(40, 24)] if with_image else []
-    req = request(processor, steps=steps, schedule=schedule,
-                  **({"images": [data_url(p) for p in pictures]} if pictures else {}))
+    req = request(
+        processor, steps=steps, schedule=schedule, **({"images": [data_url(p) for p in pictures]} if pictures else {})
+    )
     response = run_request(model, processor, req)
     validate_response(response)
     final, trace, confidence = oracle(model, processor, req, pictures)
@@ -127,22 +139,24 @@ def test_sampled_steps_follow_temperature_and_top_p(loaded):
 
 def test_confidence_threshold_extension_on_the_uniform_canvas(loaded):
     model, processor = loaded
-    response = run_request(model, processor, request(processor, steps=8, schedule="linear",
-                                                     confidence_threshold=1e-6))
+    response = run_request(model, processor, request(processor, steps=8, schedule="linear", confidence_threshold=1e-6))
     assert response["termination_reason"] == "confidence_threshold_met"
     assert len(response["per_step_unmasked"]) == 1  # all committed at the first step
 
 
-@pytest.mark.parametrize("change,word", [
-    ({"images": ["data:image/png;base64," + base64.b64encode(b"not a png").decode()]}, "not an image"),
-    ({"images": ["http://127.0.0.1:9/cat.png"]}, "data: URLs"),
-    ({"images": ["/etc/hostname"]}, "not allowed"),
-    ({"images": [data_url(), data_url()]}, "1 image tokens (id 262) for 2 images"),
-    ({"images": [data_url()] * 9}, "at most 8"),
-    ({"images": []}, None),  # no images: the text path
-    ({"seed_canvas": "prompt + zeros"}, "seed_canvas marks free positions"),
-    ({"images": [1]}, "invalid InferenceRequest at images/0"),
-])
+@pytest.mark.parametrize(
+    "change,word",
+    [
+        ({"images": ["data:image/png;base64," + base64.b64encode(b"not a png").decode()]}, "not an image"),
+        ({"images": ["http://127.0.0.1:9/cat.png"]}, "data: URLs"),
+        ({"images": ["/etc/hostname"]}, "not allowed"),
+        ({"images": [data_url(), data_url()]}, "1 image tokens (id 262) for 2 images"),
+        ({"images": [data_url()] * 9}, "at most 8"),
+        ({"images": []}, None),  # no images: the text path
+        ({"seed_canvas": "prompt + zeros"}, "seed_canvas marks free positions"),
+        ({"images": [1]}, "invalid InferenceRequest at images/0"),
+    ],
+)
 def test_bad_protocol_requests_are_value_errors(loaded, change, word):
     model, processor = loaded
     req = {**request(processor), **change}
@@ -157,8 +171,15 @@ def test_bad_protocol_requests_are_value_errors(loaded, change, word):
 
 def test_images_on_a_model_without_a_vision_tower(llada):
     model, tok = llada
-    req = dict(prompt_tokens=[5, 6, IMAGE_ID], target_length=8, num_steps=2, mask_schedule="linear",
-               temperature_schedule=[0.0, 0.0], top_p=1.0, images=[data_url()])
+    req = dict(
+        prompt_tokens=[5, 6, IMAGE_ID],
+        target_length=8,
+        num_steps=2,
+        mask_schedule="linear",
+        temperature_schedule=[0.0, 0.0],
+        top_p=1.0,
+        images=[data_url()],
+    )
     with pytest.raises(ValueError, match="takes no images"):
         run_request(model, tok, req)
 
@@ -203,15 +224,18 @@ def test_server_protocol_route_with_an_image(protocol_server, loaded):
     assert body["final_tokens"] == final and body["per_step_unmasked"] == trace
 
 
-@pytest.mark.parametrize("urls,status,word", [
-    (lambda: [data_url()] * 3, 400, "at most 2"),
-    (lambda: [noisy_png()], 413, "larger than the limit"),
-    (lambda: ["data:image/png;base64," + base64.b64encode(b"not a png").decode()], 400, "not an image"),
-    (lambda: ["data:text/plain;base64,aGk="], 400, "data:image/"),
-    (lambda: ["http://127.0.0.1:9/cat.png"], 400, "data: URLs"),
-    (lambda: ["/etc/hostname"], 400, "not allowed"),
-    (lambda: [data_url(), data_url()], 400, "image tokens"),
-])
+@pytest.mark.parametrize(
+    "urls,status,word",
+    [
+        (lambda: [data_url()] * 3, 400, "at most 2"),
+        (lambda: [noisy_png()], 413, "larger than the limit"),
+        (lambda: ["data:image/png;base64," + base64.b64encode(b"not a png").decode()], 400, "not an image"),
+        (lambda: ["data:text/plain;base64,aGk="], 400, "data:image/"),
+        (lambda: ["http://127.0.0.1:9/cat.png"], 400, "data: URLs"),
+        (lambda: ["/etc/hostname"], 400, "not allowed"),
+        (lambda: [data_url(), data_url()], 400, "image tokens"),
+    ],
+)
 def test_server_protocol_route_refuses_bad_images(protocol_server, loaded, urls, status, word):
     _, processor = loaded
     got, body = post_protocol(protocol_server, request(processor, images=urls()))

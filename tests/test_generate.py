@@ -36,8 +36,13 @@ def test_stream_contract(family, options, request):
     drafts = []
     responses = list(
         mld.stream_generate(
-            model, tok, PROMPT, max_tokens=24, block_length=8,
-            draft_callback=lambda s: drafts.append(s.canvas.copy()), **options,
+            model,
+            tok,
+            PROMPT,
+            max_tokens=24,
+            block_length=8,
+            draft_callback=lambda s: drafts.append(s.canvas.copy()),
+            **options,
         )
     )
     assert len(drafts) == responses[-1].forwards  # one draft per forward
@@ -91,9 +96,7 @@ def test_length_finish_and_limit(llada):
 def test_eos_stops_early_and_is_never_text(family, request):
     model, tok = request.getfixturevalue(family)
     responses = list(
-        mld.stream_generate(
-            model, tok, PROMPT, max_tokens=32, block_length=8, logits_processors=[boost_eos_at(3)]
-        )
+        mld.stream_generate(model, tok, PROMPT, max_tokens=32, block_length=8, logits_processors=[boost_eos_at(3)])
     )
     assert [r.finish_reason for r in responses][-1] == "stop"
     assert len(responses) == 4 and responses[-1].token == EOS_ID
@@ -106,7 +109,9 @@ def test_batch_rows_match_single_prompts(llada, dream):
         a, b = PROMPT, [80, 81, 82, 83, 84, 85, 86]
         rows = mld.generate_batch(model, tok, [a, b], max_tokens=16, block_length=8, return_token_ids=True).token_ids
         for prompt, row in zip((a, b), rows):
-            single = mld.generate_batch(model, tok, [prompt], max_tokens=16, block_length=8, return_token_ids=True).token_ids
+            single = mld.generate_batch(
+                model, tok, [prompt], max_tokens=16, block_length=8, return_token_ids=True
+            ).token_ids
             assert row == single[0]
 
 
@@ -168,8 +173,7 @@ def test_max_tokens_past_the_context_is_capped(llada):
     finish_reason "length" (it used to be an error)."""
     model, tok = llada
     room = model.max_length - len(PROMPT)
-    capped = list(mld.stream_generate(model, tok, PROMPT, max_tokens=room + 300, block_length=room,
-                                      threshold=0.0))
+    capped = list(mld.stream_generate(model, tok, PROMPT, max_tokens=room + 300, block_length=room, threshold=0.0))
     assert len(capped) <= room
     if capped[-1].finish_reason == "length":
         assert len(capped) == room
@@ -279,8 +283,9 @@ def test_load_applies_a_lora_adapter(llada_path, tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     mx.save_safetensors(str(adapter / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
-    (adapter / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 2,
-                                                             "lora_parameters": params}))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "num_layers": 2, "lora_parameters": params})
+    )
     loaded, loaded_tok = mld.load(str(llada_path), adapter_path=str(adapter))
     assert mld.generate(loaded, loaded_tok, "Hello", max_tokens=8, block_length=8) == tuned != base
 
@@ -294,8 +299,7 @@ def test_an_explicit_strategy_replaces_the_presets_rule(llada):
     """preset="fast" is threshold 0.9 with the dual cache: a strategy of one's own keeps the
     cache and drops the preset's threshold (it was refused: 'threshold applies to ...')."""
     model, tok = llada
-    assert _decode(model, tok, preset="fast", strategy="factor") == _decode(model, tok, cache="dual",
-                                                                            strategy="factor")
+    assert _decode(model, tok, preset="fast", strategy="factor") == _decode(model, tok, cache="dual", strategy="factor")
     assert _decode(model, tok, preset="fast", threshold=0.5) == _decode(model, tok, cache="dual", threshold=0.5)
 
 

@@ -34,8 +34,7 @@ def _resolved(model, tokenizer, **options):
 
 def test_load_reads_the_decoding_keys_and_max_new_tokens(plain, tmp_path):
     model, tokenizer = _with_config(plain, tmp_path, {**OWN, "eos_token_id": 1, "temperature": 0.7})
-    assert dict(model.generation_defaults) == {"max_tokens": 8, "block_length": 4, "steps": 1,
-                                               "strategy": "random"}
+    assert dict(model.generation_defaults) == {"max_tokens": 8, "block_length": 4, "steps": 1, "strategy": "random"}
     r = _resolved(model, tokenizer)
     assert (r.max_tokens, r.block_length, r.steps, r.rule.name) == (8, 4, 1, "random")
 
@@ -75,18 +74,30 @@ def test_dreams_own_file_does_not_change_dreams_defaults(tmp_path):
     path = write_dream(tmp_path / "dream")
     model, tokenizer = mlx_lm_diffusion.load(str(path))
     before = _resolved(model, tokenizer)
-    (path / "generation_config.json").write_text(json.dumps(
-        {"alg": "entropy", "alg_temp": 0.0, "steps": 512, "temperature": 0.2, "top_p": 0.95, "mask_token_id": 3}))
+    (path / "generation_config.json").write_text(
+        json.dumps(
+            {"alg": "entropy", "alg_temp": 0.0, "steps": 512, "temperature": 0.2, "top_p": 0.95, "mask_token_id": 3}
+        )
+    )
     model, tokenizer = mlx_lm_diffusion.load(str(path))
     assert dict(model.generation_defaults) == {"alg_temp": 0.0}
     after = _resolved(model, tokenizer)
-    assert (after.max_tokens, after.block_length, after.steps, after.rule.name) == \
-        (before.max_tokens, before.block_length, before.steps, before.rule.name)
+    assert (after.max_tokens, after.block_length, after.steps, after.rule.name) == (
+        before.max_tokens,
+        before.block_length,
+        before.steps,
+        before.rule.name,
+    )
 
 
-@pytest.mark.parametrize("config, key", [({"block_length": 0}, "block_length"),
-                                         ({"strategy": "fastest"}, "strategy"),
-                                         ({"max_new_tokens": "many"}, "max_new_tokens")])
+@pytest.mark.parametrize(
+    "config, key",
+    [
+        ({"block_length": 0}, "block_length"),
+        ({"strategy": "fastest"}, "strategy"),
+        ({"max_new_tokens": "many"}, "max_new_tokens"),
+    ],
+)
 def test_a_bad_value_is_a_value_error_naming_the_key(plain, tmp_path, config, key):
     with pytest.raises(ValueError, match=f"generation_config.json: {key}"):
         _with_config(plain, tmp_path, config)
@@ -98,8 +109,15 @@ def test_fill_keeps_a_preset_or_explicit_group_whole():
 
     fill = generation_defaults.fill
     assert fill({}, Model()) == Model.generation_defaults
-    assert fill({"schedule": "cosine"}, Model()) == {"block_length": 8, "steps": 8, "max_tokens": 32,
-                                                    "schedule": "cosine"}
-    assert fill({"block_length": 4, "max_tokens": 5}, Model()) == {"block_length": 4, "max_tokens": 5,
-                                                                  "strategy": "low_confidence"}
+    assert fill({"schedule": "cosine"}, Model()) == {
+        "block_length": 8,
+        "steps": 8,
+        "max_tokens": 32,
+        "schedule": "cosine",
+    }
+    assert fill({"block_length": 4, "max_tokens": 5}, Model()) == {
+        "block_length": 4,
+        "max_tokens": 5,
+        "strategy": "low_confidence",
+    }
     assert fill({"steps": 2}, None) == {"steps": 2}

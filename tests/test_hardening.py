@@ -68,11 +68,22 @@ def served(llada_path, dream_path, trap, tmp_path_factory):
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # the Hub "reachable": the trap
         mp.setattr(hf_constants, "ENDPOINT", endpoint)
         mp.setenv("HF_ENDPOINT", endpoint)
-        with running_server([
-            "--model", str(llada_path), "--port", "0", "--max-tokens", "12",
-            "--read-timeout", str(READ_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
-            "--allowed-models", str(dream_path),
-        ]) as served:
+        with running_server(
+            [
+                "--model",
+                str(llada_path),
+                "--port",
+                "0",
+                "--max-tokens",
+                "12",
+                "--read-timeout",
+                str(READ_TIMEOUT),
+                "--max-connections",
+                str(MAX_CONNECTIONS),
+                "--allowed-models",
+                str(dream_path),
+            ]
+        ) as served:
             yield served
 
 
@@ -83,8 +94,7 @@ def port(served):
 
 @pytest.fixture(scope="module")
 def client(port):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
-                         timeout=TIMEOUT)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +147,9 @@ def post(port, body, path="/v1/chat/completions", headers=None):
 def request_bytes(body: bytes, headers: str = None, path="/v1/chat/completions") -> bytes:
     if headers is None:
         headers = f"Content-Length: {len(body)}\r\n"
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"{headers}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{headers}\r\n"
+    ).encode() + body
 
 
 def assert_openai_error(data, status=None):
@@ -167,15 +178,177 @@ GOOD = json.dumps({"messages": USER, "max_tokens": 4}).encode()
         (request_bytes(b"{" * 1024, headers="Content-Length: 10000001\r\n"), 413),  # over 10 MB
         (request_bytes(b'{"messages": "\xff\xfe"}'), 400),  # not UTF-8
         (request_bytes(b"[" * 100_000 + b"]" * 100_000), 400),  # nested 10^5 deep
-        (request_bytes(json.dumps({"messages": USER, "x": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}).encode()), 400),
+        (
+            request_bytes(
+                json.dumps(
+                    {
+                        "messages": USER,
+                        "x": [
+                            [
+                                [
+                                    [
+                                        [
+                                            [
+                                                [
+                                                    [
+                                                        [
+                                                            [
+                                                                [
+                                                                    [
+                                                                        [
+                                                                            [
+                                                                                [
+                                                                                    [
+                                                                                        [
+                                                                                            [
+                                                                                                [
+                                                                                                    [
+                                                                                                        [
+                                                                                                            [
+                                                                                                                [
+                                                                                                                    [
+                                                                                                                        [
+                                                                                                                            [
+                                                                                                                                [
+                                                                                                                                    [
+                                                                                                                                        [
+                                                                                                                                            [
+                                                                                                                                                [
+                                                                                                                                                    [
+                                                                                                                                                        [
+                                                                                                                                                            [
+                                                                                                                                                                [
+                                                                                                                                                                    [
+                                                                                                                                                                        [
+                                                                                                                                                                            [
+                                                                                                                                                                                [
+                                                                                                                                                                                    [
+                                                                                                                                                                                        [
+                                                                                                                                                                                            [
+                                                                                                                                                                                                [
+                                                                                                                                                                                                    [
+                                                                                                                                                                                                        [
+                                                                                                                                                                                                            [
+                                                                                                                                                                                                                [
+                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                                                        [
+                                                                                                                                                                                                                                                                                            [
+                                                                                                                                                                                                                                                                                                [
+                                                                                                                                                                                                                                                                                                    [
+                                                                                                                                                                                                                                                                                                        []
+                                                                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                                ]
+                                                                                                                                                                                                                            ]
+                                                                                                                                                                                                                        ]
+                                                                                                                                                                                                                    ]
+                                                                                                                                                                                                                ]
+                                                                                                                                                                                                            ]
+                                                                                                                                                                                                        ]
+                                                                                                                                                                                                    ]
+                                                                                                                                                                                                ]
+                                                                                                                                                                                            ]
+                                                                                                                                                                                        ]
+                                                                                                                                                                                    ]
+                                                                                                                                                                                ]
+                                                                                                                                                                            ]
+                                                                                                                                                                        ]
+                                                                                                                                                                    ]
+                                                                                                                                                                ]
+                                                                                                                                                            ]
+                                                                                                                                                        ]
+                                                                                                                                                    ]
+                                                                                                                                                ]
+                                                                                                                                            ]
+                                                                                                                                        ]
+                                                                                                                                    ]
+                                                                                                                                ]
+                                                                                                                            ]
+                                                                                                                        ]
+                                                                                                                    ]
+                                                                                                                ]
+                                                                                                            ]
+                                                                                                        ]
+                                                                                                    ]
+                                                                                                ]
+                                                                                            ]
+                                                                                        ]
+                                                                                    ]
+                                                                                ]
+                                                                            ]
+                                                                        ]
+                                                                    ]
+                                                                ]
+                                                            ]
+                                                        ]
+                                                    ]
+                                                ]
+                                            ]
+                                        ]
+                                    ]
+                                ]
+                            ]
+                        ],
+                    }
+                ).encode()
+            ),
+            400,
+        ),
         (request_bytes(b'{"messages": [], "temperature": NaN}'), 400),
         (request_bytes(b'{"messages": [], "temperature": 1e400}'), 400),
         (request_bytes(b'"a string"'), 400),
         (request_bytes(b"null"), 400),  # (once answered with a closed connection: found by the fuzz test)
         (request_bytes(b"null", path="/v1/diffusion/generate"), 400),
     ],
-    ids=["no-length", "chunked", "negative", "non-numeric", "float", "two-lengths", "1e12", "over-10MB",
-         "non-utf8", "deep-1e5", "deep-70", "NaN", "1e400", "not-an-object", "null", "null-protocol"],
+    ids=[
+        "no-length",
+        "chunked",
+        "negative",
+        "non-numeric",
+        "float",
+        "two-lengths",
+        "1e12",
+        "over-10MB",
+        "non-utf8",
+        "deep-1e5",
+        "deep-70",
+        "NaN",
+        "1e400",
+        "not-an-object",
+        "null",
+        "null-protocol",
+    ],
 )
 def test_malformed_bodies_get_a_clean_4xx(port, client, reference, data, status):
     got, headers, body = exchange(port, data)
@@ -185,13 +358,16 @@ def test_malformed_bodies_get_a_clean_4xx(port, client, reference, data, status)
     assert answer(client) == reference  # still serving, same answer
 
 
-@pytest.mark.parametrize("data,status", [
-    (b"GET / HTTP/x.y\r\n\r\n", 400),  # http.server's own errors
-    (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
-    (b"PUT /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 405),
-    (b"BREW /pot HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 501),
-    (b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 404),
-])
+@pytest.mark.parametrize(
+    "data,status",
+    [
+        (b"GET / HTTP/x.y\r\n\r\n", 400),  # http.server's own errors
+        (b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n", 414),
+        (b"PUT /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 405),
+        (b"BREW /pot HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 501),
+        (b"GET /nope HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 404),
+    ],
+)
 def test_protocol_level_errors_are_json(port, data, status):
     got, headers, body = exchange(port, data)
     assert got == status and headers["content-type"] == "application/json"
@@ -204,21 +380,51 @@ def test_body_limit_flag_default_and_override():
 
 
 BAD_FIELDS = [
-    ("seed", -1), ("seed", 2**64), ("seed", "7"), ("seed", True), ("seed", 1.5),
-    ("temperature", 1e30), ("temperature", -1e30), ("temperature", "0.5"), ("temperature", -0.1),
-    ("top_p", 1e30), ("top_p", -1e30), ("min_p", 1e30), ("min_p", -1e30),
-    ("repetition_penalty", 1e30), ("presence_penalty", -1e30), ("presence_penalty", 1e30),
-    ("frequency_penalty", 1e30), ("frequency_penalty", -1e30),
-    ("xtc_probability", 1e30), ("repetition_context_size", 10**12),
-    ("top_logprobs", True), ("top_logprobs", "3"), ("top_logprobs", 1.5), ("top_logprobs", 100),
-    ("stream_options", "yes"), ("stream_options", []), ("stream_options", {"include_usage": "yes"}),
-    ("max_tokens", True), ("max_tokens", 2.5), ("top_k", True), ("stop", 5), ("stop", [1]),
+    ("seed", -1),
+    ("seed", 2**64),
+    ("seed", "7"),
+    ("seed", True),
+    ("seed", 1.5),
+    ("temperature", 1e30),
+    ("temperature", -1e30),
+    ("temperature", "0.5"),
+    ("temperature", -0.1),
+    ("top_p", 1e30),
+    ("top_p", -1e30),
+    ("min_p", 1e30),
+    ("min_p", -1e30),
+    ("repetition_penalty", 1e30),
+    ("presence_penalty", -1e30),
+    ("presence_penalty", 1e30),
+    ("frequency_penalty", 1e30),
+    ("frequency_penalty", -1e30),
+    ("xtc_probability", 1e30),
+    ("repetition_context_size", 10**12),
+    ("top_logprobs", True),
+    ("top_logprobs", "3"),
+    ("top_logprobs", 1.5),
+    ("top_logprobs", 100),
+    ("stream_options", "yes"),
+    ("stream_options", []),
+    ("stream_options", {"include_usage": "yes"}),
+    ("max_tokens", True),
+    ("max_tokens", 2.5),
+    ("top_k", True),
+    ("stop", 5),
+    ("stop", [1]),
     # token ids against the served model's vocabulary (288): past it was a segfault or a 500
-    ("top_k", 288), ("top_k", 10**6), ("logit_bias", {"288": 1}), ("logit_bias", {"100000": 5}),
-    ("logit_bias", {"-1": 1}), ("logit_bias", {"x": 1}),
-    ("chat_template_kwargs", []), ("chat_template_kwargs", {"chat_template": "{% for i in range(9**9) %}{% endfor %}"}),
+    ("top_k", 288),
+    ("top_k", 10**6),
+    ("logit_bias", {"288": 1}),
+    ("logit_bias", {"100000": 5}),
+    ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"x": 1}),
+    ("chat_template_kwargs", []),
+    ("chat_template_kwargs", {"chat_template": "{% for i in range(9**9) %}{% endfor %}"}),
     ("model", 5),
-    ("draft_model", "/tmp"), ("adapters", "/tmp"), ("num_draft_tokens", 3),
+    ("draft_model", "/tmp"),
+    ("adapters", "/tmp"),
+    ("num_draft_tokens", 3),
 ]
 
 
@@ -237,23 +443,38 @@ def test_fields_at_their_bounds_are_served(client, reference):
     assert answer(client, logit_bias={"0": -1.0, "287": -1.0})  # (a processor: decoded in order)
     assert answer(client, seed=0, presence_penalty=0.0, top_p=1, extra_body={"min_p": 0}) == reference
     # a stream_options without include_usage (mlx_lm.server indexes it unchecked)
-    chunks = list(client.chat.completions.create(
-        model="default_model", messages=USER, temperature=0, stream=True, stream_options={}))
+    chunks = list(
+        client.chat.completions.create(
+            model="default_model", messages=USER, temperature=0, stream=True, stream_options={}
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference
 
 
 # ----------------------------------------------------------------------------- part 2: bounded work
 
 
-@pytest.mark.parametrize("path,body", [
-    ("/v1/chat/completions", {"messages": USER, "schedule": "linear", "steps": 100_000}),
-    ("/v1/completions", {"prompt": "Hi", "max_tokens": 12, "block_length": 1, "steps": 2_000}),
-    ("/v1/diffusion/generate", {"prompt_tokens": [72, 101], "target_length": 6, "num_steps": 100_000,
-                                "mask_schedule": "cosine", "temperature_schedule": [0.0] * 100_000,
-                                "top_p": 1.0}),
-])
-def test_requests_over_the_forward_budget_get_a_400_before_anything_runs(port, client, reference, path, body,
-                                                                         monkeypatch):
+@pytest.mark.parametrize(
+    "path,body",
+    [
+        ("/v1/chat/completions", {"messages": USER, "schedule": "linear", "steps": 100_000}),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 12, "block_length": 1, "steps": 2_000}),
+        (
+            "/v1/diffusion/generate",
+            {
+                "prompt_tokens": [72, 101],
+                "target_length": 6,
+                "num_steps": 100_000,
+                "mask_schedule": "cosine",
+                "temperature_schedule": [0.0] * 100_000,
+                "top_p": 1.0,
+            },
+        ),
+    ],
+)
+def test_requests_over_the_forward_budget_get_a_400_before_anything_runs(
+    port, client, reference, path, body, monkeypatch
+):
     from mlx_lm_diffusion.decoding import engine
 
     ran = []
@@ -286,16 +507,25 @@ def test_protocol_decode_stops_when_cancelled(llada):
         if len(seen) == 2:
             raise Cancelled()
 
-    request = {"prompt_tokens": [72, 101], "target_length": 12, "num_steps": 8, "mask_schedule": "cosine",
-               "temperature_schedule": [0.0] * 8, "top_p": 1.0}
+    request = {
+        "prompt_tokens": [72, 101],
+        "target_length": 12,
+        "num_steps": 8,
+        "mask_schedule": "cosine",
+        "temperature_schedule": [0.0] * 8,
+        "top_p": 1.0,
+    }
     with pytest.raises(Cancelled):
         run_request(*llada, request, on_step=on_step)
     assert seen == [1, 2]
 
 
 def test_client_chat_templates_only_when_the_operator_allows(port, served, monkeypatch):
-    body = {"messages": USER, "max_tokens": 2,
-            "chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}"}}
+    body = {
+        "messages": USER,
+        "max_tokens": 2,
+        "chat_template_kwargs": {"chat_template": "{{ messages[0]['content'] }}"},
+    }
     assert post(port, body)[0] == 400
     assert dserver.parse_args(["--model", "m", "--allow-client-chat-templates"]).allow_client_chat_templates
     monkeypatch.setattr(served[1].cli_args, "allow_client_chat_templates", True, raising=False)
@@ -322,8 +552,14 @@ def test_unseeded_requests_draw_from_their_own_key(served, client, monkeypatch, 
         monkeypatch.setattr(served[1], "scheduler", None)
 
     def sampled(**kwargs):
-        r = client.chat.completions.create(model="default_model", messages=USER, temperature=1.0,
-                                           max_tokens=12, extra_body={"logit_bias": NO_STOP}, **kwargs)
+        r = client.chat.completions.create(
+            model="default_model",
+            messages=USER,
+            temperature=1.0,
+            max_tokens=12,
+            extra_body={"logit_bias": NO_STOP},
+            **kwargs,
+        )
         return r.choices[0].message.content
 
     monkeypatch.setattr(openai_requests, "request_seed", lambda: 1234)
@@ -335,13 +571,21 @@ def test_unseeded_requests_draw_from_their_own_key(served, client, monkeypatch, 
     assert sampled(seed=4321) != first  # (the check can fail: seeds do change this decode)
     monkeypatch.setattr(openai_requests, "request_seed", lambda: 4321)
     assert sampled() == sampled(seed=4321)
-    protocol = {"prompt_tokens": [72, 101, 108], "target_length": 12, "num_steps": 4, "mask_schedule": "linear",
-                "temperature_schedule": [1.0] * 4, "top_p": 1.0}
-    status, _, data = exchange(port=served[0].server_address[1],
-                               data=request_bytes(json.dumps(protocol).encode(), path=PROTOCOL_PATH))
+    protocol = {
+        "prompt_tokens": [72, 101, 108],
+        "target_length": 12,
+        "num_steps": 4,
+        "mask_schedule": "linear",
+        "temperature_schedule": [1.0] * 4,
+        "top_p": 1.0,
+    }
+    status, _, data = exchange(
+        port=served[0].server_address[1], data=request_bytes(json.dumps(protocol).encode(), path=PROTOCOL_PATH)
+    )
     status_seeded, _, data_seeded = exchange(
         port=served[0].server_address[1],
-        data=request_bytes(json.dumps({**protocol, "seed": 4321}).encode(), path=PROTOCOL_PATH))
+        data=request_bytes(json.dumps({**protocol, "seed": 4321}).encode(), path=PROTOCOL_PATH),
+    )
     assert status == status_seeded == 200 and json.loads(data) == json.loads(data_seeded)
 
 
@@ -369,14 +613,13 @@ def test_error_after_stream_began_is_an_sse_event(client, port, reference, serve
     body = json.dumps({"messages": USER, "stream": True, "logit_bias": NO_STOP}).encode()
     status, headers, data = exchange(port, request_bytes(body))
     assert status == 200 and headers["content-type"] == "text/event-stream"
-    events = [line[len("data: "):] for line in data.decode().split("\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in data.decode().split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = assert_openai_error(json.loads(events[-2]), 500)
     assert "the decode broke" in error["message"]
     assert all("choices" in json.loads(e) for e in events[:-2])
     with pytest.raises(openai.APIError, match="the decode broke"):
-        list(client.chat.completions.create(model="default_model", messages=USER, stream=True,
-                                            logit_bias=NO_STOP))
+        list(client.chat.completions.create(model="default_model", messages=USER, stream=True, logit_bias=NO_STOP))
     # not streaming: a status and a JSON body, never a 200 cut short
     status, data = post(port, {"messages": USER, "logit_bias": NO_STOP})
     assert status == 500 and "the decode broke" in assert_openai_error(data, 500)["message"]
@@ -434,8 +677,9 @@ def loadable(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["OTHER", "/etc", ".", "", "..", "owner/name", "/no/such/dir", "~"])
-def test_unknown_models_are_404_without_touching_anything(served, port, client, reference, trap, opened,
-                                                          loadable, name):
+def test_unknown_models_are_404_without_touching_anything(
+    served, port, client, reference, trap, opened, loadable, name
+):
     name = str(loadable) if name == "OTHER" else name
     events, state = opened
     key = served[1].model_provider.model_key
@@ -451,9 +695,18 @@ def test_unknown_models_are_404_without_touching_anything(served, port, client, 
     assert_untouched(trap)  # no Hub
     assert served[1].model_provider.model_key == key  # the served model stays loaded
     assert answer(client) == reference
-    status, data = post(port, {"prompt_tokens": [72, 101], "target_length": 6, "num_steps": 2,
-                               "mask_schedule": "cosine", "temperature_schedule": [0.0, 0.0], "top_p": 1.0},
-                        path="/v1/diffusion/generate")
+    status, data = post(
+        port,
+        {
+            "prompt_tokens": [72, 101],
+            "target_length": 6,
+            "num_steps": 2,
+            "mask_schedule": "cosine",
+            "temperature_schedule": [0.0, 0.0],
+            "top_p": 1.0,
+        },
+        path="/v1/diffusion/generate",
+    )
     assert status == 200  # the protocol route still has its model
 
 
@@ -466,11 +719,17 @@ def test_allowed_models_are_served(served, client, dream_path, dream, reference,
     assert answer(client) == reference  # back to --model
     listed = [m.id for m in client.models.list().data]  # (directory names: a client sends them back)
     assert listed == [Path(llada_path).resolve().name, Path(dream_path).resolve().name]
-    assert client.chat.completions.create(model=listed[1], messages=USER, temperature=0).choices[0].message.content \
+    assert (
+        client.chat.completions.create(model=listed[1], messages=USER, temperature=0).choices[0].message.content
         == r.choices[0].message.content
+    )
     port = client.base_url.port
-    for wanted, status in ((str(Path(dream_path).resolve()), 200), (listed[1], 200), ("default_model", 200),
-                           ("someone/else", 404)):
+    for wanted, status in (
+        (str(Path(dream_path).resolve()), 200),
+        (listed[1], 200),
+        ("default_model", 200),
+        ("someone/else", 404),
+    ):
         got, headers, body = exchange(port, f"GET /v1/models/{wanted} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         assert got == status
         if status == 200:
@@ -479,8 +738,12 @@ def test_allowed_models_are_served(served, client, dream_path, dream, reference,
 
 def test_image_urls_are_never_fetched(port, trap):
     url = f"http://127.0.0.1:{trap.getsockname()[1]}/cat.png"
-    messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
-                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
     status, data = post(port, {"messages": messages})
     error = assert_openai_error(data)
     assert status == 400 and "data: URLs" in error["message"] and error["param"] == "messages"
@@ -494,27 +757,46 @@ def test_cors_is_off_by_default(port, served, monkeypatch):
     resp.read()
     assert resp.status == 200 and resp.getheader("Access-Control-Allow-Origin") is None
     for method in ("POST", "OPTIONS"):
-        status, headers, body = exchange(port, (
-            f"{method} /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n"
-            f"Content-Length: {len(GOOD)}\r\n\r\n").encode() + GOOD)
+        status, headers, body = exchange(
+            port,
+            (
+                f"{method} /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://evil.example\r\n"
+                f"Content-Length: {len(GOOD)}\r\n\r\n"
+            ).encode()
+            + GOOD,
+        )
         assert status == 403 and "access-control-allow-origin" not in headers
         assert_openai_error(json.loads(body))
     assert dserver.parse_args(["--model", "m"]).allowed_origins == []
     args = dserver.parse_args(["--model", "m", "--allowed-origins", "http://app.test"])
     monkeypatch.setattr(served[1].cli_args, "allowed_origins", args.allowed_origins)
-    status, headers, _ = exchange(port, (
-        "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://app.test\r\n\r\n").encode())
+    status, headers, _ = exchange(
+        port, ("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://app.test\r\n\r\n").encode()
+    )
     assert status == 204 and headers["access-control-allow-origin"] == "http://app.test"
-    status, headers, body = exchange(port, (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://app.test\r\n"
-        f"Content-Length: {len(GOOD)}\r\n\r\n").encode() + GOOD)
+    status, headers, body = exchange(
+        port,
+        (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://app.test\r\n"
+            f"Content-Length: {len(GOOD)}\r\n\r\n"
+        ).encode()
+        + GOOD,
+    )
     assert status == 200 and headers["access-control-allow-origin"] == "http://app.test"
 
 
-@pytest.mark.parametrize("host,ok", [
-    ("127.0.0.1:{port}", True), ("localhost:{port}", True), ("[::1]:{port}", True), ("localhost", True),
-    ("attacker.example:{port}", False), ("rebind.attacker.example", False), ("127.0.0.1.nip.io", False),
-])
+@pytest.mark.parametrize(
+    "host,ok",
+    [
+        ("127.0.0.1:{port}", True),
+        ("localhost:{port}", True),
+        ("[::1]:{port}", True),
+        ("localhost", True),
+        ("attacker.example:{port}", False),
+        ("rebind.attacker.example", False),
+        ("127.0.0.1.nip.io", False),
+    ],
+)
 def test_host_header_is_checked(port, host, ok):
     host = host.format(port=port)
     status, _, body = exchange(port, f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
@@ -583,8 +865,9 @@ def test_32_concurrent_clients_all_answered_as_serial(served, port, monkeypatch)
     import concurrent.futures
 
     monkeypatch.setattr(served[0], "max_connections", 64)
-    bodies = [{"messages": [{"role": "user", "content": f"Q{i}?"}], "max_tokens": 4, "temperature": 0}
-              for i in range(8)]
+    bodies = [
+        {"messages": [{"role": "user", "content": f"Q{i}?"}], "max_tokens": 4, "temperature": 0} for i in range(8)
+    ]
 
     def ask(i):
         status, data = post(port, bodies[i % len(bodies)])
@@ -701,11 +984,22 @@ def test_bad_model_fails_at_start_before_binding(monkeypatch, capsys, tmp_path, 
     assert len(err) == 1 and err[0].startswith("mlx_lm_diffusion.server: error: cannot load --model")
 
 
-@pytest.mark.parametrize("flags", [
-    ["--draft-model", "x"], ["--num-draft-tokens", "3"], ["--kv-bits", "4"],
-    ["--kv-group-size", "32"], ["--quantized-kv-start", "0"], ["--prefill-step-size", "512"], ["--pipeline"],
-    ["--read-timeout", "0"], ["--max-connections", "0"], ["--max-forwards", "0"], ["--threshold", "2"],
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--draft-model", "x"],
+        ["--num-draft-tokens", "3"],
+        ["--kv-bits", "4"],
+        ["--kv-group-size", "32"],
+        ["--quantized-kv-start", "0"],
+        ["--prefill-step-size", "512"],
+        ["--pipeline"],
+        ["--read-timeout", "0"],
+        ["--max-connections", "0"],
+        ["--max-forwards", "0"],
+        ["--threshold", "2"],
+    ],
+)
 def test_flags_that_cannot_apply_fail_at_start(capsys, flags):
     with pytest.raises(SystemExit) as e:
         dserver.parse_args(["--model", "m", *flags])
@@ -729,8 +1023,12 @@ def _start_server(llada_path, tmp_path, *flags):
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     log = open(tmp_path / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(llada_path), "--port", str(port),
-         *flags], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[1])
+        [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(llada_path), "--port", str(port), *flags],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).parents[1],
+    )
     deadline = time.monotonic() + 120
     while True:
         assert proc.poll() is None, (tmp_path / "server.log").read_text()[-2000:]
@@ -777,16 +1075,24 @@ def test_sigterm_finishes_in_flight_cancels_the_rest_exits_0(slow_llada_path, tm
 
         def long_stream():  # starts after the first, streams far longer than the grace period
             with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
-                sock.sendall(request_bytes(json.dumps(
-                    {"messages": USER, "stream": True, "max_tokens": 1600, "logit_bias": NO_STOP}).encode()))
+                sock.sendall(
+                    request_bytes(
+                        json.dumps(
+                            {"messages": USER, "stream": True, "max_tokens": 1600, "logit_bias": NO_STOP}
+                        ).encode()
+                    )
+                )
                 results["stream"] = _read_all(sock)
 
         def queued():  # behind both
             results["queued"] = post(port, {"messages": USER, "max_tokens": 400, "logit_bias": NO_STOP})
 
         first = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-        first.sendall(request_bytes(json.dumps(
-            {"messages": USER, "stream": True, "max_tokens": 96, "logit_bias": NO_STOP}).encode()))
+        first.sendall(
+            request_bytes(
+                json.dumps({"messages": USER, "stream": True, "max_tokens": 96, "logit_bias": NO_STOP}).encode()
+            )
+        )
         received = b""
         while b"data: " not in received:
             chunk = first.recv(4096)
@@ -871,6 +1177,7 @@ def test_base_dependencies_cover_what_the_server_imports():
     import ast
 
     root = Path(__file__).parents[1]
+
     def imported(nodes) -> set:
         found = set()
         for node in nodes:
@@ -907,8 +1214,11 @@ def test_base_dependencies_cover_what_the_server_imports():
     # The `constraints` extra (llguidance) is imported only when a grammar is asked for, and its
     # absence is a clear error there (mlx_lm_diffusion.output.grammar): it need not be a base dependency.
     optional = {name(r) for r in project["optional-dependencies"]["constraints"]}
-    missing = {m: owners[m] for m in sorted(modules - own) if m in owners and not owned_by(m, required | optional)
-               and (m in top or not owned_by(m, lazy))}
+    missing = {
+        m: owners[m]
+        for m in sorted(modules - own)
+        if m in owners and not owned_by(m, required | optional) and (m in top or not owned_by(m, lazy))
+    }
     assert not missing, f"imported but not base dependencies (nor the vision, bench or eval extras, lazily): {missing}"
     extras = {name(r) for extra in ("test", "vision") for r in project["optional-dependencies"][extra]}
     uncovered = {m for m in writers - own if m in owners and not owned_by(m, required | extras)}

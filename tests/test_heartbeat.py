@@ -35,17 +35,44 @@ def start_ranks(tmp_path, argv: list) -> list:
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "HF_HUB_OFFLINE": "1",
-               "MLX_LM_DIFFUSION_PEER_TIMEOUT": PEER_TIMEOUT, "PYTHONUNBUFFERED": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.generate", *argv], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "MLX_RANK": str(rank),
+            "MLX_HOSTFILE": str(hostfile),
+            "HF_HUB_OFFLINE": "1",
+            "MLX_LM_DIFFUSION_PEER_TIMEOUT": PEER_TIMEOUT,
+            "PYTHONUNBUFFERED": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "mlx_lm_diffusion.generate", *argv],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 
 def test_a_rank_that_dies_ends_the_other_within_seconds(tmp_path):
     model = write_llada(tmp_path / "llada", max_len=2048)
-    procs = start_ranks(tmp_path, ["--model", str(model), "--prompt", "hello", "--max-tokens", "1800",
-                                   "--block-length", "1800", "--steps", "1800", "--ignore-chat-template"])
+    procs = start_ranks(
+        tmp_path,
+        [
+            "--model",
+            str(model),
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "1800",
+            "--block-length",
+            "1800",
+            "--steps",
+            "1800",
+            "--ignore-chat-template",
+        ],
+    )
     try:
         time.sleep(30)  # (both started, loaded and decoding: one forward per token, minutes of work)
         assert procs[0].poll() is None and procs[1].poll() is None, procs[0].stderr.read()[-2000:]
@@ -59,15 +86,19 @@ def test_a_rank_that_dies_ends_the_other_within_seconds(tmp_path):
                 p.kill()
                 p.wait()
     lines = [line for line in err.splitlines() if "error: rank 0/2:" in line]  # (MLX's ring may print "[ring]" first)
-    assert procs[0].returncode == 1 and len(lines) == 1 and "rank 1 is gone" in lines[0], (procs[0].returncode, err[-3000:])
+    assert procs[0].returncode == 1 and len(lines) == 1 and "rank 1 is gone" in lines[0], (
+        procs[0].returncode,
+        err[-3000:],
+    )
     print(f"rank 0 ended {ended:.2f} s after rank 1 was killed")
     assert ended < 30, ended
 
 
 def test_ranks_that_end_normally_end_nobody(tmp_path):
     model = write_llada(tmp_path / "llada")
-    procs = start_ranks(tmp_path, ["--model", str(model), "--prompt", "hello", "--max-tokens", "8",
-                                   "--ignore-chat-template"])
+    procs = start_ranks(
+        tmp_path, ["--model", str(model), "--prompt", "hello", "--max-tokens", "8", "--ignore-chat-template"]
+    )
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
     assert outs[0][0].strip() and not outs[1][0].strip()  # (rank 0 prints; the other is silent)
@@ -84,15 +115,27 @@ def test_the_tensor_parallel_servers_clients_get_an_error_when_a_rank_dies(tmp_p
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), "HF_HUB_OFFLINE": "1",
-               "MLX_LM_DIFFUSION_PEER_TIMEOUT": PEER_TIMEOUT}
-        procs.append(subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(model),
-                                       "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "MLX_RANK": str(rank),
+            "MLX_HOSTFILE": str(hostfile),
+            "HF_HUB_OFFLINE": "1",
+            "MLX_LM_DIFFUSION_PEER_TIMEOUT": PEER_TIMEOUT,
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(model), "--port", str(port)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         wait_healthy(procs[0], port, 240, lambda: procs[0].stderr.read()[-2000:])
-        body = json.dumps({"prompt": "hello", "max_tokens": 1800, "block_length": 1800, "steps": 1800,
-                           "stream": True, "drafts": True})
+        body = json.dumps(
+            {"prompt": "hello", "max_tokens": 1800, "block_length": 1800, "steps": 1800, "stream": True, "drafts": True}
+        )
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         response = conn.getresponse()
@@ -108,6 +151,6 @@ def test_the_tensor_parallel_servers_clients_get_an_error_when_a_rank_dies(tmp_p
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    events = [line[len("data: "):] for line in rest.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in rest.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and "rank 1 is gone" in json.loads(events[-2])["error"]["message"], rest[-1000:]
     assert ended < 30, ended

@@ -52,8 +52,11 @@ def checkpoints(tmp_path_factory):
     import mlx_lm
 
     root = tmp_path_factory.mktemp("idlm")
-    paths = {"random": write_idlm(root / "random"), "forced": write_idlm(root / "forced", forced=FORCED),
-             "alternating": _accept_one_then_reject(root / "alternating")}
+    paths = {
+        "random": write_idlm(root / "random"),
+        "forced": write_idlm(root / "forced", forced=FORCED),
+        "alternating": _accept_one_then_reject(root / "alternating"),
+    }
     loaded = {}
     for name, path in paths.items():
         loaded[name] = (path, mld.load(str(path)), mlx_lm.load(str(idlm_as_qwen3(path, root / f"{name}-qwen3"))))
@@ -74,10 +77,24 @@ def test_forward_matches_transformers_qwen3(checkpoints):
 
     path, (model, _), _ = checkpoints["random"]
     cfg = json.loads((path / "config.json").read_text())
-    config = Qwen3Config(**{k: cfg[k] for k in (
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "num_hidden_layers", "vocab_size", "rope_theta", "rms_norm_eps", "max_position_embeddings")},
-        tie_word_embeddings=False)
+    config = Qwen3Config(
+        **{
+            k: cfg[k]
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "num_hidden_layers",
+                "vocab_size",
+                "rope_theta",
+                "rms_norm_eps",
+                "max_position_embeddings",
+            )
+        },
+        tie_word_embeddings=False,
+    )
     config._attn_implementation = "eager"
     ref = Qwen3ForCausalLM(config).eval()
     ref.load_state_dict({k: torch.from_numpy(v) for k, v in load_file(str(path / "model.safetensors")).items()})
@@ -142,15 +159,29 @@ def test_commit_rules_and_temperature_schedules_are_refused(checkpoints):
 def test_the_cli_and_the_server_decode_it(checkpoints):
     path, (model, tokenizer), _ = checkpoints["alternating"]
     expected = mld.generate(model, tokenizer, "abc", max_tokens=10)
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(path), "--prompt", "abc", "--max-tokens", "10",
-                 "--ignore-chat-template", "--verbose", "False")
+    r = run_main(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "abc",
+        "--max-tokens",
+        "10",
+        "--ignore-chat-template",
+        "--verbose",
+        "False",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == expected
     with running_server(["--model", str(path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
-        status, body = post_json(httpd.server_address[1], "/v1/completions",
-                                 {"prompt": "abc", "max_tokens": 10, "temperature": 0})
-        sampled = post_json(httpd.server_address[1], "/v1/completions",
-                            {"prompt": "abc", "max_tokens": 10, "temperature": 0.8, "seed": 1})
+        status, body = post_json(
+            httpd.server_address[1], "/v1/completions", {"prompt": "abc", "max_tokens": 10, "temperature": 0}
+        )
+        sampled = post_json(
+            httpd.server_address[1],
+            "/v1/completions",
+            {"prompt": "abc", "max_tokens": 10, "temperature": 0.8, "seed": 1},
+        )
     assert status == 200 and body["choices"][0]["text"] == expected
     assert sampled[0] == 200 and sampled[1]["usage"]["completion_tokens"] > 0
 
@@ -175,8 +206,9 @@ def test_sampled_decoding_draws_from_the_autoregressive_distribution(tmp_path):
     model, tokenizer = mld.load(str(_bigram(tmp_path / "bigram")))
     mx.random.seed(3)
     runs = 4000
-    batch = mld.generate_batch(model, tokenizer, ["abc"] * runs, max_tokens=5, sampler=make_sampler(1.0),
-                               return_token_ids=True)
+    batch = mld.generate_batch(
+        model, tokenizer, ["abc"] * runs, max_tokens=5, sampler=make_sampler(1.0), return_token_ids=True
+    )
     counts: dict = {}
     for tokens in batch.token_ids:
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
@@ -186,7 +218,7 @@ def test_sampled_decoding_draws_from_the_autoregressive_distribution(tmp_path):
     unchecked = {}  # (the first two tokens from the chain, then the masks' 0.5 / 0.5 drafts kept)
     for seq, p in sequences(2, BIGRAM["other"]).items():
         for tail, q in sequences(3, (0.5, 0.5)).items():
-            unchecked[seq + tail] = p * 0.5 ** 3
+            unchecked[seq + tail] = p * 0.5**3
     assert 0.5 * sum(abs(unchecked.get(seq, 0) - p) for seq, p in exact.items()) > 0.15
     assert sum(batch.forwards) < sum(len(t) - 1 for t in batch.token_ids)  # (drafts were accepted)
 
@@ -284,8 +316,20 @@ def test_the_lora_flavour_decodes_as_the_base_models_greedy_decoding(lora_flavou
 def test_the_lora_flavour_through_the_cli_and_its_refusals(lora_flavour, tmp_path):
     base, lora, (model, tokenizer), _ = lora_flavour
     expected = mld.generate(model, tokenizer, "abc", max_tokens=10)
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(base), "--adapter-path", str(lora), "--prompt", "abc",
-                 "--max-tokens", "10", "--ignore-chat-template", "--verbose", "False")
+    r = run_main(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(base),
+        "--adapter-path",
+        str(lora),
+        "--prompt",
+        "abc",
+        "--max-tokens",
+        "10",
+        "--ignore-chat-template",
+        "--verbose",
+        "False",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == expected
     sdar = write_idlm(tmp_path / "sdar-like")

@@ -15,8 +15,10 @@ from serving import running_server
 
 from mlx_lm_diffusion.media import images
 
-EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n%%EndComments\n"
-       b"newpath 0 0 moveto 10 10 lineto stroke\nshowpage\n%%EOF\n")
+EPS = (
+    b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n%%EndComments\n"
+    b"newpath 0 0 moveto 10 10 lineto stroke\nshowpage\n%%EOF\n"
+)
 SERVER = images.ImagePolicy(allow_paths=False)
 
 
@@ -90,12 +92,18 @@ def test_a_request_of_bombs_is_refused_before_any_is_decoded(decodes):
 def test_a_model_without_a_vision_tower_decodes_no_image(llada_path, decodes):
     import http.client
 
-    message = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
-                                            {"type": "image_url", "image_url": {"url": data_url(png(64, 64))}}]}]
+    message = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Hi"},
+                {"type": "image_url", "image_url": {"url": data_url(png(64, 64))}},
+            ],
+        }
+    ]
     with running_server(["--model", str(llada_path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
         conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=120)
-        for body in ({"messages": message, "max_tokens": 2},
-                     {"messages": message, "max_tokens": 2, "model": "nope"}):
+        for body in ({"messages": message, "max_tokens": 2}, {"messages": message, "max_tokens": 2, "model": "nope"}):
             conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
             response = conn.getresponse()
             error = json.loads(response.read())["error"]

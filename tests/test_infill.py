@@ -40,11 +40,13 @@ def assert_suffix_pinned(steps, prompt, suffix, gen):
 @pytest.mark.parametrize("gen,block,steps", [(16, 8, 8), (16, 8, 4), (12, 12, 6), (10, 4, 2)])
 def test_llada_infill_matches_reference(llada, prompt, suffix, gen, block, steps):
     model, tok = llada
-    ref, ref_forwards = oracles.llada_generate(model, prompt, gen_length=gen, block_length=block, steps=steps,
-                                               mask_id=MASK_ID, suffix=suffix)
-    run = infill_steps(model, tok, prompt, suffix, max_tokens=gen, block_length=block, steps=steps,
-                       strategy="low_confidence")
-    assert run[-1].canvas[0, len(prompt):].tolist() == ref
+    ref, ref_forwards = oracles.llada_generate(
+        model, prompt, gen_length=gen, block_length=block, steps=steps, mask_id=MASK_ID, suffix=suffix
+    )
+    run = infill_steps(
+        model, tok, prompt, suffix, max_tokens=gen, block_length=block, steps=steps, strategy="low_confidence"
+    )
+    assert run[-1].canvas[0, len(prompt) :].tolist() == ref
     assert run[-1].forwards == ref_forwards
     assert_suffix_pinned(run, prompt, suffix, gen)
 
@@ -57,10 +59,11 @@ def test_dream_infill_matches_reference(dream, prompt, suffix, alg, gen, steps):
     """Dream's shift at the suffix boundary: the middle's last position is read from
     the row before it; the suffix's rows are never read."""
     model, tok = dream
-    ref, ref_forwards = oracles.dream_generate(model, prompt, max_new_tokens=gen, steps=steps, alg=alg,
-                                               mask_id=MASK_ID, suffix=suffix)
+    ref, ref_forwards = oracles.dream_generate(
+        model, prompt, max_new_tokens=gen, steps=steps, alg=alg, mask_id=MASK_ID, suffix=suffix
+    )
     run = infill_steps(model, tok, prompt, suffix, max_tokens=gen, steps=steps, strategy=alg)
-    assert run[-1].canvas[0, len(prompt):].tolist() == ref
+    assert run[-1].canvas[0, len(prompt) :].tolist() == ref
     assert run[-1].forwards == ref_forwards == steps
     assert_suffix_pinned(run, prompt, suffix, gen)
 
@@ -69,8 +72,12 @@ def test_the_suffix_conditions_the_middle(llada):
     """Against the reference without a suffix the tokens differ: the suffix is seen."""
     model, tok = llada
     prompt, gen = PROMPTS[1], 16
-    with_suffix = [infill_steps(model, tok, prompt, s, max_tokens=gen, block_length=8, steps=8)[-1]
-                   .canvas[0, len(prompt) : len(prompt) + gen].tolist() for s in SUFFIXES]
+    with_suffix = [
+        infill_steps(model, tok, prompt, s, max_tokens=gen, block_length=8, steps=8)[-1]
+        .canvas[0, len(prompt) : len(prompt) + gen]
+        .tolist()
+        for s in SUFFIXES
+    ]
     plain, _ = oracles.llada_generate(model, prompt, gen_length=gen, block_length=8, steps=8, mask_id=MASK_ID)
     assert with_suffix[0] != plain or with_suffix[1] != plain
 
@@ -83,8 +90,17 @@ def test_cached_and_editing_infill_keep_the_suffix(family, mode, request):
     run = infill_steps(model, tok, prompt, suffix, max_tokens=16, block_length=8, cache=mode, threshold=0.5)
     assert_suffix_pinned(run, prompt, suffix, 16)
     assert MASK_ID not in run[-1].canvas[0].tolist()
-    run = infill_steps(model, tok, prompt, suffix, max_tokens=16, block_length=8, threshold=0.5,
-                       editing_threshold=0.0, max_post_steps=2)
+    run = infill_steps(
+        model,
+        tok,
+        prompt,
+        suffix,
+        max_tokens=16,
+        block_length=8,
+        threshold=0.5,
+        editing_threshold=0.0,
+        max_post_steps=2,
+    )
     assert_suffix_pinned(run, prompt, suffix, 16)
 
 
@@ -117,8 +133,11 @@ def test_eos_inside_the_span_ends_the_middle(llada):
             return logits + mx.where(mx.arange(logits.shape[-1]) == EOS_ID, 1e4, 0.0)
         return logits
 
-    responses = list(mld.stream_generate(model, tok, prompt, max_tokens=16, suffix=SUFFIXES[0], block_length=8,
-                                         logits_processors=[eos_third]))
+    responses = list(
+        mld.stream_generate(
+            model, tok, prompt, max_tokens=16, suffix=SUFFIXES[0], block_length=8, logits_processors=[eos_third]
+        )
+    )
     assert len(responses) == 4 and responses[-1].token == EOS_ID and responses[-1].finish_reason == "stop"
 
 
@@ -138,7 +157,8 @@ def test_bad_suffixes(llada):
         mld.generate_batch(model, tok, [PROMPTS[0]], max_tokens=8, suffix=[72] * (room - 5))
     # an empty suffix is no suffix (the OpenAI API's meaning)
     assert mld.generate(model, tok, PROMPTS[0], max_tokens=8, suffix="") == mld.generate(
-        model, tok, PROMPTS[0], max_tokens=8)
+        model, tok, PROMPTS[0], max_tokens=8
+    )
 
 
 def _load(writer, tmp_path, *args):
@@ -207,9 +227,14 @@ def test_generate_batch_infills_each_row_as_alone(family, request):
 
     model, tok = request.getfixturevalue(family)
     prompts, suffix = [[72, 101, 108, 108], [5, 17, 99, 200]], SUFFIXES[0]
-    rows = generate_batch(model, tok, prompts, max_tokens=12, block_length=4, threshold=0.5, suffix=suffix,
-                          return_token_ids=True).token_ids
+    rows = generate_batch(
+        model, tok, prompts, max_tokens=12, block_length=4, threshold=0.5, suffix=suffix, return_token_ids=True
+    ).token_ids
     for prompt, row in zip(prompts, rows):
-        alone = [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=12, block_length=4,
-                                                      threshold=0.5, suffix=suffix)]
+        alone = [
+            r.token
+            for r in mld.stream_generate(
+                model, tok, prompt, max_tokens=12, block_length=4, threshold=0.5, suffix=suffix
+            )
+        ]
         assert row == [t for t in alone if t not in adapter_for(model, tok).eos_ids]

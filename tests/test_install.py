@@ -35,15 +35,23 @@ def ar_path(tmp_path_factory):
     """A tiny random Llama checkpoint (mlx-lm layout) with the byte-level tokenizer."""
     path = tmp_path_factory.mktemp("llama")
     config = {
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5, "vocab_size": VOCAB, "tie_word_embeddings": False,
-        "rope_theta": 10000.0, "eos_token_id": 256,
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,
+        "eos_token_id": 256,
     }
     mx.random.seed(3)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
+    mx.save_safetensors(
+        str(path / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
     (path / "config.json").write_text(json.dumps(config))
     write_tokenizer(path)
     return path
@@ -51,11 +59,12 @@ def ar_path(tmp_path_factory):
 
 def ar_outputs(model, tok):
     text = mlx_lm.generate(model, tok, PROMPT, max_tokens=10)
-    stream = [(r.token, r.text, r.finish_reason, r.logprobs.tolist())
-              for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=10)]
+    stream = [
+        (r.token, r.text, r.finish_reason, r.logprobs.tolist())
+        for r in mlx_lm.stream_generate(model, tok, PROMPT, max_tokens=10)
+    ]
     cache = cache_module.make_prompt_cache(model)
-    cached = [r.token for r in generate_module.stream_generate(
-        model, tok, PROMPT, max_tokens=6, prompt_cache=cache)]
+    cached = [r.token for r in generate_module.stream_generate(model, tok, PROMPT, max_tokens=6, prompt_cache=cache)]
     return text, stream, cached, [type(c) for c in cache], cache[0].offset
 
 
@@ -81,8 +90,11 @@ def test_stock_generate_and_stream_generate_drive_diffusion(llada, installed):
     assert [r.finish_reason for r in stock] == [r.finish_reason for r in reference]
     assert mlx_lm.generate(model, tok, PROMPT, max_tokens=16) == mld.generate(model, tok, PROMPT, max_tokens=16)
     # mlx-lm's keyword-only calling style, as mlx_lm.server calls it
-    kw = list(generate_module.stream_generate(model=model, tokenizer=tok, prompt=PROMPT, max_tokens=16,
-                                              kv_bits=None, prefill_step_size=2048))
+    kw = list(
+        generate_module.stream_generate(
+            model=model, tokenizer=tok, prompt=PROMPT, max_tokens=16, kv_bits=None, prefill_step_size=2048
+        )
+    )
     assert [r.token for r in kw] == [r.token for r in reference]
 
 
@@ -96,16 +108,24 @@ def _env_as_a_user_has_it() -> dict:
     """os.environ without the TRANSFORMERS_VERBOSITY=error (and no-advisory-warnings) that
     importing mlx_vlm sets in this process: a subprocess would inherit them and print no
     transformers warning at all (the positive control then failed in the full run)."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS")}
+    return {
+        k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    }
 
 
 def test_loading_sdar_prints_no_config_warning(tmp_path):
     """transformers' "`rope_scaling` is deprecated", from AutoTokenizer reading SDAR's config."""
     path = write_sdar(tmp_path / "sdar")
-    script = "import sys, mlx_lm, mlx_lm_diffusion as mld; mld.load(sys.argv[1]); mld.install(); mlx_lm.load(sys.argv[1])"
-    r = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120,
-                       env=_env_as_a_user_has_it())
+    script = (
+        "import sys, mlx_lm, mlx_lm_diffusion as mld; mld.load(sys.argv[1]); mld.install(); mlx_lm.load(sys.argv[1])"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env_as_a_user_has_it(),
+    )
     assert r.returncode == 0 and "rope_scaling" not in r.stderr and "Warning" not in r.stderr, r.stderr
 
 
@@ -113,10 +133,17 @@ def test_stock_load_prints_no_unknown_model_type_warning(tmp_path):
     # (a fresh process: transformers' logging handler writes to the real stderr; a fresh
     # checkpoint: the session's may have gained files from other tests)
     llada_path = write_llada(tmp_path / "llada")
-    script = ("import sys, mlx_lm, mlx_lm_diffusion as mld; mld.install(); mlx_lm.load(sys.argv[1]); "
-              "from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(sys.argv[1])")
-    r = subprocess.run([sys.executable, "-c", script, str(llada_path)], capture_output=True, text=True, timeout=120,
-                       env=_env_as_a_user_has_it())
+    script = (
+        "import sys, mlx_lm, mlx_lm_diffusion as mld; mld.install(); mlx_lm.load(sys.argv[1]); "
+        "from transformers import AutoTokenizer; AutoTokenizer.from_pretrained(sys.argv[1])"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(llada_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env_as_a_user_has_it(),
+    )
     assert r.returncode == 0, r.stderr
     # the second load, outside mlx_lm.load, shows the warning still reaches other callers
     assert r.stderr.count("instantiate a model of type") == 1, r.stderr
@@ -199,11 +226,25 @@ def test_mlx_lm_defaults_for_cache_and_scheduling_options_pass(llada):
     changes nothing here: accepted by stream_generate and generate_batch alike."""
     model, tok = llada
     plain = [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=8)]
-    passed = dict(kv_bits=None, max_kv_size=None, kv_group_size=64, quantized_kv_start=5000, num_draft_tokens=3,
-                  prefill_step_size=2048)
+    passed = dict(
+        kv_bits=None,
+        max_kv_size=None,
+        kv_group_size=64,
+        quantized_kv_start=5000,
+        num_draft_tokens=3,
+        prefill_step_size=2048,
+    )
     assert [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=8, **passed)] == plain
-    batched = mld.generate_batch(model, tok, [PROMPT], max_tokens=8, return_token_ids=True, completion_batch_size=32,
-                                 prefill_batch_size=8, **passed)
+    batched = mld.generate_batch(
+        model,
+        tok,
+        [PROMPT],
+        max_tokens=8,
+        return_token_ids=True,
+        completion_batch_size=32,
+        prefill_batch_size=8,
+        **passed,
+    )
     assert batched.token_ids == mld.generate_batch(model, tok, [PROMPT], max_tokens=8, return_token_ids=True).token_ids
 
 
@@ -221,11 +262,13 @@ def test_request_options_apply_and_explicit_keywords_win(llada):
     small = [r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=12, block_length=4, steps=2)]
     with compat.request_options(block_length=4, steps=2):
         scoped = [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=12)]
-        explicit = [r.token for r in compat.stream_generate(
-            model, tok, PROMPT, max_tokens=12, block_length=12, steps=12)]
+        explicit = [
+            r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=12, block_length=12, steps=12)
+        ]
     assert scoped == small
-    assert explicit == [r.token for r in mld.stream_generate(
-        model, tok, PROMPT, max_tokens=12, block_length=12, steps=12)]
+    assert explicit == [
+        r.token for r in mld.stream_generate(model, tok, PROMPT, max_tokens=12, block_length=12, steps=12)
+    ]
     assert [r.token for r in compat.stream_generate(model, tok, PROMPT, max_tokens=12)] == plain
 
 
@@ -241,8 +284,9 @@ def test_stock_mlx_lm_server_drives_diffusion(llada, llada_path, installed):
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
-                               api_key="x", max_retries=0, timeout=120)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="x", max_retries=0, timeout=120
+        )
         messages = [{"role": "user", "content": "Hi"}]
         r = client.chat.completions.create(model="default_model", messages=messages, max_tokens=8)
         model, tok = llada
@@ -259,8 +303,12 @@ def test_stock_mlx_lm_server_drives_diffusion(llada, llada_path, installed):
 
 
 WRITERS = {
-    "llada": write_llada, "dream": write_dream, "sdar": write_sdar, "llada2": write_llada2,
-    "nemotron": write_nemotron, "diffusion_gemma": write_diffusion_gemma,
+    "llada": write_llada,
+    "dream": write_dream,
+    "sdar": write_sdar,
+    "llada2": write_llada2,
+    "nemotron": write_nemotron,
+    "diffusion_gemma": write_diffusion_gemma,
 }
 
 
@@ -325,7 +373,11 @@ def test_the_server_decodes_with_the_checkpoint_defaults():
     forwards = list(mld.stream_generate(model, tok, "357+468="))[-1].forwards
     with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
         conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=120)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "357+468=", "stream": True, "drafts": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": "357+468=", "stream": True, "drafts": True}),
+            {"Content-Type": "application/json"},
+        )
         lines = conn.getresponse().read().decode().splitlines()
     assert sum(line.startswith(": draft ") for line in lines) == forwards < 32

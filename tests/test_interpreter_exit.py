@@ -29,8 +29,10 @@ RAISE_WHILE_DECODING = EXIT_WHILE_DECODING.replace("sys.exit(0)", "raise SystemE
 
 
 def _run_side_by_side(programs: list[str]) -> list[subprocess.CompletedProcess]:
-    procs = [subprocess.Popen([sys.executable, "-c", p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for p in programs]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for p in programs
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=180)
@@ -53,7 +55,9 @@ def test_a_server_that_cannot_start_says_one_line_and_never_aborts(tmp_path):
     generation thread that tried to load still there, 1 of 6 such starts aborted."""
     (tmp_path / "empty").mkdir()
     server = [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(DEMO_MODEL_PATH), "--port", "0"]
-    runs = [[*server, "--adapter-path", str(tmp_path / "nope")]] * 2 + [[*server, "--adapter-path", str(tmp_path / "empty")]] * 4
+    runs = [[*server, "--adapter-path", str(tmp_path / "nope")]] * 2 + [
+        [*server, "--adapter-path", str(tmp_path / "empty")]
+    ] * 4
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in runs]
     for argv, proc in zip(runs, procs):
         _, err = proc.communicate(timeout=180)
@@ -83,6 +87,8 @@ generator.stop_and_join()
 def test_a_program_that_served_in_process_returns_cleanly():
     """The server's own threads (generation, scheduler, workers) release their MLX streams
     before they end: without it, 3 of 16 such programs aborted at exit (0 of 12 with it)."""
-    for r in _run_side_by_side([SERVE_ONE_REQUEST_AND_RETURN] * 4) + _run_side_by_side([SERVE_ONE_REQUEST_AND_RETURN] * 4):
+    for r in _run_side_by_side([SERVE_ONE_REQUEST_AND_RETURN] * 4) + _run_side_by_side(
+        [SERVE_ONE_REQUEST_AND_RETURN] * 4
+    ):
         assert r.returncode == 0, r.stderr[-2000:]
         assert "terminate called" not in r.stderr and "Traceback" not in r.stderr

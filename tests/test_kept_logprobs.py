@@ -67,8 +67,11 @@ def test_each_token_keeps_the_log_probs_of_the_step_that_committed_it(family, op
     model = loaded[0]
     shift = adapter_for(*loaded).family.lower().startswith("dream")
     drafts = []
-    responses = list(mld.stream_generate(*loaded, PROMPT, max_tokens=16,
-                                         draft_callback=lambda s: drafts.append(s.canvas[0].copy()), **options))
+    responses = list(
+        mld.stream_generate(
+            *loaded, PROMPT, max_tokens=16, draft_callback=lambda s: drafts.append(s.canvas[0].copy()), **options
+        )
+    )
     mask_id = adapter_for(*loaded).mask_id
     start = np.array(PROMPT + [mask_id] * (len(drafts[0]) - len(PROMPT)))
     expected = expected_vectors(model, drafts, start, mask_id, shift)
@@ -117,8 +120,9 @@ def test_dense_block_logprobs_match_the_per_token_vectors(llada):
             assert value == pytest.approx(float(dense[0, position - start, step.canvas[0, position]]), abs=0)
 
 
-@pytest.mark.parametrize("options", [dict(block_length=8, steps=16), dict(block_length=8, threshold=0.3)],
-                         ids=["quota", "threshold"])
+@pytest.mark.parametrize(
+    "options", [dict(block_length=8, steps=16), dict(block_length=8, threshold=0.3)], ids=["quota", "threshold"]
+)
 def test_a_batch_keeps_each_rows_log_probs(llada, options):
     """A running batch (its rows' commits fused: fused_commit) records each row's commits
     as a lone decode does: every token's log-prob equals the lone decode's vector at it."""
@@ -126,8 +130,7 @@ def test_a_batch_keeps_each_rows_log_probs(llada, options):
 
     model, tok = llada
     prompts = [PROMPT, PROMPT[:4], PROMPT[2:]]
-    batch = generate_batch(model, tok, prompts, max_tokens=12, return_logprobs=True, return_token_ids=True,
-                           **options)
+    batch = generate_batch(model, tok, prompts, max_tokens=12, return_logprobs=True, return_token_ids=True, **options)
     for prompt, tokens, values in zip(prompts, batch.token_ids, batch.logprobs):
         alone = list(mld.stream_generate(model, tok, prompt, max_tokens=12, **options))
         assert tokens == [r.token for r in alone][: len(tokens)]

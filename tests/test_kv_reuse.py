@@ -157,8 +157,10 @@ def test_batched_row_starts_from_the_cached_prefix(families, family):
     adapter = adapter_for(model, tok)
     adapter.eos_ids = frozenset()  # (as `decode`)
     batch = RunningBatch(adapter)
-    rows = [batch.add(ids, resolve(DecodeOptions(**OPTIONS[family]), adapter, len(ids)), prefix=p)
-            for ids, p in ((follow_up, prefix), (other, None))]
+    rows = [
+        batch.add(ids, resolve(DecodeOptions(**OPTIONS[family]), adapter, len(ids)), prefix=p)
+        for ids, p in ((follow_up, prefix), (other, None))
+    ]
     assert [row.prompt_kv.reused for row in rows] == [prefix.length, 0]
     results = {}
     for _ in range(1000):  # (bounded: each row's decode is)
@@ -190,9 +192,7 @@ def test_trimmed_prefix_is_exact(families, family):
     trimmed = cache.kv
     assert trimmed.length == shared // block * block
     diverged = history[:shared] + [(history[shared] + 1) % 250] + history[shared + 1 :]
-    assert check_exact(pair, diverged, trimmed, options) == (
-        shared // block * block if block > 1 else shared
-    )
+    assert check_exact(pair, diverged, trimmed, options) == (shared // block * block if block > 1 else shared)
     shorter = history[: shared - 2]  # a prompt that is a prefix of the cached tokens
     reused = check_exact(pair, shorter, prefix, options)
     assert reused == ((shared - 2) // block * block if block > 1 else shared - 3)
@@ -279,12 +279,20 @@ def test_stream_generate_reuses_the_prompt_cache(families):
     ids = [int(t) for t in np.random.default_rng(3).integers(0, 250, 14)]
     cache = compat.make_prompt_cache(model)
     reports = []
-    first = [r.token for r in compat.stream_generate(model, tok, ids, max_tokens=8, prompt_cache=cache,
-                                                     cached_tokens_callback=reports.append)]
+    first = [
+        r.token
+        for r in compat.stream_generate(
+            model, tok, ids, max_tokens=8, prompt_cache=cache, cached_tokens_callback=reports.append
+        )
+    ]
     assert reports == [0] and cache[0].tokens == ids + first
     more = [11, 12, 13]
-    second = [r.token for r in compat.stream_generate(model, tok, more, max_tokens=8, prompt_cache=cache,
-                                                      cached_tokens_callback=reports.append)]
+    second = [
+        r.token
+        for r in compat.stream_generate(
+            model, tok, more, max_tokens=8, prompt_cache=cache, cached_tokens_callback=reports.append
+        )
+    ]
     cold = [r.token for r in mld.stream_generate(model, tok, ids + first + more, max_tokens=8)]
     assert second == cold
     assert reports[1] > 0 and reports[1] % 4 == 0 and reports[1] >= len(ids) // 4 * 4
@@ -319,8 +327,12 @@ def test_cache_occupancy_counts_entries_bytes_and_tokens(families):
     with_kv.hold_kv(lambda tokens: prefix.trimmed(len(tokens)))
     lru.insert_cache("m", list(history), [with_kv])
     lru.insert_cache("m", [1, 2, 3], [TokenCache([1, 2, 3])])
-    assert cache_occupancy(lru) == {"entries": 2, "bytes": with_kv.nbytes + 12, "tokens": len(history) + 3,
-                                    "kv_tokens": prefix.length}
+    assert cache_occupancy(lru) == {
+        "entries": 2,
+        "bytes": with_kv.nbytes + 12,
+        "tokens": len(history) + 3,
+        "kv_tokens": prefix.length,
+    }
 
 
 # ----------------------------------------------------------------------------- server
@@ -343,8 +355,7 @@ def served(request, sdar_path, llada_path):
 
 @pytest.fixture(scope="module")
 def client(served):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{served[1]}/v1", api_key="unused", max_retries=0,
-                         timeout=TIMEOUT)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{served[1]}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -395,8 +406,11 @@ def test_second_chat_turn_reuses_the_first(served, client, pair):
     else:  # LLaDA's KV depends on the canvas: nothing is reused
         assert cached == 0
     # streamed, with usage: the same text and count (the cache now holds this turn too)
-    chunks = list(client.chat.completions.create(
-        model="default_model", messages=messages, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="default_model", messages=messages, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == second.choices[0].message.content
     again = chunks[-1].usage.prompt_tokens_details.cached_tokens
@@ -423,11 +437,17 @@ def test_text_completion_reuses_its_prefix(served, client, pair):
     client.completions.create(model="default_model", prompt=prompt + "then one.", max_tokens=6)
     r = client.completions.create(model="default_model", prompt=prompt + "then two.", max_tokens=6)
     assert r.choices[0].text == cold_text(pair, pair[1].encode(prompt + "then two."), max_tokens=6)
-    streamed = list(client.completions.create(model="default_model", prompt=prompt + "then two.", max_tokens=6,
-                                              stream=True, stream_options={"include_usage": True}))
+    streamed = list(
+        client.completions.create(
+            model="default_model",
+            prompt=prompt + "then two.",
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
-    for cached in (r.usage.prompt_tokens_details.cached_tokens,
-                   streamed[-1].usage.prompt_tokens_details.cached_tokens):
+    for cached in (r.usage.prompt_tokens_details.cached_tokens, streamed[-1].usage.prompt_tokens_details.cached_tokens):
         assert cached >= len(pair[1].encode(prompt)) // 4 * 4 if exact_kv(family) else cached == 0
 
 

@@ -46,11 +46,19 @@ def _torch_forward(path, tokens: list, prompt_len: int, sigma_block: float, soft
 
     config = json.loads((path / "config.json").read_text())
     w = {k: torch.tensor(v.astype(np.float64)) for k, v in load_file(str(path / "model.safetensors")).items()}
-    hf = Lfm2Config(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-                    intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
-                    num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-                    norm_eps=config["norm_eps"], conv_L_cache=config["conv_L_cache"], layer_types=config["layer_types"],
-                    block_auto_adjust_ff_dim=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    hf = Lfm2Config(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        norm_eps=config["norm_eps"],
+        conv_L_cache=config["conv_L_cache"],
+        layer_types=config["layer_types"],
+        block_auto_adjust_ff_dim=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    )
     hf._attn_implementation = "eager"
 
     def rms(x, weight, eps=config["norm_eps"]):
@@ -70,9 +78,16 @@ def _torch_forward(path, tokens: list, prompt_len: int, sigma_block: float, soft
     base = linear(torch.nn.functional.silu(temb), "model.adaln_proj.1")
     h = w["model.embed_tokens.weight"][torch.tensor(tokens)]
     if soft is not None:
-        sc = linear(torch.nn.functional.silu(linear(rms(torch.tensor(soft, dtype=torch.float64),
-                                                          w["model.selfcond_norm.weight"]), "model.selfcond_ffn.0")),
-                    "model.selfcond_ffn.2", bias=False)
+        sc = linear(
+            torch.nn.functional.silu(
+                linear(
+                    rms(torch.tensor(soft, dtype=torch.float64), w["model.selfcond_norm.weight"]),
+                    "model.selfcond_ffn.0",
+                )
+            ),
+            "model.selfcond_ffn.2",
+            bias=False,
+        )
         h = h.clone()
         h[prompt_len:] += sc  # (the context gets nothing, not even the bias)
     rows, cols = torch.arange(L)[:, None], torch.arange(L)[None, :]
@@ -85,12 +100,16 @@ def _torch_forward(path, tokens: list, prompt_len: int, sigma_block: float, soft
     for i, kind in enumerate(config["layer_types"]):
         layer = Lfm2DecoderLayer(hf, i).to(torch.float64)
         prefix = f"model.layers.{i}."
-        layer.load_state_dict({k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)})
+        layer.load_state_dict({k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)})
         scale, shift, gate = (base + w["model.adaln_block_emb"][i]).chunk(3, dim=-1)
         h_mod = h * (1 + scale) + shift
         with torch.no_grad():
-            out = layer(h_mod, position_embeddings=position_embeddings, position_ids=position_ids,
-                        attention_mask=mask if kind == "full_attention" else None)
+            out = layer(
+                h_mod,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                attention_mask=mask if kind == "full_attention" else None,
+            )
         h = h + (1 + gate) * (out - h_mod)
     h = rms(h[0], w["model.embedding_norm.weight"])
     logits = h @ w["model.embed_tokens.weight"].T
@@ -129,15 +148,26 @@ def test_without_conditioning_it_is_transformers_lfm2(tmp_path):
         weights[name] = np.zeros_like(weights[name])
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    hf = Lfm2Config(vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
-                    intermediate_size=config["intermediate_size"], num_hidden_layers=config["num_hidden_layers"],
-                    num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-                    norm_eps=config["norm_eps"], conv_L_cache=config["conv_L_cache"], layer_types=config["layer_types"],
-                    block_auto_adjust_ff_dim=False, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                    tie_word_embeddings=True)
+    hf = Lfm2Config(
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        norm_eps=config["norm_eps"],
+        conv_L_cache=config["conv_L_cache"],
+        layer_types=config["layer_types"],
+        block_auto_adjust_ff_dim=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        tie_word_embeddings=True,
+    )
     reference = Lfm2ForCausalLM(hf).eval()
-    state = {k: torch.tensor(v) for k, v in weights.items() if k.startswith("model.") and "sigma" not in k
-             and "adaln" not in k and "selfcond" not in k}
+    state = {
+        k: torch.tensor(v)
+        for k, v in weights.items()
+        if k.startswith("model.") and "sigma" not in k and "adaln" not in k and "selfcond" not in k
+    }
     reference.load_state_dict({**state, "lm_head.weight": state["model.embed_tokens.weight"]})
     model, tokenizer = mld.load(str(path))
     tokens = tokenizer.encode("The quick brown fox jumps")
@@ -172,8 +202,12 @@ def test_the_duo_step_is_the_float64_posterior_with_the_same_noise():
         x0 = x0.astype(np.float32).astype(np.float64)
         onehot = np.eye(V)[xt]
         ratio = alpha_t / alpha_s
-        numer = (alpha_t * V * x0 * onehot + (ratio - alpha_t) * onehot + (alpha_s - alpha_t) * x0
-                 + (1 - ratio) * (1 - alpha_s) / V)
+        numer = (
+            alpha_t * V * x0 * onehot
+            + (ratio - alpha_t) * onehot
+            + (alpha_s - alpha_t) * x0
+            + (1 - ratio) * (1 - alpha_s) / V
+        )
         q = numer / (alpha_t * V * np.take_along_axis(x0, xt[..., None], -1) + (1 - alpha_t))
         with mx.stream(mx.cpu):
             got = np.array(duo_posterior(mx.array(x0, dtype=mx.float64), mx.array(xt), alpha_s, alpha_t))
@@ -198,8 +232,9 @@ def test_the_time_grid_and_temperatures_are_the_references():
 # -- decoding: the reference's loop
 
 
-def _oracle(adapter, prompt: list, max_tokens: int, steps: int, rho: float, t_start: float, t_end: float,
-            block: int = 32) -> tuple:
+def _oracle(
+    adapter, prompt: list, max_tokens: int, steps: int, rho: float, t_start: float, t_end: float, block: int = 32
+) -> tuple:
     """The reference sampler's loop (lfm_diffusion/sampler.py `generate_ids`), written here:
     uniform random block, `steps` ancestral steps on the rho grid with the linear temperature
     anneal and self-conditioning, a readout at sigma >= 0.7, stop after a block that holds an end
@@ -215,7 +250,7 @@ def _oracle(adapter, prompt: list, max_tokens: int, steps: int, rho: float, t_st
     for _ in range(-(-max_tokens // block)):
         start = len(canvas)
         if start > state.length:  # the last block, into the context (clean, causal)
-            model(mx.array([canvas[state.length:]]), state.cache)
+            model(mx.array([canvas[state.length :]]), state.cache)
             state.length = start
         x = mx.random.randint(0, V, (1, block)).astype(mx.int32)
         plan = [(alphas[j], alphas[j + 1], t_start + j / max(steps - 1, 1) * (t_end - t_start)) for j in range(steps)]
@@ -229,7 +264,7 @@ def _oracle(adapter, prompt: list, max_tokens: int, steps: int, rho: float, t_st
         canvas += np.array(x)[0].tolist()
         if any(t in adapter.eos_ids for t in canvas[start:]):
             break
-    out = canvas[len(prompt):][:max_tokens]
+    out = canvas[len(prompt) :][:max_tokens]
     stops = [i for i, t in enumerate(out) if t in adapter.eos_ids]
     return (out[: stops[0] + 1] if stops else out), forwards
 
@@ -297,11 +332,24 @@ def test_convert_quantize_cli_and_server(checkpoint, tmp_path):
     assert type(copy[0]).__module__ == "model_adapters.families.lfm2_diffusion"
     assert mld.generate(*copy, "abc", max_tokens=24, seed=2) == expected
     assert isinstance(mld.generate(*mld.load(str(tmp_path / "q4")), "abc", max_tokens=24, seed=2), str)
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(path), "--prompt", "abc", "--max-tokens", "24",
-                 "--ignore-chat-template", "--seed", "2", "--verbose", "False")
+    r = run_main(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "abc",
+        "--max-tokens",
+        "24",
+        "--ignore-chat-template",
+        "--seed",
+        "2",
+        "--verbose",
+        "False",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == expected
     with running_server(["--model", str(path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
-        status, body = post_json(httpd.server_address[1], "/v1/completions",
-                                 {"prompt": "abc", "max_tokens": 24, "seed": 2})
+        status, body = post_json(
+            httpd.server_address[1], "/v1/completions", {"prompt": "abc", "max_tokens": 24, "seed": 2}
+        )
     assert status == 200 and body["choices"][0]["text"] == expected

@@ -45,8 +45,9 @@ def vlm_model(llada2_path):
     return model
 
 
-def llada2_reference(model, prompt, *, gen_length, block_length, steps, threshold, mask_id,
-                     editing_threshold=None, max_post_steps=16):
+def llada2_reference(
+    model, prompt, *, gen_length, block_length, steps, threshold, mask_id, editing_threshold=None, max_post_steps=16
+):
     """LLaDA2.0 `generate` (editing_threshold None) and LLaDA2.1 `generate` with token
     editing, batch 1, greedy, no cache: the window [0, block end) is recomputed with the
     block-causal mask at every step. Commit the masks with p > threshold when at least
@@ -146,7 +147,11 @@ def test_mask_and_eos_come_from_tokenizer_and_config(llada2, llada2_path, tmp_pa
     assert (adapter.block_length, adapter.attention_block, adapter.align_blocks) == (32, 32, True)
     options = resolve(DecodeOptions(max_tokens=64), adapter, 5)
     assert (options.steps, options.rule.name, options.rule.threshold, options.rule.strict) == (
-        32, "low_confidence_dynamic", 0.95, True)
+        32,
+        "low_confidence_dynamic",
+        0.95,
+        True,
+    )
     assert options.editing_threshold is None  # LLaDA2.0's loop: no editing unless asked
     with pytest.raises(ValueError, match="mask token"):
         adapter_for(model, None)
@@ -167,8 +172,9 @@ def test_llada2_0_matches_reference_with_and_without_cache(llada2, prompt, steps
         model, prompt, gen_length=gen, block_length=BLOCK, steps=steps, threshold=threshold, mask_id=LLADA2_MASK
     )
     for use_cache in (True, False):
-        tokens, forwards = engine_decode(model, tok, prompt, use_cache, max_tokens=gen, steps=steps,
-                                         threshold=threshold)
+        tokens, forwards = engine_decode(
+            model, tok, prompt, use_cache, max_tokens=gen, steps=steps, threshold=threshold
+        )
         assert tokens == ref_tokens
         assert forwards == ref_forwards
     assert LLADA2_MASK not in ref_tokens
@@ -176,8 +182,12 @@ def test_llada2_0_matches_reference_with_and_without_cache(llada2, prompt, steps
 
 @pytest.mark.parametrize(
     "options",
-    [dict(preset="speed"), dict(preset="quality"), dict(preset="quality", max_post_steps=2),
-     dict(threshold=0.95, editing_threshold=0.2, steps=8)],
+    [
+        dict(preset="speed"),
+        dict(preset="quality"),
+        dict(preset="quality", max_post_steps=2),
+        dict(threshold=0.95, editing_threshold=0.2, steps=8),
+    ],
 )
 def test_llada2_1_editing_matches_reference_with_and_without_cache(llada2, options):
     model, tok = llada2
@@ -186,9 +196,15 @@ def test_llada2_1_editing_matches_reference_with_and_without_cache(llada2, optio
     adapter = adapter_for(model, tok)
     resolved = resolve(DecodeOptions(max_tokens=gen, **options), adapter, len(prompt))
     ref_tokens, ref_forwards = llada2_reference(
-        model, prompt, gen_length=gen, block_length=BLOCK, steps=resolved.steps,
-        threshold=resolved.rule.threshold, mask_id=LLADA2_MASK,
-        editing_threshold=resolved.editing_threshold, max_post_steps=resolved.max_post_steps,
+        model,
+        prompt,
+        gen_length=gen,
+        block_length=BLOCK,
+        steps=resolved.steps,
+        threshold=resolved.rule.threshold,
+        mask_id=LLADA2_MASK,
+        editing_threshold=resolved.editing_threshold,
+        max_post_steps=resolved.max_post_steps,
     )
     for use_cache in (True, False):
         assert engine_decode(model, tok, prompt, use_cache, max_tokens=gen, **options) == (ref_tokens, ref_forwards)
@@ -201,8 +217,9 @@ def test_any_length_decodes_whole_blocks_as_the_reference(llada2, gen):
     max_tokens tokens are final, so it may spend fewer forwards."""
     model, tok = llada2
     prompt = PROMPTS[0]
-    ref_tokens, ref_forwards = llada2_reference(model, prompt, gen_length=gen, block_length=BLOCK, steps=8,
-                                                threshold=0.95, mask_id=LLADA2_MASK)
+    ref_tokens, ref_forwards = llada2_reference(
+        model, prompt, gen_length=gen, block_length=BLOCK, steps=8, threshold=0.95, mask_id=LLADA2_MASK
+    )
     for use_cache in (True, False):
         tokens, forwards = engine_decode(model, tok, prompt, use_cache, max_tokens=gen, steps=8)
         assert tokens == ref_tokens and forwards <= ref_forwards
@@ -250,8 +267,13 @@ def test_same_tokens_as_mlx_vlm_loop(llada2, vlm_model, prompt, gen):
     and mlx-vlm's (commit every p > threshold, else the best one) coincide."""
     model, tok = llada2
     theirs = vlm_model.language_model.generate(
-        mx.array([prompt]), block_length=32, steps=32, gen_length=gen, threshold=0.95,
-        eos_id=LLADA2_EOS, mask_id=LLADA2_MASK,
+        mx.array([prompt]),
+        block_length=32,
+        steps=32,
+        gen_length=gen,
+        threshold=0.95,
+        eos_id=LLADA2_EOS,
+        mask_id=LLADA2_MASK,
     )[0].tolist()
     ours, _ = engine_decode(model, tok, prompt, eos=True, max_tokens=gen, steps=32)
     assert ours == theirs
@@ -282,19 +304,31 @@ def test_eos_stops_once_nothing_before_it_is_masked(llada2):
             bias = mx.zeros(logits.shape)
             bias[:, LLADA2_EOS] = 1e4 if len(tokens) == len(prompt) + offset else 0.0
             return logits + bias
+
         return processor
+
     out = list(api.stream_generate(model, tok, prompt, max_tokens=96, logits_processors=[eos_at(5)]))
     assert [r.finish_reason for r in out][-1] == "stop" and out[-1].token == LLADA2_EOS and len(out) == 6
     assert out[-1].forwards <= 32  # the later blocks were never decoded
-    rows = api.generate_batch(model, tok, [prompt], max_tokens=96, logits_processors=[eos_at(5)], return_token_ids=True).token_ids
+    rows = api.generate_batch(
+        model, tok, [prompt], max_tokens=96, logits_processors=[eos_at(5)], return_token_ids=True
+    ).token_ids
     assert len(rows[0]) == 5
 
 
 def test_stream_contract_with_editing(llada2):
     model, tok = llada2
     drafts = []
-    responses = list(api.stream_generate(model, tok, PROMPTS[0], max_tokens=40, preset="speed",
-                                         draft_callback=lambda s: drafts.append(s.canvas.copy())))
+    responses = list(
+        api.stream_generate(
+            model,
+            tok,
+            PROMPTS[0],
+            max_tokens=40,
+            preset="speed",
+            draft_callback=lambda s: drafts.append(s.canvas.copy()),
+        )
+    )
     P = len(PROMPTS[0])
     assert len(drafts) == responses[-1].forwards
     for i, r in enumerate(responses):  # an emitted token never changes afterwards
@@ -302,7 +336,8 @@ def test_stream_contract_with_editing(llada2):
             assert canvas[0, P + i] == r.token
     assert LLADA2_MASK not in [r.token for r in responses]
     assert api.generate(model, tok, "Hello", max_tokens=8, preset="quality") == "".join(
-        r.text for r in api.stream_generate(model, tok, "Hello", max_tokens=8, preset="quality"))
+        r.text for r in api.stream_generate(model, tok, "Hello", max_tokens=8, preset="quality")
+    )
 
 
 def test_cli_and_bad_input(llada2, llada2_path):
@@ -313,8 +348,20 @@ def test_cli_and_bad_input(llada2, llada2_path):
         api.generate(model, tok, "x <|mask|> y", max_tokens=4)
     capped = list(api.stream_generate(model, tok, "Hi", max_tokens=2000, threshold=0.0))
     assert len(capped) <= model.max_length  # past the context: capped, not an error
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(llada2_path), "--prompt", "Hi",
-                 "--max-tokens", "8", "--threshold", "0.5", "--steps", "4", "--show-canvas")
+    r = run_main(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(llada2_path),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "8",
+        "--threshold",
+        "0.5",
+        "--steps",
+        "4",
+        "--show-canvas",
+    )
     assert r.returncode == 0 and "forwards" in r.stdout, r.stderr
     assert r.stderr.startswith("[forward 1]")  # --show-canvas draws the canvas on stderr
 

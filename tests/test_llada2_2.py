@@ -152,8 +152,19 @@ def softmax(z):
     return e / e.sum(-1, keepdims=True)
 
 
-def oracle(model, prompt, max_tokens, *, block=WINDOW, steps=None, threshold=0.5, editing=0.0, max_post=16,
-           max_steps=1000, eos=tuple(LLADA2_2_EOS)):
+def oracle(
+    model,
+    prompt,
+    max_tokens,
+    *,
+    block=WINDOW,
+    steps=None,
+    threshold=0.5,
+    editing=0.0,
+    max_post=16,
+    max_steps=1000,
+    eos=tuple(LLADA2_2_EOS),
+):
     """LLaDA2.2's `generate`, batch 1, greedy, no cache, written from the algorithm."""
     P, S = len(prompt), steps or block
     total = -(-(P + max_tokens) // block) * block
@@ -283,8 +294,15 @@ def test_edits_are_exercised(llada22, monkeypatch):
     assert (written == DELETE).sum() > 0 and (written == SPLIT).sum() > 0
 
 
-@pytest.mark.parametrize("options", [dict(max_post_steps=0), dict(max_post_steps=2, steps=4),
-                                     dict(threshold=0.9, editing_threshold=0.3), dict(block_length=16)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_post_steps=0),
+        dict(max_post_steps=2, steps=4),
+        dict(threshold=0.9, editing_threshold=0.3),
+        dict(block_length=16),
+    ],
+)
 def test_options_match_the_reference_loop(llada22, options):
     model, tokenizer = llada22
     names = {"max_post_steps": "max_post", "editing_threshold": "editing", "block_length": "block"}
@@ -323,9 +341,12 @@ def test_invariants_under_fuzzed_settings(llada22, seed):
     rng = np.random.default_rng(100 + seed)
     prompt = rng.integers(0, 256, int(rng.integers(1, 20))).tolist()
     options = dict(
-        max_tokens=int(rng.integers(1, 30)), threshold=float(rng.uniform(0, 1)),
-        editing_threshold=float(rng.uniform(0, 1)), max_post_steps=int(rng.integers(0, 5)),
-        steps=int(rng.integers(1, 10)), max_steps_per_block=int(rng.integers(1, 12)),
+        max_tokens=int(rng.integers(1, 30)),
+        threshold=float(rng.uniform(0, 1)),
+        editing_threshold=float(rng.uniform(0, 1)),
+        max_post_steps=int(rng.integers(0, 5)),
+        steps=int(rng.integers(1, 10)),
+        max_steps_per_block=int(rng.integers(1, 12)),
         block_length=int(rng.choice([8, 16])),
     )
     out, forwards, run, steps = engine(model, tokenizer, [prompt], **options)
@@ -353,8 +374,11 @@ def test_defaults_and_errors(llada22):
     with pytest.raises(ValueError, match="come together"):
         resolve(DecodeOptions(max_tokens=8, edit_ops=("substitute", "insert")), adapter, 5)
     # edits off: the masked-block decoder with any rule, never proposing DELETE or SPLIT
-    for options in (dict(edit_ops=()), dict(edit_ops=(), strategy="entropy_bounded"),
-                    dict(edit_ops=("substitute",), editing_threshold=0.0)):
+    for options in (
+        dict(edit_ops=()),
+        dict(edit_ops=(), strategy="entropy_bounded"),
+        dict(edit_ops=("substitute",), editing_threshold=0.0),
+    ):
         out, _, run, _ = engine(model, tokenizer, [[72, 101, 108]], max_tokens=16, **options)
         assert run.decoder.name == "masked_block"
         assert not set(out[0]) & {MASK, DELETE, SPLIT}
@@ -443,8 +467,13 @@ def test_draft_frames_carry_the_edits_for_the_studio(llada22):
     model, tokenizer = llada22
     frames, texts = [], {}
     prompt = np.random.default_rng(1).integers(0, 256, 9).tolist()
-    mld.generate(model, tokenizer, prompt, max_tokens=16,
-                 draft_callback=lambda step: frames.append(draft_frame(tokenizer, step, MASK, texts)))
+    mld.generate(
+        model,
+        tokenizer,
+        prompt,
+        max_tokens=16,
+        draft_callback=lambda step: frames.append(draft_frame(tokenizer, step, MASK, texts)),
+    )
     assert all("inserted" in f and "deleted" in f for f in frames)
     assert any(f["deleted"] for f in frames) and any(f["inserted"] for f in frames)
     for frame in frames:
@@ -473,14 +502,24 @@ def test_either_eos_of_the_list_ends_the_decode_in_a_final_block(tmp_path):
 def test_the_generate_cli_takes_edit_ops(path22):
     from cli_run import run_main
 
-    base = ["--model", str(path22), "--prompt", "Hello", "--max-tokens", "8", "--ignore-chat-template",
-            "--verbose", "False"]
+    base = [
+        "--model",
+        str(path22),
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "8",
+        "--ignore-chat-template",
+        "--verbose",
+        "False",
+    ]
     for ops in (["none"], ["substitute", "insert", "delete"]):
         done = run_main("mlx_lm_diffusion.generate", *base, "--edit-ops", *ops)
         assert done.returncode == 0, done.stderr
     bad = run_main("mlx_lm_diffusion.generate", *base, "--edit-ops", "insert", "delete")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: LLaDA2.2's insert and delete edits are written by its token edits; add 'substitute' to edit_ops"]
+        "error: LLaDA2.2's insert and delete edits are written by its token edits; add 'substitute' to edit_ops"
+    ]
 
 
 def test_the_chat_repl_decodes_with_edits(path22):

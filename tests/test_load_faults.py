@@ -26,7 +26,9 @@ def broken(tmp_path):
 
 
 def test_a_mask_id_outside_the_weights_vocabulary_is_refused(broken):
-    with pytest.raises(ValueError, match=r"mask_token_id \(99\) lies outside (the vocabulary of the weights|its vocab_size)"):
+    with pytest.raises(
+        ValueError, match=r"mask_token_id \(99\) lies outside (the vocabulary of the weights|its vocab_size)"
+    ):
         mld.load(str(broken))
     r = run_main("mlx_lm_diffusion.generate", "--model", str(broken), "--prompt", "357+468=")
     assert r.returncode == 2 and r.stdout == ""
@@ -53,14 +55,17 @@ def _config(change: dict):
     def edit(path):
         for name in ("config.json", "generation_config.json"):  # (mlx-lm reads the EOS ids of both)
             config = json.loads((path / name).read_text())
-            (path / name).write_text(json.dumps({**config, **{k: v for k, v in change.items()
-                                                              if name == "config.json" or k in config}}))
+            (path / name).write_text(
+                json.dumps({**config, **{k: v for k, v in change.items() if name == "config.json" or k in config}})
+            )
+
     return edit
 
 
 def _weights(data: bytes):
     def edit(path):
         (path / "model.safetensors").write_bytes(data(path) if callable(data) else data)
+
     return edit
 
 
@@ -74,9 +79,14 @@ BROKEN = {
     "a rope_theta that is a string": (_config({"rope_theta": "abc"}), "rope_theta must be a number"),
     "a rope_theta of zero": (_config({"rope_theta": 0}), "rope_theta must be positive"),  # (decoded NaN rotations)
     # (these two loaded: LLaDA's model is built from embedding_size, and vocab_size went unread)
-    "a vocab_size past the embedding": (_config({"vocab_size": VOCAB_SIZE + 1}),
-                                        f"vocab_size ({VOCAB_SIZE + 1}) exceeds its embedding_size"),
-    "a mask id past the vocab_size": (_config({"vocab_size": 7}), f"mask_token_id ({MASK_ID}) lies outside its vocab_size (7)"),
+    "a vocab_size past the embedding": (
+        _config({"vocab_size": VOCAB_SIZE + 1}),
+        f"vocab_size ({VOCAB_SIZE + 1}) exceeds its embedding_size",
+    ),
+    "a mask id past the vocab_size": (
+        _config({"vocab_size": 7}),
+        f"mask_token_id ({MASK_ID}) lies outside its vocab_size (7)",
+    ),
 }
 
 
@@ -90,9 +100,11 @@ def test_every_broken_checkpoint_is_one_line_and_exit_2(tmp_path, case):
     edit(path)
     with pytest.raises(ValueError, match=re.escape(message)):
         mld.load(str(path))
-    for door, args in (("mlx_lm_diffusion.generate", ["--model", str(path), "--prompt", "1+2="]),
-                       ("mlx_lm_diffusion.chat", ["--model", str(path)]),
-                       ("mlx_lm_diffusion.convert", ["--hf-path", str(path), "--mlx-path", str(tmp_path / "out")])):
+    for door, args in (
+        ("mlx_lm_diffusion.generate", ["--model", str(path), "--prompt", "1+2="]),
+        ("mlx_lm_diffusion.chat", ["--model", str(path)]),
+        ("mlx_lm_diffusion.convert", ["--hf-path", str(path), "--mlx-path", str(tmp_path / "out")]),
+    ):
         r = run_main(door, *args)
         lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode == 2 and len(lines) == 1 and message in lines[0], (door, r.stderr[-500:])
@@ -107,8 +119,9 @@ def test_images_without_the_vision_extra_name_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "mlx_vlm", None)  # (an import of it raises ImportError)
     picture = tmp_path / "p.png"
     picture.write_bytes(b"\x89PNG\r\n\x1a\n")
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(DEMO_MODEL_PATH), "--prompt", "1+2=",
-                 "--image", str(picture))
+    r = run_main(
+        "mlx_lm_diffusion.generate", "--model", str(DEMO_MODEL_PATH), "--prompt", "1+2=", "--image", str(picture)
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert 'pip install -e ".[vision]"' in r.stderr and "mlx_vlm" in r.stderr
 
@@ -119,7 +132,8 @@ def test_the_extras_install_from_a_clone():
     import tomllib
 
     extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     assert {"constraints", "vision", "eval", "test", "all"} <= set(extras)
     assert extras["all"] == ["mlx-lm-diffusion[constraints,vision,bench,eval,plot]"]
 

@@ -29,9 +29,26 @@ HELD_OUT = 100
 # mlx-lm's 33 (canvases of 10 positions hold the 8 decoded here). Measured on two splits: 92-96 %
 # held-out after 200-300 steps at this learning rate; 1e-3 reached 100 % on one split and
 # collapsed on the other.
-LORA_FLAGS = ["--iters", "400", "--batch-size", "32", "--num-layers", "-1", "--learning-rate", "5e-4",
-              "--max-seq-length", "16", "--steps-per-eval", "200", "--steps-per-report", "50", "--val-batches", "2",
-              "--save-every", "100000"]  # (no --mask-prompt: completions data is supervised fine-tuning anyway)
+LORA_FLAGS = [
+    "--iters",
+    "400",
+    "--batch-size",
+    "32",
+    "--num-layers",
+    "-1",
+    "--learning-rate",
+    "5e-4",
+    "--max-seq-length",
+    "16",
+    "--steps-per-eval",
+    "200",
+    "--steps-per-report",
+    "50",
+    "--val-batches",
+    "2",
+    "--save-every",
+    "100000",
+]  # (no --mask-prompt: completions data is supervised fine-tuning anyway)
 
 
 def _skill_rows(numbers):
@@ -45,7 +62,7 @@ def skill_data(tmp_path_factory) -> Path:
 
     numbers = list(range(LOW, HIGH))
     random.Random(0).shuffle(numbers)
-    splits = {"test": numbers[:HELD_OUT], "valid": numbers[HELD_OUT:HELD_OUT + 64], "train": numbers[HELD_OUT + 64:]}
+    splits = {"test": numbers[:HELD_OUT], "valid": numbers[HELD_OUT : HELD_OUT + 64], "train": numbers[HELD_OUT + 64 :]}
     path = tmp_path_factory.mktemp("plus-ten-thousand")
     for name, part in splits.items():
         (path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _skill_rows(part)))
@@ -56,8 +73,9 @@ def skill_data(tmp_path_factory) -> Path:
 def trained(skill_data, tmp_path_factory):
     """(adapter directory, the CLI's output): the demo's LoRA, trained once for the module."""
     adapters = tmp_path_factory.mktemp("adapters")
-    r = run_main("mlx_lm_diffusion.lora", "--train", "--data", str(skill_data), "--adapter-path", str(adapters),
-                 *LORA_FLAGS)
+    r = run_main(
+        "mlx_lm_diffusion.lora", "--train", "--data", str(skill_data), "--adapter-path", str(adapters), *LORA_FLAGS
+    )
     assert r.returncode == 0, r.stderr
     return adapters, r.stdout + r.stderr
 
@@ -67,8 +85,10 @@ def _held_out(skill_data):
 
 
 def accuracy(model, tokenizer, rows) -> float:
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
-               for r in rows]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True)
+        for r in rows
+    ]
     texts = mld.generate_batch(model, tokenizer, prompts, max_tokens=8).texts
     return sum(t.strip() == r["completion"] for t, r in zip(texts, rows)) / len(rows)
 
@@ -94,31 +114,48 @@ def test_lora_teaches_the_demo_the_skill(trained, skill_data):
 
 def test_the_generate_cli_and_the_server_use_the_adapter(trained):
     adapters, _ = trained
-    r = run("mlx_lm_diffusion.generate", "--model", str(DEMO_MODEL_PATH), "--adapter-path", str(adapters),
-            "--prompt", "7321==", "--max-tokens", "8")
+    r = run(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(DEMO_MODEL_PATH),
+        "--adapter-path",
+        str(adapters),
+        "--prompt",
+        "7321==",
+        "--max-tokens",
+        "8",
+    )
     assert r.returncode == 0, r.stderr
     assert "17321" in r.stdout
-    argv = ["--model", str(DEMO_MODEL_PATH), "--adapter-path", str(adapters), "--port", "0", "--log-level",
-            "WARNING"]
+    argv = ["--model", str(DEMO_MODEL_PATH), "--adapter-path", str(adapters), "--port", "0", "--log-level", "WARNING"]
     with running_server(argv) as (httpd, _):
-        status, body = post_json(httpd.server_address[1], "/v1/completions",
-                                 {"prompt": "7321==", "max_tokens": 8, "temperature": 0})
+        status, body = post_json(
+            httpd.server_address[1], "/v1/completions", {"prompt": "7321==", "max_tokens": 8, "temperature": 0}
+        )
     assert status == 200, body
     assert body["choices"][0]["text"].strip() == "17321"
 
 
 def test_fuse_gives_the_adapted_model(trained, skill_data, tmp_path):
     adapters, _ = trained
-    r = run_main("mlx_lm_diffusion.fuse", "--model", str(DEMO_MODEL_PATH), "--adapter-path", str(adapters),
-                 "--save-path", str(tmp_path / "fused"))
+    r = run_main(
+        "mlx_lm_diffusion.fuse",
+        "--model",
+        str(DEMO_MODEL_PATH),
+        "--adapter-path",
+        str(adapters),
+        "--save-path",
+        str(tmp_path / "fused"),
+    )
     assert r.returncode == 0, r.stderr
     config = json.loads((tmp_path / "fused" / "config.json").read_text())
     assert config["model_type"] == "llada" and config["mask_token_id"] == MASK_ID
     rows = _held_out(skill_data)[:24]
     prompts = [r["prompt"] for r in rows]
     fused = mld.generate_batch(*mld.load(str(tmp_path / "fused")), prompts, max_tokens=8).texts
-    adapted = mld.generate_batch(*mld.load(str(DEMO_MODEL_PATH), adapter_path=str(adapters)), prompts,
-                                 max_tokens=8).texts
+    adapted = mld.generate_batch(
+        *mld.load(str(DEMO_MODEL_PATH), adapter_path=str(adapters)), prompts, max_tokens=8
+    ).texts
     assert fused == adapted
 
 
@@ -147,10 +184,30 @@ def _val_losses(output: str) -> list:
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "llada2_2", "nemotron_labs_diffusion"])
 def test_full_fine_tuning_lowers_the_validation_loss(family, tmp_path):
     model = _write(family, tmp_path / "model")
-    r = run_main("mlx_lm_diffusion.lora", "--model", str(model), "--train", "--data", str(_text_data(tmp_path / "d")),
-                 "--fine-tune-type", "full", "--num-layers", "-1", "--iters", "8", "--batch-size", "2",
-                 "--learning-rate", "3e-3", "--steps-per-eval", "100", "--val-batches", "1",
-                 "--adapter-path", str(tmp_path / "full"))
+    r = run_main(
+        "mlx_lm_diffusion.lora",
+        "--model",
+        str(model),
+        "--train",
+        "--data",
+        str(_text_data(tmp_path / "d")),
+        "--fine-tune-type",
+        "full",
+        "--num-layers",
+        "-1",
+        "--iters",
+        "8",
+        "--batch-size",
+        "2",
+        "--learning-rate",
+        "3e-3",
+        "--steps-per-eval",
+        "100",
+        "--val-batches",
+        "1",
+        "--adapter-path",
+        str(tmp_path / "full"),
+    )
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout + r.stderr  # (mlx-lm's coloured table, not into a pipe: issue 54.4)
     losses = _val_losses(r.stdout + r.stderr)
@@ -160,9 +217,28 @@ def test_full_fine_tuning_lowers_the_validation_loss(family, tmp_path):
 
 def test_nemotron_trains_its_autoregressive_mode(tmp_path):
     model = _write("nemotron_labs_diffusion", tmp_path / "model")
-    r = run_main("mlx_lm_diffusion.lora", "--model", str(model), "--train", "--data", str(_text_data(tmp_path / "d")),
-                 "--objective", "ar", "--num-layers", "-1", "--iters", "4", "--batch-size", "2",
-                 "--learning-rate", "1e-3", "--val-batches", "1", "--adapter-path", str(tmp_path / "ar"))
+    r = run_main(
+        "mlx_lm_diffusion.lora",
+        "--model",
+        str(model),
+        "--train",
+        "--data",
+        str(_text_data(tmp_path / "d")),
+        "--objective",
+        "ar",
+        "--num-layers",
+        "-1",
+        "--iters",
+        "4",
+        "--batch-size",
+        "2",
+        "--learning-rate",
+        "1e-3",
+        "--val-batches",
+        "1",
+        "--adapter-path",
+        str(tmp_path / "ar"),
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "ar" / "adapter_config.json").read_text())["objective"] == "ar"
 
@@ -186,18 +262,32 @@ def test_faults_exit_2_with_one_line(tmp_path):
     no_data = run_main("mlx_lm_diffusion.lora", "--train", "--data", str(tmp_path / "no-data"))
     assert "no data at" in _one_line_error(no_data)
     ar = write_causal(tmp_path / "llama", "llama")
-    assert "mlx_lm.lora" in _one_line_error(run_main("mlx_lm_diffusion.lora", "--model", str(ar), "--train",
-                                                     "--data", str(data)))
+    assert "mlx_lm.lora" in _one_line_error(
+        run_main("mlx_lm_diffusion.lora", "--model", str(ar), "--train", "--data", str(data))
+    )
     gemma = _write("diffusion_gemma", tmp_path / "gemma")
-    assert "not supported" in _one_line_error(run_main("mlx_lm_diffusion.lora", "--model", str(gemma), "--train",
-                                                       "--data", str(data)))
+    assert "not supported" in _one_line_error(
+        run_main("mlx_lm_diffusion.lora", "--model", str(gemma), "--train", "--data", str(data))
+    )
     sdar = _write("sdar", tmp_path / "sdar")
-    assert "autoregressive mode" in _one_line_error(run_main(
-        "mlx_lm_diffusion.lora", "--model", str(sdar), "--train", "--data", str(data), "--objective", "ar",
-        "--num-layers", "-1"))
+    assert "autoregressive mode" in _one_line_error(
+        run_main(
+            "mlx_lm_diffusion.lora",
+            "--model",
+            str(sdar),
+            "--train",
+            "--data",
+            str(data),
+            "--objective",
+            "ar",
+            "--num-layers",
+            "-1",
+        )
+    )
     assert "--train, --test" in _one_line_error(run_main("mlx_lm_diffusion.lora", "--model", str(sdar)))
-    assert "adapter_config.json" in _one_line_error(run_main("mlx_lm_diffusion.fuse", "--model", str(sdar),
-                                                             "--adapter-path", str(tmp_path / "none")))
+    assert "adapter_config.json" in _one_line_error(
+        run_main("mlx_lm_diffusion.fuse", "--model", str(sdar), "--adapter-path", str(tmp_path / "none"))
+    )
 
 
 def test_data_faults_name_the_file_and_line(tmp_path):
@@ -214,9 +304,25 @@ def test_data_faults_name_the_file_and_line(tmp_path):
         return str(folder)
 
     def lora(folder: str, *extra: str):
-        return run_main("mlx_lm_diffusion.lora", "--train", "--data", folder, "--iters", "1", "--batch-size", "1",
-                        "--num-layers", "-1", "--val-batches", "1", "--steps-per-eval", "100",
-                        "--adapter-path", str(tmp_path / "out"), *extra)
+        return run_main(
+            "mlx_lm_diffusion.lora",
+            "--train",
+            "--data",
+            folder,
+            "--iters",
+            "1",
+            "--batch-size",
+            "1",
+            "--num-layers",
+            "-1",
+            "--val-batches",
+            "1",
+            "--steps-per-eval",
+            "100",
+            "--adapter-path",
+            str(tmp_path / "out"),
+            *extra,
+        )
 
     row = '{"prompt": "12==", "completion": "10012"}\n'
     empty = data("empty", "")
@@ -238,16 +344,32 @@ def test_test_resume_and_config_file(trained, skill_data, tmp_path):
     """--test scores the test split with the bound (mlx_lm.lora's "Test loss" line);
     --resume-adapter-file starts from trained weights; -c/--config gives the flags."""
     adapters, _ = trained
-    r = run_main("mlx_lm_diffusion.lora", "--test", "--data", str(skill_data), "--adapter-path", str(adapters),
-                 "--num-layers", "-1", "--batch-size", "32", "--mask-prompt", "--max-seq-length", "16")
+    r = run_main(
+        "mlx_lm_diffusion.lora",
+        "--test",
+        "--data",
+        str(skill_data),
+        "--adapter-path",
+        str(adapters),
+        "--num-layers",
+        "-1",
+        "--batch-size",
+        "32",
+        "--mask-prompt",
+        "--max-seq-length",
+        "16",
+    )
     assert r.returncode == 0, r.stderr
     assert re.search(r"Test loss \d+\.\d+, Test ppl \d+\.\d+", r.stdout + r.stderr)
     config = tmp_path / "lora.yaml"
-    config.write_text(f"train: true\ndata: {skill_data}\niters: 2\nbatch_size: 32\nnum_layers: -1\nmax_seq_length: 16\n"
-                      f"mask_prompt: true\nval_batches: 2\nlearning_rate: 1.0e-5\n"
-                      f"adapter_path: {tmp_path / 'resumed'}\n")
-    r = run_main("mlx_lm_diffusion.lora", "-c", str(config), "--resume-adapter-file",
-                 str(adapters / "adapters.safetensors"))
+    config.write_text(
+        f"train: true\ndata: {skill_data}\niters: 2\nbatch_size: 32\nnum_layers: -1\nmax_seq_length: 16\n"
+        f"mask_prompt: true\nval_batches: 2\nlearning_rate: 1.0e-5\n"
+        f"adapter_path: {tmp_path / 'resumed'}\n"
+    )
+    r = run_main(
+        "mlx_lm_diffusion.lora", "-c", str(config), "--resume-adapter-file", str(adapters / "adapters.safetensors")
+    )
     assert r.returncode == 0, r.stderr
     assert "\x1b" not in r.stdout + r.stderr  # (mlx-lm's coloured table, not into a pipe: issue 54.4)
     losses = _val_losses(r.stdout + r.stderr)
@@ -259,9 +381,27 @@ def test_test_resume_and_config_file(trained, skill_data, tmp_path):
 def test_dora_with_gradient_checkpointing(tmp_path):
     # (a child process: mlx-lm's --grad-checkpoint patches the layer class for the process)
     model = _write("llada", tmp_path / "model")
-    r = run("mlx_lm_diffusion.lora", "--model", str(model), "--train", "--data", str(_text_data(tmp_path / "d")),
-            "--grad-checkpoint", "--fine-tune-type", "dora", "--num-layers", "-1", "--iters", "2", "--batch-size", "2",
-            "--val-batches", "1", "--adapter-path", str(tmp_path / "ad"))
+    r = run(
+        "mlx_lm_diffusion.lora",
+        "--model",
+        str(model),
+        "--train",
+        "--data",
+        str(_text_data(tmp_path / "d")),
+        "--grad-checkpoint",
+        "--fine-tune-type",
+        "dora",
+        "--num-layers",
+        "-1",
+        "--iters",
+        "2",
+        "--batch-size",
+        "2",
+        "--val-batches",
+        "1",
+        "--adapter-path",
+        str(tmp_path / "ad"),
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "ad" / "adapters.safetensors").exists()
 
@@ -274,14 +414,27 @@ def test_the_mlx_lm_names_the_commands_rely_on():
     import mlx_lm.utils
     from mlx_lm.tuner import trainer
 
-    for name in ("build_parser", "CONFIG_DEFAULTS", "yaml_loader", "train_model", "evaluate_model", "train",
-                 "evaluate"):
+    for name in (
+        "build_parser",
+        "CONFIG_DEFAULTS",
+        "yaml_loader",
+        "train_model",
+        "evaluate_model",
+        "train",
+        "evaluate",
+    ):
         assert hasattr(mlx_lm.lora, name), name
     assert mlx_lm.lora.train is trainer.train and mlx_lm.lora.evaluate is trainer.evaluate
     for fn in (trainer.train, trainer.evaluate):
         assert {"loss", "iterate_batches"} <= set(inspect.signature(fn).parameters)
     assert list(inspect.signature(trainer.iterate_batches).parameters) == [
-        "dataset", "batch_size", "max_seq_length", "loop", "seed", "comm_group"]
+        "dataset",
+        "batch_size",
+        "max_seq_length",
+        "loop",
+        "seed",
+        "comm_group",
+    ]
     for name in ("load_adapters", "dequantize_model", "save", "_download"):
         assert hasattr(mlx_lm.utils, name), name
 
@@ -294,12 +447,35 @@ def test_qlora_then_fuse_dequantize(tmp_path):
     r = run_main("mlx_lm_diffusion.convert", "--hf-path", str(source), "--mlx-path", str(quantized), "-q")
     assert r.returncode == 0, r.stderr
     assert "quantization" in json.loads((quantized / "config.json").read_text())
-    r = run_main("mlx_lm_diffusion.lora", "--model", str(quantized), "--train", "--data", str(_text_data(tmp_path / "d")),
-                 "--num-layers", "-1", "--iters", "2", "--batch-size", "2", "--val-batches", "1",
-                 "--adapter-path", str(tmp_path / "ad"))
+    r = run_main(
+        "mlx_lm_diffusion.lora",
+        "--model",
+        str(quantized),
+        "--train",
+        "--data",
+        str(_text_data(tmp_path / "d")),
+        "--num-layers",
+        "-1",
+        "--iters",
+        "2",
+        "--batch-size",
+        "2",
+        "--val-batches",
+        "1",
+        "--adapter-path",
+        str(tmp_path / "ad"),
+    )
     assert r.returncode == 0, r.stderr
-    r = run_main("mlx_lm_diffusion.fuse", "--model", str(quantized), "--adapter-path", str(tmp_path / "ad"),
-                 "--save-path", str(tmp_path / "fused"), "--dequantize")
+    r = run_main(
+        "mlx_lm_diffusion.fuse",
+        "--model",
+        str(quantized),
+        "--adapter-path",
+        str(tmp_path / "ad"),
+        "--save-path",
+        str(tmp_path / "fused"),
+        "--dequantize",
+    )
     assert r.returncode == 0, r.stderr
     config = json.loads((tmp_path / "fused" / "config.json").read_text())
     assert "quantization" not in config and config["model_type"] == "llada"
@@ -313,12 +489,36 @@ def test_fuse_keeps_the_remote_code_and_auto_map(tmp_path):
     config["auto_map"] = {"AutoModel": "modeling_llada.LLaDAModelLM"}
     (source / "config.json").write_text(json.dumps(config))
     (source / "modeling_llada.py").write_text("# the checkpoint's remote code\n")
-    r = run_main("mlx_lm_diffusion.lora", "--model", str(source), "--train", "--data", str(_text_data(tmp_path / "d")),
-                 "--num-layers", "-1", "--iters", "3", "--batch-size", "2", "--learning-rate", "1e-2",
-                 "--val-batches", "1", "--adapter-path", str(tmp_path / "ad"))
+    r = run_main(
+        "mlx_lm_diffusion.lora",
+        "--model",
+        str(source),
+        "--train",
+        "--data",
+        str(_text_data(tmp_path / "d")),
+        "--num-layers",
+        "-1",
+        "--iters",
+        "3",
+        "--batch-size",
+        "2",
+        "--learning-rate",
+        "1e-2",
+        "--val-batches",
+        "1",
+        "--adapter-path",
+        str(tmp_path / "ad"),
+    )
     assert r.returncode == 0, r.stderr
-    r = run_main("mlx_lm_diffusion.fuse", "--model", str(source), "--adapter-path", str(tmp_path / "ad"),
-                 "--save-path", str(tmp_path / "fused"))
+    r = run_main(
+        "mlx_lm_diffusion.fuse",
+        "--model",
+        str(source),
+        "--adapter-path",
+        str(tmp_path / "ad"),
+        "--save-path",
+        str(tmp_path / "fused"),
+    )
     assert r.returncode == 0, r.stderr
     fused = json.loads((tmp_path / "fused" / "config.json").read_text())
     assert fused["auto_map"] == config["auto_map"] and fused["mask_token_id"] == config["mask_token_id"]
@@ -341,8 +541,18 @@ def test_config_faults_are_one_line(tmp_path):
 
     def lora(config: str):
         (tmp_path / "config.yaml").write_text(config)
-        return _one_line_error(run_main("mlx_lm_diffusion.lora", "-c", str(tmp_path / "config.yaml"), "--train",
-                                        "--iters", "1", "--adapter-path", str(tmp_path / "out")))
+        return _one_line_error(
+            run_main(
+                "mlx_lm_diffusion.lora",
+                "-c",
+                str(tmp_path / "config.yaml"),
+                "--train",
+                "--iters",
+                "1",
+                "--adapter-path",
+                str(tmp_path / "out"),
+            )
+        )
 
     assert "is not valid YAML (line 2, column 6)" in lora(f"data: {data}\n  bad: [\n")
     assert "is not valid YAML (line 1, column 7)" in lora('data: !!python/object/apply:os.system ["echo pwned"]\n')

@@ -64,9 +64,13 @@ def _serve(tmp_path, *flags, prefix=(), script=None):
     port = _free_port()
     command = ["-m", "mlx_lm_diffusion.server"] if script is None else ["-c", script]
     log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([*prefix, sys.executable, *command, "--model", str(DEMO_MODEL_PATH), "--port", str(port),
-                             *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, *command, "--model", str(DEMO_MODEL_PATH), "--port", str(port), *flags],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     deadline = time.monotonic() + START_BOUND
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -126,9 +130,17 @@ def test_a_server_short_of_address_space_answers_503_until_it_is_back(tmp_path):
 @pytest.fixture(scope="module")
 def import_footprint() -> int:
     """The address space a process holds once the server's modules are imported."""
-    out = subprocess.run([sys.executable, "-c", "import mlx_lm_diffusion.serving.startup; "
-                                                "print(open('/proc/self/statm').read().split()[0])"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=START_BOUND)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import mlx_lm_diffusion.serving.startup; print(open('/proc/self/statm').read().split()[0])",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=START_BOUND,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout) * PAGE
 
@@ -136,14 +148,30 @@ def import_footprint() -> int:
 def _start_under(limit: int, tmp_path) -> tuple:
     """(exit code, output) of the server started under `prlimit --as=limit`."""
     port = _free_port()
-    out = subprocess.run(["prlimit", f"--as={limit}", sys.executable, "-m", "mlx_lm_diffusion.server", "--model",
-                          str(DEMO_MODEL_PATH), "--port", str(port)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=START_BOUND, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [
+            "prlimit",
+            f"--as={limit}",
+            sys.executable,
+            "-m",
+            "mlx_lm_diffusion.server",
+            "--model",
+            str(DEMO_MODEL_PATH),
+            "--port",
+            str(port),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=START_BOUND,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     return out.returncode, out.stdout + out.stderr
 
 
-@pytest.mark.skipif(subprocess.run(["prlimit", "--version"], capture_output=True).returncode != 0,
-                    reason="needs util-linux's prlimit")
+@pytest.mark.skipif(
+    subprocess.run(["prlimit", "--version"], capture_output=True).returncode != 0, reason="needs util-linux's prlimit"
+)
 @pytest.mark.parametrize("share, what", [(0.5, "import"), (None, "load")])
 def test_a_start_up_short_of_memory_ends_with_one_line(share, what, import_footprint, tmp_path):
     """Under half of what the imports take, an import fails (a library that cannot be mapped,
@@ -220,7 +248,11 @@ def test_a_connection_whose_thread_cannot_start_gets_a_503(monkeypatch):
 
 def test_what_counts_as_out_of_memory():
     assert memory.is_out_of_memory(MemoryError())
-    for text in ("can't start new thread", "[metal::malloc] Unable to allocate 34359738368 bytes",
-                 "libtorch_cpu.so: failed to map segment from shared object", "[Errno 12] Cannot allocate memory"):
+    for text in (
+        "can't start new thread",
+        "[metal::malloc] Unable to allocate 34359738368 bytes",
+        "libtorch_cpu.so: failed to map segment from shared object",
+        "[Errno 12] Cannot allocate memory",
+    ):
         assert memory.is_out_of_memory(RuntimeError(text)), text
     assert not memory.is_out_of_memory(ValueError("max_tokens must be positive"))

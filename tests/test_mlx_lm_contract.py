@@ -68,18 +68,35 @@ def test_callers_look_the_targets_up_at_call_time():
 
 def test_stream_generate_signature():
     assert params(generate_module.stream_generate)[:6] == [
-        "model", "tokenizer", "prompt", "max_tokens", "draft_model", "stream"]
+        "model",
+        "tokenizer",
+        "prompt",
+        "max_tokens",
+        "draft_model",
+        "stream",
+    ]
     assert params(generate_module.generate)[:4] == ["model", "tokenizer", "prompt", "verbose"]
     fields = [f.name for f in dataclasses.fields(generate_module.GenerationResponse)]
-    assert fields == ["text", "token", "logprobs", "from_draft", "prompt_tokens", "prompt_tps",
-                      "generation_tokens", "generation_tps", "peak_memory", "finish_reason"]
+    assert fields == [
+        "text",
+        "token",
+        "logprobs",
+        "from_draft",
+        "prompt_tokens",
+        "prompt_tps",
+        "generation_tokens",
+        "generation_tps",
+        "peak_memory",
+        "finish_reason",
+    ]
 
 
 def test_load_and_samplers():
     assert {"adapter_path", "tokenizer_config", "trust_remote_code"} <= set(params(mlx_lm.utils.load))
     assert mlx_lm.load is mlx_lm.utils.load
     assert {"temp", "top_p", "xtc_probability", "xtc_threshold", "xtc_special_tokens"} <= set(
-        params(mlx_lm.sample_utils.make_sampler))
+        params(mlx_lm.sample_utils.make_sampler)
+    )
     wrapper = mlx_lm.tokenizer_utils.TokenizerWrapper
     for name in ("detokenizer", "eos_token_ids"):
         assert isinstance(inspect.getattr_static(wrapper, name), property), name
@@ -122,18 +139,23 @@ def test_server_batches_only_caches_with_merge():
 
 
 def test_server_classes_and_signatures():
-    assert params(server.APIHandler.__init__) == [
-        "self", "response_generator", "args", "system_fingerprint", "kwargs"]
+    assert params(server.APIHandler.__init__) == ["self", "response_generator", "args", "system_fingerprint", "kwargs"]
     assert params(server.ResponseGenerator.__init__) == ["self", "model_provider", "prompt_cache"]
-    assert params(server.ResponseGenerator.generate) == [
-        "self", "request", "generation_args", "progress_callback"]
+    assert params(server.ResponseGenerator.generate) == ["self", "request", "generation_args", "progress_callback"]
     assert params(server.ResponseGenerator._tokenize) == ["self", "tokenizer", "request", "args"]
     assert params(server.ResponseGenerator._serve_single) == ["self", "request", "stream"]
     assert params(server.APIHandler._set_completion_headers) == ["self", "status_code"]
     assert params(server.APIHandler.handle_completion) == ["self", "request", "stop_words"]
     assert isinstance(inspect.getattr_static(server.ResponseGenerator, "cli_args"), property)
-    for name in ("stop_and_join", "validate_model_parameters", "handle_chat_completions",
-                 "handle_text_completions", "handle_models_request", "do_GET", "do_POST"):
+    for name in (
+        "stop_and_join",
+        "validate_model_parameters",
+        "handle_chat_completions",
+        "handle_text_completions",
+        "handle_models_request",
+        "do_GET",
+        "do_POST",
+    ):
         owner = server.ResponseGenerator if name == "stop_and_join" else server.APIHandler
         assert callable(getattr(owner, name)), name
     assert params(server.ModelProvider.__init__) == ["self", "cli_args"]
@@ -144,7 +166,12 @@ def test_server_classes_and_signatures():
 
 def test_request_dataclasses():
     assert [f.name for f in dataclasses.fields(server.CompletionRequest)] == [
-        "request_type", "prompt", "messages", "tools", "role_mapping"]
+        "request_type",
+        "prompt",
+        "messages",
+        "tools",
+        "role_mapping",
+    ]
     names = {f.name for f in dataclasses.fields(server.GenerationArguments)}
     assert {"model", "max_tokens", "seed"} <= names
     assert "model" in {f.name for f in dataclasses.fields(server.ModelDescription)}
@@ -194,13 +221,23 @@ def test_main_hands_its_arguments_to_run():
 
 def test_chat_parser_and_ui():
     args = mlx_lm.chat.setup_arg_parser().parse_args([])
-    for name in ("model", "adapter_path", "trust_remote_code", "temp", "top_p", "xtc_probability",
-                 "xtc_threshold", "seed", "max_kv_size", "max_tokens", "system_prompt"):
+    for name in (
+        "model",
+        "adapter_path",
+        "trust_remote_code",
+        "temp",
+        "top_p",
+        "xtc_probability",
+        "xtc_threshold",
+        "seed",
+        "max_kv_size",
+        "max_tokens",
+        "system_prompt",
+    ):
         assert hasattr(args, name), name
     ui = mlx_lm.cli_ui.ChatUI
     assert params(ui.__init__) == ["self", "args", "rank"]
-    for name in ("prompt", "say_bye", "say_reset", "say_help", "stream_token", "end_turn",
-                 "__enter__", "__exit__"):
+    for name in ("prompt", "say_bye", "say_reset", "say_help", "stream_token", "end_turn", "__enter__", "__exit__"):
         assert callable(getattr(ui, name)), name
     assert "input(" in source(mlx_lm.cli_ui.corridor_input)  # EOF raises EOFError
 
@@ -216,7 +253,11 @@ PRIVATE_NAMES = [
     ("mlx_lm.server", "_image_parts", "the server refuses image content parts before mlx_lm.server reads them"),
     ("mlx_lm.server", "_image_url", "... and the URLs in them (never fetched)"),
     ("mlx_lm.server", "ResponseGenerator._generate", "overridden: the generation thread's loop, with cancellation"),
-    ("mlx_lm.server", "ResponseGenerator._tokenize", "overridden: up-front checks of a decode (a 400, not a dropped stream)"),
+    (
+        "mlx_lm.server",
+        "ResponseGenerator._tokenize",
+        "overridden: up-front checks of a decode (a 400, not a dropped stream)",
+    ),
     ("mlx_lm.server", "ResponseGenerator._serve_single", "overridden: decoding options and drafts around one request"),
     ("mlx_lm.server", "APIHandler._set_completion_headers", "called and remapped: request errors keep their status"),
     ("mlx_lm.server", "APIHandler._set_stream_headers", "overridden: SSE headers with the server's CORS policy"),
@@ -242,6 +283,13 @@ def test_batch_generate_signature_and_response():
     fields = [f.name for f in dataclasses.fields(generate_module.BatchResponse)]
     assert fields == ["texts", "stats", "caches", "token_ids", "logprobs"]
     stats = {f.name for f in dataclasses.fields(BatchStats)}
-    assert {"prompt_tokens", "prompt_time", "generation_tokens", "generation_steps", "decode_time",
-            "wall_time", "peak_memory"} <= stats
+    assert {
+        "prompt_tokens",
+        "prompt_time",
+        "generation_tokens",
+        "generation_steps",
+        "decode_time",
+        "wall_time",
+        "peak_memory",
+    } <= stats
     assert mlx_lm.batch_generate is generate_module.batch_generate or hasattr(mlx_lm.batch_generate, "__wrapped__")

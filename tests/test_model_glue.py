@@ -22,8 +22,12 @@ cache_module = importlib.import_module("mlx_lm.models.cache")
 install_module = importlib.import_module("mlx_lm_diffusion.api.install")
 
 WRITERS = {
-    "llada": write_llada, "dream": write_dream, "sdar": write_sdar, "llada2": write_llada2,
-    "nemotron": write_nemotron, "diffusion_gemma": write_diffusion_gemma,
+    "llada": write_llada,
+    "dream": write_dream,
+    "sdar": write_sdar,
+    "llada2": write_llada2,
+    "nemotron": write_nemotron,
+    "diffusion_gemma": write_diffusion_gemma,
 }
 # the modules that look make_prompt_cache up (server, chat, generate) and its home
 CALLERS = ("mlx_lm.generate", "mlx_lm.models.cache", "mlx_lm.server", "mlx_lm.chat")

@@ -81,8 +81,10 @@ def test_sanitize_accepts_both_layouts_and_is_idempotent(nemotron, nemotron_path
     assert set(model.sanitize(dict(params))) == set(params)
     hf = mx.load(str(nemotron_path / "model.safetensors"))
     assert set(model.sanitize(hf)) == set(params)
-    vlm = {("language_model.model." + k[len("encoder."):]) if k.startswith("encoder.") else "language_model." + k: v
-           for k, v in hf.items()}
+    vlm = {
+        ("language_model.model." + k[len("encoder.") :]) if k.startswith("encoder.") else "language_model." + k: v
+        for k, v in hf.items()
+    }
     assert set(model.sanitize(vlm)) == set(params)
 
 
@@ -115,8 +117,9 @@ def _attention(chunks: list, causal_context: bool, block: int) -> np.ndarray:
     return mask
 
 
-def nemotron_generate(model, prompt, *, gen_length, block_length, threshold, causal_context,
-                      editing_threshold=None, max_post_steps=16):
+def nemotron_generate(
+    model, prompt, *, gen_length, block_length, threshold, causal_context, editing_threshold=None, max_post_steps=16
+):
     """NVIDIA's Nemotron-Labs Diffusion `generate` (temperature 0, batch 1, no EOS stop), with
     LLaDA2.1's token editing when `editing_threshold` is set. Returns (tokens, denoising forwards)."""
     assert gen_length % block_length == 0
@@ -159,7 +162,7 @@ def nemotron_generate(model, prompt, *, gen_length, block_length, threshold, cau
                 break
         x += block.tolist()
         chunks.append(block_length)
-    return x[len(prompt):], forwards
+    return x[len(prompt) :], forwards
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -184,12 +187,25 @@ def test_editing_matches_reference_loop(nemotron, causal_context, editing_thresh
     model, tok = nemotron
     prompt = PROMPTS[0]
     ref_tokens, ref_forwards = nemotron_generate(
-        model, prompt, gen_length=16, block_length=8, threshold=0.5, causal_context=causal_context,
-        editing_threshold=editing_threshold, max_post_steps=max_post_steps,
+        model,
+        prompt,
+        gen_length=16,
+        block_length=8,
+        threshold=0.5,
+        causal_context=causal_context,
+        editing_threshold=editing_threshold,
+        max_post_steps=max_post_steps,
     )
     tokens, forwards = engine_decode(
-        model, tok, prompt, max_tokens=16, block_length=8, threshold=0.5, causal_context=causal_context,
-        editing_threshold=editing_threshold, max_post_steps=max_post_steps,
+        model,
+        tok,
+        prompt,
+        max_tokens=16,
+        block_length=8,
+        threshold=0.5,
+        causal_context=causal_context,
+        editing_threshold=editing_threshold,
+        max_post_steps=max_post_steps,
     )
     assert tokens == ref_tokens
     assert forwards == ref_forwards
@@ -203,8 +219,13 @@ def test_decode_matches_mlx_vlm_diffusion_mode(nemotron, reference, prompt, thre
     model, tok = nemotron
     stats = {}
     theirs = reference.generate(
-        mx.array([prompt]), block_length=8, steps=8, gen_length=32, threshold=threshold,
-        eos_id=-1, stats=stats,
+        mx.array([prompt]),
+        block_length=8,
+        steps=8,
+        gen_length=32,
+        threshold=threshold,
+        eos_id=-1,
+        stats=stats,
     )
     strategy = {"threshold": threshold} if threshold is not None else {"strategy": "low_confidence"}
     tokens, forwards = engine_decode(model, tok, prompt, max_tokens=32, block_length=8, **strategy)
@@ -219,7 +240,7 @@ def test_block_length_one_is_autoregressive(nemotron, reference):
     prompt = PROMPTS[0]
     theirs, _ = reference.ar_generate(mx.array([prompt]), max_new_tokens=12, eos_token_id=-1)
     responses = list(mld.stream_generate(model, tok, prompt, max_tokens=12, block_length=1))
-    assert [r.token for r in responses] == theirs[0, len(prompt):].tolist()
+    assert [r.token for r in responses] == theirs[0, len(prompt) :].tolist()
     assert responses[-1].forwards == 0 and responses[-1].finish_reason == "length"
 
 
@@ -243,16 +264,24 @@ def test_stream_contract(nemotron, options):
     prompt = PROMPTS[0]
     P = len(prompt)
     drafts = []
-    responses = list(mld.stream_generate(
-        model, tok, prompt, max_tokens=20, block_length=8, threshold=0.5,
-        draft_callback=lambda s: drafts.append(s.canvas.copy()), **options,
-    ))
+    responses = list(
+        mld.stream_generate(
+            model,
+            tok,
+            prompt,
+            max_tokens=20,
+            block_length=8,
+            threshold=0.5,
+            draft_callback=lambda s: drafts.append(s.canvas.copy()),
+            **options,
+        )
+    )
     assert len(drafts) == responses[-1].forwards
     tokens = [r.token for r in responses]
-    assert tokens == drafts[-1][0, P:P + len(tokens)].tolist()
+    assert tokens == drafts[-1][0, P : P + len(tokens)].tolist()
     assert [r.generation_tokens for r in responses] == list(range(1, len(tokens) + 1))
     for i, r in enumerate(responses):
-        for canvas in drafts[r.forwards - 1:]:
+        for canvas in drafts[r.forwards - 1 :]:
             assert canvas[0, P + i] == r.token
     if "editing_threshold" in options:  # whole blocks at a time
         groups = np.unique([r.forwards for r in responses], return_counts=True)[1]
@@ -271,8 +300,9 @@ def test_eos_stops_early(nemotron):
             bias[:, EOS_ID] = 1e4
         return logits + bias
 
-    responses = list(mld.stream_generate(model, tok, PROMPTS[0], max_tokens=32, block_length=8,
-                                         logits_processors=[eos_at_three]))
+    responses = list(
+        mld.stream_generate(model, tok, PROMPTS[0], max_tokens=32, block_length=8, logits_processors=[eos_at_three])
+    )
     assert responses[-1].finish_reason == "stop" and responses[-1].token == EOS_ID
     assert len(responses) == 4 and responses[-1].forwards <= 7
 
@@ -303,7 +333,17 @@ def test_quantized_convert_and_reload(tmp_path, nemotron_path, nemotron):
 def test_cli_generates(nemotron_path):
     from cli_run import run_main
 
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(nemotron_path), "--prompt", "Hi",
-                 "--max-tokens", "8", "--block-length", "4", "--show-canvas")
+    r = run_main(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(nemotron_path),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "8",
+        "--block-length",
+        "4",
+        "--show-canvas",
+    )
     assert r.returncode == 0, r.stderr
     assert "forwards" in r.stdout and "[forward 1]" in r.stderr

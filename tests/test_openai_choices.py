@@ -37,7 +37,7 @@ def stream(server, path: str, body: dict):
     conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200, response.read()
-    events = [line[len("data: "):] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in response.read().decode().splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
     return [json.loads(e) for e in events[:-1]]
 
@@ -86,8 +86,11 @@ def test_a_list_of_prompts_gives_one_choice_per_prompt_in_order(server):
 
 
 def test_streams_interleave_the_choices_indexes(server):
-    chunks = stream(server, "/v1/chat/completions", {"messages": USER, "n": 3, "logprobs": True,
-                                                     "stream_options": {"include_usage": True}})
+    chunks = stream(
+        server,
+        "/v1/chat/completions",
+        {"messages": USER, "n": 3, "logprobs": True, "stream_options": {"include_usage": True}},
+    )
     for chunk in chunks:
         check("CreateChatCompletionStreamResponse", chunk)
     texts, finishes = {}, {}
@@ -107,12 +110,15 @@ def test_streams_interleave_the_choices_indexes(server):
     assert got == {0: "825", 1: "3"}
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"n": 9, "prompt": ["1+2=", "3+4="]}, "prompt"),  # 18 choices, over --max-choices 16
-    ({"n": 2, "best_of": 3, "prompt": "1+2="}, "best_of"),
-    ({"n": 2, "prompt": ["1+2=", [10**9]]}, None),  # the second prompt's ids are outside the vocabulary
-    ({"n": 2, "prompt": "1+2=", "stream": True, "drafts": True}, "drafts"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"n": 9, "prompt": ["1+2=", "3+4="]}, "prompt"),  # 18 choices, over --max-choices 16
+        ({"n": 2, "best_of": 3, "prompt": "1+2="}, "best_of"),
+        ({"n": 2, "prompt": ["1+2=", [10**9]]}, None),  # the second prompt's ids are outside the vocabulary
+        ({"n": 2, "prompt": "1+2=", "stream": True, "drafts": True}, "drafts"),
+    ],
+)
 def test_a_bad_choice_refuses_the_whole_request(server, body, param):
     status, error = post_json(port_of(server), "/v1/completions", body)
     assert status == 400 and error["error"]["param"] == param, error
@@ -121,8 +127,12 @@ def test_a_bad_choice_refuses_the_whole_request(server, body, param):
 
 def test_a_stream_whose_choice_is_refused_is_a_plain_400(server):
     conn = http.client.HTTPConnection("127.0.0.1", port_of(server), timeout=120)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": ["1+2=", [10**9]], "stream": True}),
-                 {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": ["1+2=", [10**9]], "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     response = conn.getresponse()
     assert response.status == 400 and "error" in json.loads(response.read())
 
@@ -143,8 +153,15 @@ def test_sampled_choices_differ_and_repeat_with_a_seed(llada_path):
         c = client_of(s)
 
         def texts(seed):
-            r = c.completions.create(model="default_model", prompt="hello", n=4, temperature=1.0, seed=seed,
-                                     max_tokens=8, extra_body={"steps": 8, "block_length": 8})
+            r = c.completions.create(
+                model="default_model",
+                prompt="hello",
+                n=4,
+                temperature=1.0,
+                seed=seed,
+                max_tokens=8,
+                extra_body={"steps": 8, "block_length": 8},
+            )
             return [x.text for x in r.choices]
 
         first = texts(7)

@@ -19,8 +19,11 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12}
 @pytest.fixture(scope="module", params=["demo", "llada", "sdar"])
 def served(request, tmp_path_factory, llada_path):
     """(base URL, a prompt, the model's greedy answer to it) for each checkpoint."""
-    path = {"demo": DEMO_MODEL_PATH, "llada": llada_path,
-            "sdar": request.param == "sdar" and write_sdar(tmp_path_factory.mktemp("sdar"))}[request.param]
+    path = {
+        "demo": DEMO_MODEL_PATH,
+        "llada": llada_path,
+        "sdar": request.param == "sdar" and write_sdar(tmp_path_factory.mktemp("sdar")),
+    }[request.param]
     argv = ["--model", str(path), "--port", "0", "--log-level", "WARNING"]
     with running_server(argv) as (httpd, _):
         url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
@@ -32,13 +35,15 @@ def served(request, tmp_path_factory, llada_path):
 
 
 def chat_model(url: str, **kw) -> langchain_openai.ChatOpenAI:
-    return langchain_openai.ChatOpenAI(model="default_model", base_url=url, api_key="x", max_retries=0,
-                                       timeout=120, **{**GREEDY, **kw})
+    return langchain_openai.ChatOpenAI(
+        model="default_model", base_url=url, api_key="x", max_retries=0, timeout=120, **{**GREEDY, **kw}
+    )
 
 
 def completions_model(url: str, **kw) -> langchain_openai.OpenAI:
-    return langchain_openai.OpenAI(model="default_model", base_url=url, api_key="x", max_retries=0,
-                                   timeout=120, **{**GREEDY, **kw})
+    return langchain_openai.OpenAI(
+        model="default_model", base_url=url, api_key="x", max_retries=0, timeout=120, **{**GREEDY, **kw}
+    )
 
 
 def test_chat_with_logprobs(served):

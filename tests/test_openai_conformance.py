@@ -53,8 +53,13 @@ def test_chat_logprobs_are_the_generated_tokens(client):
 
 def test_stream_chunks_carry_their_tokens_logprobs(client):
     whole = client.chat.completions.create(model="default_model", messages=USER, logprobs=True, top_logprobs=2)
-    chunks = [c for c in client.chat.completions.create(model="default_model", messages=USER, logprobs=True,
-                                                         top_logprobs=2, stream=True) if c.choices]
+    chunks = [
+        c
+        for c in client.chat.completions.create(
+            model="default_model", messages=USER, logprobs=True, top_logprobs=2, stream=True
+        )
+        if c.choices
+    ]
     streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "825"
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole.choices[0].logprobs.content]
@@ -62,9 +67,24 @@ def test_stream_chunks_carry_their_tokens_logprobs(client):
         check_entry(entry, 2)
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "max_tokens", "max_completion_tokens", "logprobs",
-                                   "top_logprobs", "stream", "stream_options", "seed", "stop", "logit_bias",
-                                   "threshold", "block_length"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "stream_options",
+        "seed",
+        "stop",
+        "logit_bias",
+        "threshold",
+        "block_length",
+    ],
+)
 def test_null_is_a_field_left_out(server, field):
     port = server[0].server_address[1]
     status, body = post_json(port, "/v1/chat/completions", {"messages": USER, field: None})
@@ -98,8 +118,15 @@ def post(server, body: dict):
     return post_json(server[0].server_address[1], "/v1/chat/completions", {"messages": USER, **body})
 
 
-@pytest.mark.parametrize("field,near", [("threshhold", "threshold"), ("block_lenght", "block_length"),
-                                        ("temprature", "temperature"), ("max_token", "max_tokens")])
+@pytest.mark.parametrize(
+    "field,near",
+    [
+        ("threshhold", "threshold"),
+        ("block_lenght", "block_length"),
+        ("temprature", "temperature"),
+        ("max_token", "max_tokens"),
+    ],
+)
 def test_a_misspelled_field_is_a_400_naming_the_field(server, field, near):
     """It used to decode with the default, silently ("threshhold": 5 passed where
     "threshold": 5 was a 400)."""
@@ -136,8 +163,9 @@ def test_completions_take_integer_logprobs_in_the_legacy_shape(client):
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 2 and top[token] == logprob  # (greedy: the token is its position's best)
     zero = client.completions.create(model="default_model", prompt="357+468=", logprobs=0).choices[0].logprobs
-    assert zero.tokens == lp.tokens and all(t == {k: v} for t, k, v in zip(zero.top_logprobs, zero.tokens,
-                                                                           zero.token_logprobs))
+    assert zero.tokens == lp.tokens and all(
+        t == {k: v} for t, k, v in zip(zero.top_logprobs, zero.tokens, zero.token_logprobs)
+    )
     chunks = list(client.completions.create(model="default_model", prompt="357+468=", logprobs=2, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
@@ -199,8 +227,11 @@ def test_stop_strings_end_the_answer_whatever_the_tokenization(client, stop, tex
     assert "".join(e.token for e in r.choices[0].logprobs.content) == text
     if text != "825":
         assert r.usage.completion_tokens < full.usage.completion_tokens  # (decoding stopped there)
-    chunks = [c for c in client.chat.completions.create(model="default_model", messages=USER, stop=stop, stream=True)
-              if c.choices]
+    chunks = [
+        c
+        for c in client.chat.completions.create(model="default_model", messages=USER, stop=stop, stream=True)
+        if c.choices
+    ]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop"]
 
@@ -216,22 +247,26 @@ def raw_post(server, path: str, body: dict):
     response = conn.getresponse()
     data = response.read().decode()
     if response.getheader("Content-Type", "").startswith("text/event-stream"):
-        events = [line[len("data: "):] for line in data.splitlines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in data.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         return response.status, [json.loads(e) for e in events[:-1]]
     return response.status, json.loads(data)
 
 
-@pytest.mark.parametrize("extra", [{}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 3}, {"stop": "2"},
-                                   {"max_tokens": 2}])
+@pytest.mark.parametrize(
+    "extra", [{}, {"logprobs": True}, {"logprobs": True, "top_logprobs": 3}, {"stop": "2"}, {"max_tokens": 2}]
+)
 def test_chat_answers_and_chunks_validate_against_openais_schema(server, extra):
     from openai_schema import check
 
     status, body = raw_post(server, "/v1/chat/completions", {"messages": USER, **extra})
     assert status == 200
     check("CreateChatCompletionResponse", body)
-    status, chunks = raw_post(server, "/v1/chat/completions", {"messages": USER, "stream": True,
-                                                               "stream_options": {"include_usage": True}, **extra})
+    status, chunks = raw_post(
+        server,
+        "/v1/chat/completions",
+        {"messages": USER, "stream": True, "stream_options": {"include_usage": True}, **extra},
+    )
     assert status == 200 and chunks
     for chunk in chunks:
         check("CreateChatCompletionStreamResponse", chunk)
@@ -252,9 +287,11 @@ def test_models_and_errors_validate_against_openais_schema(server):
     conn = http.client.HTTPConnection("127.0.0.1", server[0].server_address[1], timeout=120)
     conn.request("GET", "/v1/models")
     check("ListModelsResponse", json.loads(conn.getresponse().read()))
-    for path, body in (("/v1/chat/completions", {"messages": USER, "model": "nope"}),
-                       ("/v1/chat/completions", {"messages": USER, "temperature": -1}),
-                       ("/v1/completions", {"prompt": 5})):
+    for path, body in (
+        ("/v1/chat/completions", {"messages": USER, "model": "nope"}),
+        ("/v1/chat/completions", {"messages": USER, "temperature": -1}),
+        ("/v1/completions", {"prompt": 5}),
+    ):
         status, error = raw_post(server, path, body)
         assert status in (400, 404)
         check("ErrorResponse", error)
@@ -276,20 +313,26 @@ def test_an_unsatisfiable_format_and_allowed_set_is_a_400_before_decoding(llada_
         assert status != 400 or "allowed_tokens leave no token" not in answer["error"]["message"], answer
 
 
-@pytest.mark.parametrize("prompt,schema,text", [
-    ("357+468=", {"enum": [825, 100]}, "825"),
-    ("357+468=", {"const": 825}, "825"),
-    ("357+468=", {"enum": [100, 7]}, None),  # (the model's choice, one of them)
-    ("9999+9999=", {"enum": [19998]}, "19998"),
-    ("1+2=", {"const": 3}, "3"),
-])
+@pytest.mark.parametrize(
+    "prompt,schema,text",
+    [
+        ("357+468=", {"enum": [825, 100]}, "825"),
+        ("357+468=", {"const": 825}, "825"),
+        ("357+468=", {"enum": [100, 7]}, None),  # (the model's choice, one of them)
+        ("9999+9999=", {"enum": [19998]}, "19998"),
+        ("1+2=", {"const": 3}, "3"),
+    ],
+)
 def test_enum_and_const_schemas_on_a_tokenizer_that_rewrites_text(server, prompt, schema, text):
     """Enums and consts of numbers force their text. (Found on the earlier demo, whose
     normalizer zero-padded numbers: llguidance, handed that encoding of the forced text,
     forced a "0" the answer never has, a 500 mid-decode; the spelling is tested on such a
     tokenizer in test_forced_text_is_spelled_with_the_tokens_that_write_it.)"""
-    status, body = post_json(server[0].server_address[1], "/v1/completions", {
-        "prompt": prompt, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    status, body = post_json(
+        server[0].server_address[1],
+        "/v1/completions",
+        {"prompt": prompt, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}},
+    )
     assert status == 200, body
     answer = body["choices"][0]["text"]
     assert answer == text if text is not None else int(answer) in schema["enum"]

@@ -52,8 +52,10 @@ def test_usage_counts_the_answers_tokens_and_an_empty_answer_is_a_string(demo):
     assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["completion_tokens"] == 0
 
 
-@pytest.mark.parametrize("field,value,ok", [("temperature", 2.0, True), ("temperature", 2.5, False),
-                                            ("top_logprobs", 20, True), ("top_logprobs", 21, False)])
+@pytest.mark.parametrize(
+    "field,value,ok",
+    [("temperature", 2.0, True), ("temperature", 2.5, False), ("top_logprobs", 20, True), ("top_logprobs", 21, False)],
+)
 def test_openai_ranges(demo, field, value, ok):
     body = {"messages": ASK, "max_tokens": 8, field: value, "logprobs": True}
     status, answer = post_json(demo, "/v1/chat/completions", body)
@@ -66,20 +68,28 @@ def test_openai_ranges(demo, field, value, ok):
 
 def test_a_streams_role_comes_in_its_first_delta_only(llada_path):
     with running_server(["--model", str(llada_path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
-                               max_retries=0)
-        chunks = [c for c in client.chat.completions.create(model="default_model", messages=ASK,
-                                                            max_tokens=24, stream=True,
-                                                            extra_body={"block_length": 4})
-                  if c.choices]
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused", max_retries=0
+        )
+        chunks = [
+            c
+            for c in client.chat.completions.create(
+                model="default_model", messages=ASK, max_tokens=24, stream=True, extra_body={"block_length": 4}
+            )
+            if c.choices
+        ]
         assert len(chunks) > 1
         roles = [c.choices[0].delta.role for c in chunks]
         assert roles[0] == "assistant" and not any(roles[1:])
 
 
 def test_a_route_of_another_method_is_a_405_with_allow(demo):
-    for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
-                                  ("POST", "/v1/models", "GET"), ("POST", "/health", "GET")):
+    for method, path, allowed in (
+        ("GET", "/v1/chat/completions", "POST"),
+        ("GET", "/v1/completions", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("POST", "/health", "GET"),
+    ):
         status, headers, body = raw(demo, method, path, b"{}" if method == "POST" else b"")
         assert (status, headers.get("Allow")) == (405, allowed), (method, path, body)
         assert body["error"]["code"] == "method_not_allowed"
@@ -90,8 +100,9 @@ def test_a_bad_template_argument_names_no_path_or_repr(llada_path):
     with running_server(["--model", str(llada_path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
         port = httpd.server_address[1]
         for kwargs in ({"tokenizer_kwargs": 3}, {"tokenize": True}, {"tools": 5}):
-            status, body = post_json(port, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4,
-                                                                    "chat_template_kwargs": kwargs})
+            status, body = post_json(
+                port, "/v1/chat/completions", {"messages": ASK, "max_tokens": 4, "chat_template_kwargs": kwargs}
+            )
             message = body["error"]["message"]
             assert status == 400 and "cannot build a prompt" in message
             assert str(llada_path) not in message and "name_or_path" not in message, message
@@ -120,8 +131,14 @@ def test_head_is_answered_where_get_is_and_only_safe_host_names_pass(demo):
         assert response.status == 200 and response.getheader("Content-Type")
         assert response.read() == b""
         conn.close()
-    for host, status in (("evil", 403), ("evil.example.com", 403), ("localhost", 200), ("app.localhost", 200),
-                         ("127.0.0.1", 200), ("[::1]", 200)):
+    for host, status in (
+        ("evil", 403),
+        ("evil.example.com", 403),
+        ("localhost", 200),
+        ("app.localhost", 200),
+        ("127.0.0.1", 200),
+        ("[::1]", 200),
+    ):
         conn = http.client.HTTPConnection("127.0.0.1", demo, timeout=60)
         conn.putrequest("GET", "/health", skip_host=True)
         conn.putheader("Host", f"{host}:{demo}")

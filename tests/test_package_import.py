@@ -35,8 +35,14 @@ def test_importing_the_package_is_light_and_keeps_its_names():
         "assert type(model).__module__ == 'model_adapters.families.llada', type(model)\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", script, str(DEMO_MODEL_PATH)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(DEMO_MODEL_PATH)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
@@ -44,7 +50,9 @@ def test_importing_the_package_is_light_and_keeps_its_names():
 def test_the_families_register_whichever_import_brings_mlx_lm_in(first):
     """model_adapters imports mlx_lm itself (half-run when mlx_lm's import ends): the
     families register at the end of its import instead."""
-    script = (f"import sys, mlx_lm_diffusion, {first}\n"
-              "assert sys.modules['mlx_lm.models.sdar'].__name__ == 'model_adapters.families.sdar'\n")
+    script = (
+        f"import sys, mlx_lm_diffusion, {first}\n"
+        "assert sys.modules['mlx_lm.models.sdar'].__name__ == 'model_adapters.families.sdar'\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

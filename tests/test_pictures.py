@@ -58,8 +58,14 @@ def test_a_long_decode_is_bounded_in_frames_and_size(tmp_path):
     """512 positions over 600 forwards: MAX_FRAMES pictures (the first and the last kept), each
     within MAX_SIDE pixels."""
     n, forwards = 512, 600
-    frames = [{"forwards": k + 1, "states": "c" * min(k + 1, n) + "m" * max(n - k - 1, 0),
-               "tokens": [f"t{i}" if i <= k else None for i in range(n)]} for k in range(forwards)]
+    frames = [
+        {
+            "forwards": k + 1,
+            "states": "c" * min(k + 1, n) + "m" * max(n - k - 1, 0),
+            "tokens": [f"t{i}" if i <= k else None for i in range(n)],
+        }
+        for k in range(forwards)
+    ]
     written = animation.save_animation(frames, tmp_path / "long.gif")
     pictures = _frames_of(tmp_path / "long.gif")
     assert written == len(pictures) == animation.MAX_FRAMES
@@ -92,8 +98,15 @@ def test_the_order_of_the_frames_is_the_recorders(demo_decode):
 def test_the_picture_of_a_long_canvas_has_axes_and_a_bounded_size(tmp_path):
     """512 positions over 64 forwards: at most 2000 px, and text in the margins (the axes)."""
     n = 512
-    frames = [{"forwards": k + 1, "states": "c" * (8 * (k + 1)) + "m" * (n - 8 * (k + 1)), "block": [0, n],
-               "confidence": [0.5] * n} for k in range(64)]
+    frames = [
+        {
+            "forwards": k + 1,
+            "states": "c" * (8 * (k + 1)) + "m" * (n - 8 * (k + 1)),
+            "block": [0, n],
+            "confidence": [0.5] * n,
+        }
+        for k in range(64)
+    ]
     unmask_order.draw(unmask_order.from_frames(frames), str(tmp_path / "order.png"), title="a long canvas")
     image = np.asarray(Image.open(tmp_path / "order.png").convert("L"))
     assert max(image.shape) <= 2000
@@ -136,8 +149,9 @@ def test_each_forward_carries_the_top_proposals_alone_and_in_a_batch():
         assert (np.diff(probs, axis=1) <= 1e-7).all() and (probs.sum(axis=1) <= 1 + 1e-5).all()
     frame = draft_frame(tokenizer, alone[0], adapter.mask_id, {})
     assert len(frame["proposals"]) == len(alone[0].proposals[0])
-    assert all(len(top) == 5 and all(isinstance(t, str) and 0 <= p <= 1 for t, p in top)
-               for _, top in frame["proposals"])
+    assert all(
+        len(top) == 5 and all(isinstance(t, str) and 0 <= p <= 1 for t, p in top) for _, top in frame["proposals"]
+    )
     batch = RunningBatch(adapter)
     batch.add(prompt, options, proposals=5)
     batched = []

@@ -39,8 +39,17 @@ def run(model, tok, prompt, pipeline, **options):
 
 def trace(steps):
     return [
-        (s.canvas.tolist(), s.final.tolist(), s.done.tolist(), s.forwards, s.block, s.step, s.forward,
-         np.array(s.block_logprobs).tobytes(), np.array(s.block_confidence).tobytes())
+        (
+            s.canvas.tolist(),
+            s.final.tolist(),
+            s.done.tolist(),
+            s.forwards,
+            s.block,
+            s.step,
+            s.forward,
+            np.array(s.block_logprobs).tobytes(),
+            np.array(s.block_confidence).tobytes(),
+        )
         for s in steps
     ]
 
@@ -54,8 +63,7 @@ CASES = [
     ("llada", dict(max_tokens=16, block_length=8, strategy="factor", factor=4.0)),
     ("llada", dict(max_tokens=12, block_length=1)),
     ("llada", dict(max_tokens=16, block_length=8, steps=4, sampler=make_sampler(temp=1.0), seed=5)),
-    ("llada", dict(max_tokens=16, block_length=8, steps=8, temperature_schedule=[0.7] * 8, top_p=0.9,
-                   seed=2)),
+    ("llada", dict(max_tokens=16, block_length=8, steps=8, temperature_schedule=[0.7] * 8, top_p=0.9, seed=2)),
     ("llada", dict(max_tokens=16, block_length=8, steps=4, editing_threshold=0.1)),  # read every step
     ("dream", dict(max_tokens=16, steps=8)),
     ("dream", dict(max_tokens=16, steps=6, strategy="entropy")),

@@ -50,8 +50,7 @@ def test_schedules_sum_to_M_and_end_full():
 @pytest.mark.parametrize("temperatures,top_p", [([0.0] * 6, 1.0), ([1.0, 0.7, 0.5, 0.0, 2.0, 0.3], 0.9)])
 def test_response_validates_and_follows_the_schedule(llada, schedule, temperatures, top_p):
     model, tok = llada
-    request = dict(BASE, num_steps=6, mask_schedule=schedule, temperature_schedule=temperatures,
-                   top_p=top_p, seed=7)
+    request = dict(BASE, num_steps=6, mask_schedule=schedule, temperature_schedule=temperatures, top_p=top_p, seed=7)
     response = run_request(model, tok, request)
     validate_response(response)
     P, M = len(BASE["prompt_tokens"]), BASE["target_length"] - len(BASE["prompt_tokens"])
@@ -116,8 +115,7 @@ def test_bad_requests_are_clear_errors(llada, request_body, word):
 def test_spec_top_p_bound_is_corrected():
     """The spec's draft-04 `exclusiveMinimum: true` rejects every top_p under draft-07."""
     spec_form = copy.deepcopy(REQUEST_SCHEMA)
-    spec_form["properties"]["top_p"] = {"type": "number", "minimum": 0.0, "exclusiveMinimum": True,
-                                        "maximum": 1.0}
+    spec_form["properties"]["top_p"] = {"type": "number", "minimum": 0.0, "exclusiveMinimum": True, "maximum": 1.0}
     literal = jsonschema.Draft7Validator(spec_form)  # the spec as written, not meta-checked
     for top_p in (0.5, 1.0):
         with pytest.raises(jsonschema.ValidationError):
@@ -136,12 +134,20 @@ def test_autoregressive_equivalence(causal, prompt):
     model, tok = causal
     M = 24
     reference = _mlx_lm_greedy(model, tok, prompt, M)
-    response = run_request(model, tok, {
-        "prompt_tokens": prompt, "target_length": len(prompt) + M, "num_steps": M,
-        "mask_schedule": "linear", "temperature_schedule": [0.0] * M, "top_p": 1.0,
-    })
+    response = run_request(
+        model,
+        tok,
+        {
+            "prompt_tokens": prompt,
+            "target_length": len(prompt) + M,
+            "num_steps": M,
+            "mask_schedule": "linear",
+            "temperature_schedule": [0.0] * M,
+            "top_p": 1.0,
+        },
+    )
     validate_response(response)
-    generated = response["final_tokens"][len(prompt):]
+    generated = response["final_tokens"][len(prompt) :]
     assert generated[: len(reference)] == reference  # mlx-lm yields EOS last, if it stops there
     stream = [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=M, block_length=1)]
     assert stream == reference
@@ -153,8 +159,11 @@ def test_autoregressive_equivalence(causal, prompt):
 
 def test_generate_accepts_schedule(llada):
     model, tok = llada
-    out = list(mld.stream_generate(model, tok, BASE["prompt_tokens"], max_tokens=16, block_length=8,
-                                   steps=4, schedule="cosine"))
+    out = list(
+        mld.stream_generate(
+            model, tok, BASE["prompt_tokens"], max_tokens=16, block_length=8, steps=4, schedule="cosine"
+        )
+    )
     assert out[-1].forwards <= 8
     with pytest.raises(ValueError, match="schedule"):
         mld.generate(model, tok, [72], max_tokens=4, schedule="exp")
@@ -174,8 +183,7 @@ def block_causal(request, tmp_path_factory):
     return mld.load(str(writer(tmp_path_factory.mktemp(request.param))))
 
 
-def protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, attention=None,
-                                 shift=False):
+def protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, attention=None, shift=False):
     """The spec's loop, greedy, written from it: every step one forward over the whole
     canvas with the model's own block-causal attention (attention blocks from position 0;
     or `attention`; `shift`: position i is predicted at i - 1, Dream's), the k_t most
@@ -207,10 +215,18 @@ def assert_follows_the_oracle(model, tok, prompt_length, target_length, num_step
     """A greedy request's response equals protocol_oracle's loop (tokens, and the positions
     each step commits); returns those positions per step."""
     prompt = list(range(72, 72 + prompt_length))
-    response = run_request(model, tok, {
-        "prompt_tokens": prompt, "target_length": target_length, "num_steps": num_steps,
-        "mask_schedule": schedule, "temperature_schedule": [0.0] * num_steps, "top_p": 1.0,
-    })
+    response = run_request(
+        model,
+        tok,
+        {
+            "prompt_tokens": prompt,
+            "target_length": target_length,
+            "num_steps": num_steps,
+            "mask_schedule": schedule,
+            "temperature_schedule": [0.0] * num_steps,
+            "top_p": 1.0,
+        },
+    )
     validate_response(response)
     tokens, trace = protocol_oracle(model, tok, prompt, target_length, num_steps, schedule, **oracle)
     assert response["final_tokens"] == tokens
@@ -220,8 +236,10 @@ def assert_follows_the_oracle(model, tok, prompt_length, target_length, num_step
     return trace
 
 
-@pytest.mark.parametrize("prompt_length,target_length,num_steps,schedule",
-                         [(5, 17, 4, "linear"), (3, 24, 6, "cosine"), (4, 8, 4, "linear"), (8, 9, 1, "sigmoid")])
+@pytest.mark.parametrize(
+    "prompt_length,target_length,num_steps,schedule",
+    [(5, 17, 4, "linear"), (3, 24, 6, "cosine"), (4, 8, 4, "linear"), (8, 9, 1, "sigmoid")],
+)
 def test_block_causal_families_follow_the_schedule(block_causal, prompt_length, target_length, num_steps, schedule):
     """SDAR and LLaDA2 (blocks on absolute positions) decode the whole generated region as
     one block: exactly target_length tokens, k_t commits per step, the oracle's tokens."""
@@ -236,8 +254,9 @@ def test_nemotron_follows_the_schedule(nemotron, prompt_length, target_length, n
     per step, the oracle's tokens."""
     allowed = np.tril(np.ones((target_length, target_length), dtype=bool))
     allowed[prompt_length:] = True  # (the generated region sees the prompt and itself)
-    trace = assert_follows_the_oracle(*nemotron, prompt_length, target_length, num_steps, schedule,
-                                      attention=mx.array(allowed))
+    trace = assert_follows_the_oracle(
+        *nemotron, prompt_length, target_length, num_steps, schedule, attention=mx.array(allowed)
+    )
     assert [len(t) for t in trace] == quotas(schedule, target_length - prompt_length, num_steps)
 
 
@@ -248,8 +267,9 @@ def test_bidirectional_families_follow_the_oracle(family, request):
     model, tok = request.getfixturevalue(family)
     for prompt_length, target_length, num_steps, schedule in ((5, 17, 4, "linear"), (3, 12, 5, "cosine")):
         everything = mx.ones((target_length, target_length), dtype=mx.bool_)
-        assert_follows_the_oracle(model, tok, prompt_length, target_length, num_steps, schedule,
-                                  attention=everything, shift=family == "dream")
+        assert_follows_the_oracle(
+            model, tok, prompt_length, target_length, num_steps, schedule, attention=everything, shift=family == "dream"
+        )
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2", "nemotron", "gemma"])
@@ -299,8 +319,9 @@ def test_the_ar_adapter_refuses_editing_and_multi_token_schedules(causal):
         run_request(model, tok, BASE)
 
 
-@pytest.mark.parametrize("options", [dict(block_length=8, steps=8), dict(block_length=8, strategy="threshold",
-                                                                          threshold=0.9), dict(steps=3)])
+@pytest.mark.parametrize(
+    "options", [dict(block_length=8, steps=8), dict(block_length=8, strategy="threshold", threshold=0.9), dict(steps=3)]
+)
 def test_the_ar_adapter_keeps_rules_that_commit_the_next_token(causal, options):
     model, tok = causal
     reference = _mlx_lm_greedy(model, tok, BASE["prompt_tokens"], 8)
@@ -313,7 +334,12 @@ def test_the_ar_check_leaves_the_protocols_rule_untouched(causal):
     records each step's commits and whether its threshold was met)."""
     model, tok = causal
     M = 12
-    request = dict(BASE, target_length=len(BASE["prompt_tokens"]) + M, num_steps=M,
-                   temperature_schedule=[0.0] * M, confidence_threshold=0.5)
+    request = dict(
+        BASE,
+        target_length=len(BASE["prompt_tokens"]) + M,
+        num_steps=M,
+        temperature_schedule=[0.0] * M,
+        confidence_threshold=0.5,
+    )
     decode = prepare_request(model, tok, request)
     assert decode.rule.commits == {} and not decode.rule.threshold_met

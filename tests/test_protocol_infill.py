@@ -24,8 +24,7 @@ def seeded(pinned: dict):
 def test_pinned_positions_stay_and_are_never_unmasked(llada, schedule, temperatures):
     model, tok = llada
     pinned = {8: 40, 9: 41, 16: 42}  # inside the span and at its end
-    request = dict(BASE, mask_schedule=schedule, temperature_schedule=temperatures, seed=3,
-                   seed_canvas=seeded(pinned))
+    request = dict(BASE, mask_schedule=schedule, temperature_schedule=temperatures, seed=3, seed_canvas=seeded(pinned))
     response = run_request(model, tok, request)
     validate_response(response)
     final = response["final_tokens"]
@@ -48,18 +47,21 @@ def test_a_suffix_seed_matches_the_infill_oracle(llada):
     P, total = len(BASE["prompt_tokens"]), BASE["target_length"]
     gen = total - P - len(suffix)
     canvas = seeded({total - len(suffix) + i: t for i, t in enumerate(suffix)})
-    response = run_request(model, tok, dict(BASE, num_steps=gen, temperature_schedule=[0.0] * gen,
-                                            seed_canvas=canvas))
-    ref, _ = oracles.llada_generate(model, BASE["prompt_tokens"], gen_length=gen, block_length=gen, steps=gen,
-                                    mask_id=MASK_ID, suffix=suffix)
+    response = run_request(model, tok, dict(BASE, num_steps=gen, temperature_schedule=[0.0] * gen, seed_canvas=canvas))
+    ref, _ = oracles.llada_generate(
+        model, BASE["prompt_tokens"], gen_length=gen, block_length=gen, steps=gen, mask_id=MASK_ID, suffix=suffix
+    )
     assert response["final_tokens"][P:] == ref
 
 
-@pytest.mark.parametrize("canvas,word", [
-    (lambda: seeded({})[:-1], "target_length"),
-    (lambda: [1] + seeded({})[1:], "begin with prompt_tokens"),
-    (lambda: seeded({8: 10**6}), "outside the vocabulary"),
-])
+@pytest.mark.parametrize(
+    "canvas,word",
+    [
+        (lambda: seeded({})[:-1], "target_length"),
+        (lambda: [1] + seeded({})[1:], "begin with prompt_tokens"),
+        (lambda: seeded({8: 10**6}), "outside the vocabulary"),
+    ],
+)
 def test_bad_seed_canvases(llada, canvas, word):
     model, tok = llada
     with pytest.raises(ValueError, match=word):

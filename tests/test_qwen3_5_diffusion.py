@@ -63,7 +63,9 @@ def test_only_a_checkpoint_with_the_evidence_is_taken_from_mlx_lm(checkpoints, t
     # (FLARE's architecture alone is evidence too; its mask id is then Qwen3.5's <|mask|>)
     (flare / "block_diffusion.json").rename(tmp_path / "sidecar.json")
     assert evidence.family_overrides(flare, json.loads((flare / "config.json").read_text())) == {
-        "model_type": "qwen3_5_diffusion", "mask_token_id": 248077}
+        "model_type": "qwen3_5_diffusion",
+        "mask_token_id": 248077,
+    }
     (tmp_path / "sidecar.json").rename(flare / "block_diffusion.json")
     flare_model, _ = mld.load(str(flare))
     assert type(flare_model).__module__ == "model_adapters.families.qwen3_5_diffusion"
@@ -105,8 +107,9 @@ def test_causal_rows_match_transformers_qwen3_5(checkpoints):
             expected = reference(torch.tensor([tokens])).logits[0].numpy()
         adapter = adapter_for(model, tokenizer)
         state = adapter.start(mx.array([tokens[:-4]]))
-        got_prompt = np.array(adapter.model.window(mx.array([tokens[:-4]]), adapter.model.make_state(), 0,
-                                                   len(tokens) - 4)[0][0])
+        got_prompt = np.array(
+            adapter.model.window(mx.array([tokens[:-4]]), adapter.model.make_state(), 0, len(tokens) - 4)[0][0]
+        )
         window = mx.array([tokens[-4:] + [HYBRID_MASK] * 3])
         got_window = np.array(adapter.verify(state, window, clean=4)[0])
         # (≤ 1e-4 of the logits' scale: float32 roundoff through the gated-delta recurrence; mlx-lm's
@@ -128,10 +131,20 @@ def _gated_delta_loop(lin, x: np.ndarray, conv: np.ndarray, ssm: np.ndarray, cle
     """One gated-delta layer over a window, token by token in float64 (the reference's
     description: causal conv, SiLU, L2-normalised q and k, the delta rule; rows from `clean`
     read the state after the whole window)."""
-    f = {k: np.array(v, dtype=np.float64) for k, v in
-         (("qkv", lin.in_proj_qkv.weight), ("z", lin.in_proj_z.weight), ("b", lin.in_proj_b.weight),
-          ("a", lin.in_proj_a.weight), ("conv", lin.conv1d.weight), ("dt", lin.dt_bias), ("A", lin.A_log),
-          ("norm", lin.norm.weight), ("out", lin.out_proj.weight))}
+    f = {
+        k: np.array(v, dtype=np.float64)
+        for k, v in (
+            ("qkv", lin.in_proj_qkv.weight),
+            ("z", lin.in_proj_z.weight),
+            ("b", lin.in_proj_b.weight),
+            ("a", lin.in_proj_a.weight),
+            ("conv", lin.conv1d.weight),
+            ("dt", lin.dt_bias),
+            ("A", lin.A_log),
+            ("norm", lin.norm.weight),
+            ("out", lin.out_proj.weight),
+        )
+    }
     L, K = x.shape[0], lin.conv_kernel_size
     hk, hv, dk, dv = lin.num_k_heads, lin.num_v_heads, lin.head_k_dim, lin.head_v_dim
     rows = np.concatenate([conv, x @ f["qkv"].T])
@@ -257,7 +270,7 @@ def test_drafts_made_right_are_accepted_whole_and_change_nothing(checkpoints, st
         _with_oracle_drafts(adapter, ids + expected, right)
         options = resolve(DecodeOptions(max_tokens=30, block_length=strides), adapter, len(ids))
         steps = list(Engine(adapter, options).run(mx.array([ids])))
-        assert steps[-1].canvas[0, len(ids):].tolist() == expected
+        assert steps[-1].canvas[0, len(ids) :].tolist() == expected
         if whole:
             assert steps[-1].forwards == 1 + math.ceil((30 - 2) / strides)
         else:
@@ -282,12 +295,16 @@ def test_sampled_decoding_draws_from_the_autoregressive_distribution(tmp_path):
     from mlx_lm.sample_utils import make_sampler
 
     path = write_trida(tmp_path / "bigram", tied=False)
-    save_file(make_bigram(load_file(str(path / "model.safetensors")), norm_one=0.0),
-              str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        make_bigram(load_file(str(path / "model.safetensors")), norm_one=0.0),
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     model, tokenizer = mld.load(str(path))
     mx.random.seed(3)
-    batch = mld.generate_batch(model, tokenizer, ["abc"] * 1500, max_tokens=4, sampler=make_sampler(1.0),
-                               return_token_ids=True)
+    batch = mld.generate_batch(
+        model, tokenizer, ["abc"] * 1500, max_tokens=4, sampler=make_sampler(1.0), return_token_ids=True
+    )
     counts: dict = {}
     for tokens in batch.token_ids:
         counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
@@ -312,11 +329,22 @@ def test_the_cli_and_the_server_decode_it(checkpoints):
 
     path, (model, tokenizer), _ = checkpoints["tied"]
     expected = mld.generate(model, tokenizer, "abc", max_tokens=10)
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(path), "--prompt", "abc", "--max-tokens", "10",
-                 "--ignore-chat-template", "--verbose", "False")
+    r = run_main(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(path),
+        "--prompt",
+        "abc",
+        "--max-tokens",
+        "10",
+        "--ignore-chat-template",
+        "--verbose",
+        "False",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.rstrip("\n") == expected
     with running_server(["--model", str(path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
-        status, body = post_json(httpd.server_address[1], "/v1/completions",
-                                 {"prompt": "abc", "max_tokens": 10, "temperature": 0})
+        status, body = post_json(
+            httpd.server_address[1], "/v1/completions", {"prompt": "abc", "max_tokens": 10, "temperature": 0}
+        )
     assert status == 200 and body["choices"][0]["text"] == expected

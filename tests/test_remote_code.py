@@ -69,7 +69,10 @@ def test_stock_mlx_lm_load_after_install_neither_asks_nor_waits(auto_map_path):
 def test_load_off_a_terminal_with_stdin_open_neither_asks_nor_waits(auto_map_path):
     p = subprocess.Popen(
         [sys.executable, "-c", LOAD_SCRIPT, str(auto_map_path)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         out, _ = p.communicate(timeout=120)  # stdin stays open: an input() would wait
@@ -81,8 +84,17 @@ def test_load_off_a_terminal_with_stdin_open_neither_asks_nor_waits(auto_map_pat
 
 def test_generate_cli_on_a_terminal(auto_map_path):
     code, out, _ = run_in_pty(
-        [sys.executable, "-m", "mlx_lm_diffusion.generate", "--model", str(auto_map_path),
-         "--prompt", "Hi", "--max-tokens", "4"],
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm_diffusion.generate",
+            "--model",
+            str(auto_map_path),
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "4",
+        ],
         timeout=120,
     )
     assert code == 0, out
@@ -123,7 +135,9 @@ def test_cli_flags_exist():
 def test_chat_repl_on_a_terminal(auto_map_path):
     code, out, _ = run_in_pty(
         [sys.executable, "-m", "mlx_lm_diffusion.chat", "--model", str(auto_map_path), "--max-tokens", "4"],
-        ["Hi", "q"], timeout=120, wait_for="\u203a",
+        ["Hi", "q"],
+        timeout=120,
+        wait_for="\u203a",
     )
     assert code == 0, out
     assert not any(w in out for w in PROMPT_WORDS) and "REMOTE CODE RAN" not in out, out

@@ -42,7 +42,10 @@ def request(i):
     fields = [{"block_length": 4}, {"block_length": 8, "threshold": 0.5}, {"steps": 2, "block_length": 4}, {}][i % 4]
     return dict(
         messages=[{"role": "user", "content": "Tell me " + "more " * (i % 5) + f"about {i}."}],
-        max_tokens=4 + i % 9, temperature=0.0, stream=i % 2 == 1, extra_body=fields,
+        max_tokens=4 + i % 9,
+        temperature=0.0,
+        stream=i % 2 == 1,
+        extra_body=fields,
     )
 
 
@@ -105,8 +108,9 @@ def test_sixteen_concurrent_clients_match_their_requests_alone(served, client, l
     assert 1 < watch.most <= CONCURRENCY  # rows decoded together, never more than the bound
     model, tok = llada  # and alone on the server is the library's decode
     ids = tok.apply_chat_template(requests[0]["messages"], add_generation_prompt=True)
-    responses = list(mld.stream_generate(model, tok, ids, max_tokens=requests[0]["max_tokens"],
-                                         **requests[0]["extra_body"]))
+    responses = list(
+        mld.stream_generate(model, tok, ids, max_tokens=requests[0]["max_tokens"], **requests[0]["extra_body"])
+    )
     keep = responses[:-1] if responses[-1].finish_reason == "stop" else responses
     assert alone[0][0] == "".join(r.text for r in keep)
     wait_for(lambda: scheduler.stats()["running_rows"] == 0)
@@ -119,8 +123,12 @@ def test_fast_dllm_cache_rows_match_their_requests_alone(served, client):
     batched path: a rule's comparison at a near-tie can then go the other way. With the fast
     preset's threshold 0.9 in this list, one row of one run differed; the rows here, as in
     the test above, showed none in 14 runs.)"""
-    fields = [{"cache": "dual", "block_length": 4}, {"cache": "prefix", "block_length": 4},
-              {"cache": "prefix", "block_length": 8, "threshold": 0.5}, {"cache": "dual", "block_length": 8, "steps": 4}]
+    fields = [
+        {"cache": "dual", "block_length": 4},
+        {"cache": "prefix", "block_length": 4},
+        {"cache": "prefix", "block_length": 8, "threshold": 0.5},
+        {"cache": "dual", "block_length": 8, "steps": 4},
+    ]
     requests = [dict(request(i), extra_body=fields[i % 4]) for i in range(12)]
     alone = [ask(client, kw) for kw in requests]
     scheduler = served[1].scheduler
@@ -134,12 +142,21 @@ def test_fast_dllm_cache_rows_match_their_requests_alone(served, client):
 def long_stream(port, extra=None):
     """A streaming request that cannot stop by itself, on a raw socket; returns it once its
     first token arrived."""
-    body = {"messages": [{"role": "user", "content": "Go on."}], "stream": True, "max_tokens": 400,
-            "logit_bias": {str(EOS_ID): -1e9, str(EOT_ID): -1e9}, "block_length": 4, **(extra or {})}
+    body = {
+        "messages": [{"role": "user", "content": "Go on."}],
+        "stream": True,
+        "max_tokens": 400,
+        "logit_bias": {str(EOS_ID): -1e9, str(EOT_ID): -1e9},
+        "block_length": 4,
+        **(extra or {}),
+    }
     sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     payload = json.dumps(body).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
     received = b""
     while b"data: " not in received:  # bounded by the socket timeout
         chunk = sock.recv(4096)
@@ -181,8 +198,9 @@ def test_no_batch_serves_one_at_a_time(llada_path, client):
     batched = [ask(client, kw) for kw in port_kw]
     with running_server(["--model", str(llada_path), "--port", "0", "--no-batch"]) as (httpd, generator):
         assert generator.scheduler is None
-        serial = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
-                               max_retries=0, timeout=TIMEOUT)
+        serial = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
+        )
         assert concurrently(lambda kw: ask(serial, kw), port_kw) == batched
 
 
@@ -207,7 +225,7 @@ def test_error_after_a_batched_stream_began_is_an_sse_event(served, monkeypatch)
         assert chunk, "the stream ended without [DONE]"
         data += chunk
     sock.close()
-    events = [line[len("data: "):] for line in data.decode().split("\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in data.decode().split("\n") if line.startswith("data: ")]
     assert "the decode broke" in json.loads(events[-2])["error"]["message"]
     monkeypatch.setattr(Scheduler, "_emit", emit)
     wait_for(lambda: served[1].scheduler.stats()["running_rows"] == 0)
@@ -234,8 +252,18 @@ def test_sigterm_finishes_running_rows_within_grace_cancels_the_rest(slow_llada_
     try:
         long = long_stream(port, {"max_tokens": 1600})
         short = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-        short.sendall(request_bytes(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "stream": True,
-                                                "max_tokens": 8, "block_length": 4}).encode()))
+        short.sendall(
+            request_bytes(
+                json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": "Hi"}],
+                        "stream": True,
+                        "max_tokens": 8,
+                        "block_length": 4,
+                    }
+                ).encode()
+            )
+        )
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         events = _events(_read_all(short))
@@ -254,9 +282,15 @@ def protocol_request(i):
     """Step-schedule requests of different lengths and schedules; odd ones sample (seeded)."""
     prompt = [72, 101, 108, 108, 111, 33, 44][: 3 + i % 5]
     steps = 2 + i % 3
-    return {"prompt_tokens": prompt, "target_length": len(prompt) + 6 + i % 4, "num_steps": steps,
-            "mask_schedule": ["cosine", "linear"][i % 2], "temperature_schedule": [0.7 * (i % 2)] * steps,
-            "top_p": 0.9 if i % 2 else 1.0, "seed": 40 + i}
+    return {
+        "prompt_tokens": prompt,
+        "target_length": len(prompt) + 6 + i % 4,
+        "num_steps": steps,
+        "mask_schedule": ["cosine", "linear"][i % 2],
+        "temperature_schedule": [0.7 * (i % 2)] * steps,
+        "top_p": 0.9 if i % 2 else 1.0,
+        "seed": 40 + i,
+    }
 
 
 def post_protocol(port, body):
@@ -307,8 +341,9 @@ def test_a_group_keeps_its_adapter_and_compiled_forwards_across_its_batches(serv
     real = mx.compile
     monkeypatch.setattr(mx, "compile", lambda f, *a, **k: compiled.append(f) or real(f, *a, **k))
     for i in range(8):
-        kw = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=[1, 4, 8, 12][i % 4], temperature=0.0,
-                  stream=False)
+        kw = dict(
+            messages=[{"role": "user", "content": "Hi"}], max_tokens=[1, 4, 8, 12][i % 4], temperature=0.0, stream=False
+        )
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda _: ask(client, kw), range(3)))
     adapters = list(scheduler.adapters.values())

@@ -21,7 +21,11 @@ from model_adapters import adapter_for
 
 TOL = 1e-4
 BLOCK = 4
-PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45]]
+PROMPTS = [
+    [72, 101, 108, 108, 111],
+    [5, 17, 99, 200, 31, 7, 64, 250],
+    [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45],
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +38,9 @@ def sdar(sdar_path):
     return mld.load(str(sdar_path))
 
 
-def sdar_reference(model, prompt, *, gen_length, block_length, steps, strategy, mask_id,
-                   threshold=0.9, eb_threshold=0.35):
+def sdar_reference(
+    model, prompt, *, gen_length, block_length, steps, strategy, mask_id, threshold=0.9, eb_threshold=0.35
+):
     """SDAR's `block_diffusion_generate` (batch 1, greedy), without a cache: the window
     [0, block end) is recomputed with the block-causal mask at every step. Written from
     the algorithm with the evident intent of its defects: greedy at temperature 0, the
@@ -108,11 +113,17 @@ def test_forward_matches_qwen3_with_block_causal_mask(sdar_path, sdar):
     model, _ = sdar
     cfg = json.loads((sdar_path / "config.json").read_text())
     config = Qwen3Config(
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-        num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"], num_hidden_layers=cfg["num_hidden_layers"], vocab_size=cfg["vocab_size"],
-        rope_theta=cfg["rope_theta"], rms_norm_eps=cfg["rms_norm_eps"],
-        max_position_embeddings=cfg["max_position_embeddings"], tie_word_embeddings=False,
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        head_dim=cfg["head_dim"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        vocab_size=cfg["vocab_size"],
+        rope_theta=cfg["rope_theta"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        tie_word_embeddings=False,
     )
     config._attn_implementation = "eager"
     ref = Qwen3ForCausalLM(config).eval()
@@ -159,8 +170,14 @@ def test_decode_matches_reference_with_and_without_cache(sdar, prompt, strategy,
     model, tok = sdar
     gen = whole_blocks(prompt)
     ref_tokens, ref_forwards = sdar_reference(
-        model, prompt, gen_length=gen, block_length=BLOCK, steps=steps, strategy=strategy,
-        mask_id=SDAR_MASK, threshold=threshold or 0.9,
+        model,
+        prompt,
+        gen_length=gen,
+        block_length=BLOCK,
+        steps=steps,
+        strategy=strategy,
+        mask_id=SDAR_MASK,
+        threshold=threshold or 0.9,
     )
     options = dict(max_tokens=gen, steps=steps, strategy=strategy, threshold=threshold)
     for use_cache in (True, False):
@@ -177,8 +194,16 @@ def test_any_length_decodes_whole_blocks_as_the_reference(sdar, gen):
     max_tokens tokens are final, so it may spend fewer forwards."""
     model, tok = sdar
     prompt = PROMPTS[0]
-    ref_tokens, ref_forwards = sdar_reference(model, prompt, gen_length=gen, block_length=BLOCK, steps=4,
-                                              strategy="low_confidence_dynamic", mask_id=SDAR_MASK, threshold=0.5)
+    ref_tokens, ref_forwards = sdar_reference(
+        model,
+        prompt,
+        gen_length=gen,
+        block_length=BLOCK,
+        steps=4,
+        strategy="low_confidence_dynamic",
+        mask_id=SDAR_MASK,
+        threshold=0.5,
+    )
     for use_cache in (True, False):
         tokens, forwards = engine_decode(model, tok, prompt, use_cache, max_tokens=gen, threshold=0.5)
         assert tokens == ref_tokens and forwards <= ref_forwards
@@ -189,10 +214,19 @@ def test_entropy_bound_budget(sdar, eb):
     model, tok = sdar
     prompt = PROMPTS[1]
     gen = whole_blocks(prompt)
-    ref = sdar_reference(model, prompt, gen_length=gen, block_length=BLOCK, steps=4,
-                         strategy="entropy_bounded", mask_id=SDAR_MASK, eb_threshold=eb)
-    assert engine_decode(model, tok, prompt, max_tokens=gen, steps=4, strategy="entropy_bounded",
-                         entropy_bound=eb) == ref
+    ref = sdar_reference(
+        model,
+        prompt,
+        gen_length=gen,
+        block_length=BLOCK,
+        steps=4,
+        strategy="entropy_bounded",
+        mask_id=SDAR_MASK,
+        eb_threshold=eb,
+    )
+    assert (
+        engine_decode(model, tok, prompt, max_tokens=gen, steps=4, strategy="entropy_bounded", entropy_bound=eb) == ref
+    )
 
 
 def test_one_step_entropy_bounded_leaves_no_mask(sdar):
@@ -200,8 +234,9 @@ def test_one_step_entropy_bounded_leaves_no_mask(sdar):
     masks; the engine keeps committing (at least one per step) until the block is full."""
     model, tok = sdar
     prompt = PROMPTS[0]
-    ref_tokens, _ = sdar_reference(model, prompt, gen_length=11, block_length=BLOCK, steps=1,
-                                   strategy="entropy_bounded", mask_id=SDAR_MASK)
+    ref_tokens, _ = sdar_reference(
+        model, prompt, gen_length=11, block_length=BLOCK, steps=1, strategy="entropy_bounded", mask_id=SDAR_MASK
+    )
     tokens, _ = engine_decode(model, tok, prompt, max_tokens=11, steps=1, strategy="entropy_bounded")
     assert SDAR_MASK in ref_tokens and SDAR_MASK not in tokens
 
@@ -224,6 +259,7 @@ def test_generate_stream_batch_and_eos(sdar):
         bias = mx.zeros(logits.shape)
         bias[:, SDAR_EOS] = 1e4 if len(tokens) == len(prompt) + 2 else 0.0  # the third generated token
         return logits + bias
+
     out = list(api.stream_generate(model, tok, prompt, max_tokens=32, logits_processors=[eos_at_2]))
     assert out[-1].finish_reason == "stop" and out[-1].token == SDAR_EOS and len(out) == 3
     assert out[-1].forwards <= BLOCK  # only the first block was decoded
@@ -239,8 +275,19 @@ def test_bad_input_and_cli(sdar, sdar_path):
         api.generate(model, tok, [VOCAB + 1], max_tokens=4)
     with pytest.raises(ValueError, match="threshold applies"):
         api.generate(model, tok, "Hi", max_tokens=4, strategy="entropy_bounded", threshold=0.5)
-    r = run_main("mlx_lm_diffusion.generate", "--model", str(sdar_path), "--prompt", "Hi",
-                 "--max-tokens", "8", "--strategy", "low_confidence_static", "--steps", "2")
+    r = run_main(
+        "mlx_lm_diffusion.generate",
+        "--model",
+        str(sdar_path),
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "8",
+        "--strategy",
+        "low_confidence_static",
+        "--steps",
+        "2",
+    )
     assert r.returncode == 0 and "forwards" in r.stdout, r.stderr
 
 

@@ -67,13 +67,16 @@ def greedy_oracle(model, prompt, max_tokens, eos=()):
         ids.append(int(np.argmax(logits)))
         if ids[-1] in eos:
             break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
 def oracle(models):
-    return {(kind, i): greedy_oracle(models[kind][0], p, LONGEST)
-            for kind in ("random", "partial", "whole") for i, p in enumerate(PROMPTS)}
+    return {
+        (kind, i): greedy_oracle(models[kind][0], p, LONGEST)
+        for kind in ("random", "partial", "whole")
+        for i, p in enumerate(PROMPTS)
+    }
 
 
 # ---------------------------------------------------------------------------- tokens
@@ -87,8 +90,9 @@ def test_tokens_are_autoregressive_greedy(models, oracle, kind):
         assert engine_decode(model, tok, prompt, max_tokens=LONGEST, block_length=1)[0] == expected
         for max_tokens in (1, 2, 9, LONGEST):
             for block_length in (2, 5, 32):
-                tokens, forwards = engine_decode(model, tok, prompt, max_tokens=max_tokens,
-                                                 block_length=block_length, self_spec=True)
+                tokens, forwards = engine_decode(
+                    model, tok, prompt, max_tokens=max_tokens, block_length=block_length, self_spec=True
+                )
                 assert tokens == expected[:max_tokens], (prompt, max_tokens, block_length)
                 assert forwards <= 2 * (max_tokens - 1)
 
@@ -96,9 +100,10 @@ def test_tokens_are_autoregressive_greedy(models, oracle, kind):
 def test_drafts_are_accepted_where_the_model_agrees(models):
     """Tokens per forward: about 1/2 with random weights (the bonus token only), more once
     drafts are accepted; whole windows accepted give many tokens per forward."""
-    per_forward = {kind: LONGEST / engine_decode(*models[kind], PROMPTS[0], max_tokens=LONGEST, block_length=32,
-                                                  self_spec=True)[1]
-                   for kind in ("random", "partial", "whole")}
+    per_forward = {
+        kind: LONGEST / engine_decode(*models[kind], PROMPTS[0], max_tokens=LONGEST, block_length=32, self_spec=True)[1]
+        for kind in ("random", "partial", "whole")
+    }
     assert per_forward["random"] < 0.6 < per_forward["partial"] < per_forward["whole"]
     assert per_forward["whole"] > 2
 
@@ -113,11 +118,13 @@ def test_matches_mlx_vlm_linear_spec_generate(paths, models, kind):
     block_lengths = (2, 32) if kind == "random" else (2, 8, 32, 64)
     for prompt in PROMPTS[:2] if kind == "random" else PROMPTS:
         for block_length in block_lengths:
-            out, nfe = reference.linear_spec_generate(mx.array([prompt]), max_new_tokens=LONGEST,
-                                                      block_length=block_length, eos_token_id=-1)
-            tokens, forwards = engine_decode(model, tok, prompt, max_tokens=LONGEST, block_length=block_length,
-                                             self_spec=True)
-            assert tokens == out[0, len(prompt):].tolist(), (prompt, block_length)
+            out, nfe = reference.linear_spec_generate(
+                mx.array([prompt]), max_new_tokens=LONGEST, block_length=block_length, eos_token_id=-1
+            )
+            tokens, forwards = engine_decode(
+                model, tok, prompt, max_tokens=LONGEST, block_length=block_length, self_spec=True
+            )
+            assert tokens == out[0, len(prompt) :].tolist(), (prompt, block_length)
             assert forwards == nfe - 1
 
 
@@ -129,9 +136,10 @@ def test_eos_stops_as_autoregressive_decoding_does(paths, models):
         spec = list(mld.stream_generate(model, tok, prompt, max_tokens=LONGEST, self_spec=True))
         assert [r.token for r in spec] == ar == greedy_oracle(model, prompt, LONGEST, eos={EOS_ID})
         assert ar[-1] == EOS_ID and spec[-1].finish_reason == "stop"
-        out, _ = reference.linear_spec_generate(mx.array([prompt]), max_new_tokens=LONGEST, block_length=32,
-                                                eos_token_id=EOS_ID)
-        assert out[0, len(prompt):].tolist() == ar
+        out, _ = reference.linear_spec_generate(
+            mx.array([prompt]), max_new_tokens=LONGEST, block_length=32, eos_token_id=EOS_ID
+        )
+        assert out[0, len(prompt) :].tolist() == ar
 
 
 def test_allowed_tokens_apply_as_in_autoregressive_decoding(models):
@@ -139,8 +147,9 @@ def test_allowed_tokens_apply_as_in_autoregressive_decoding(models):
     allowed = list(range(30, 48)) + [5, 7]
     for prompt in PROMPTS:
         ar = engine_decode(model, tok, prompt, max_tokens=24, block_length=1, allowed_tokens=allowed)[0]
-        spec = engine_decode(model, tok, prompt, max_tokens=24, block_length=8, allowed_tokens=allowed,
-                             self_spec=True)[0]
+        spec = engine_decode(model, tok, prompt, max_tokens=24, block_length=8, allowed_tokens=allowed, self_spec=True)[
+            0
+        ]
         assert spec == ar and set(spec) <= set(allowed) | {EOS_ID}
 
 
@@ -191,8 +200,11 @@ def test_stream_one_event_per_forward_tokens_left_to_right(models):
     prompt = PROMPTS[0]
     P = len(prompt)
     steps = []
-    responses = list(mld.stream_generate(model, tok, prompt, max_tokens=30, block_length=16, self_spec=True,
-                                         draft_callback=steps.append))
+    responses = list(
+        mld.stream_generate(
+            model, tok, prompt, max_tokens=30, block_length=16, self_spec=True, draft_callback=steps.append
+        )
+    )
     assert [s.forwards for s in steps] == list(range(1, responses[-1].forwards + 1))
     tokens = [r.token for r in responses]
     assert tokens == [r.token for r in mld.stream_generate(model, tok, prompt, max_tokens=30, block_length=1)]
@@ -200,7 +212,7 @@ def test_stream_one_event_per_forward_tokens_left_to_right(models):
     drafted = 0
     for s in steps:
         final = int(s.final[0])
-        assert s.canvas[0, P:P + final].tolist() == tokens[:final]
+        assert s.canvas[0, P : P + final].tolist() == tokens[:final]
         if s.forwards % 2 and s.canvas[0, P + final] != MASK_ID:  # a draft step shows its draft
             drafted += 1
     assert drafted > 0
@@ -217,8 +229,9 @@ def test_batch_rows_match_single_prompts(models):
     kw = dict(max_tokens=20, block_length=8, self_spec=True, return_token_ids=True)
     rows = mld.generate_batch(model, tok, PROMPTS, **kw).token_ids
     assert rows == [mld.generate_batch(model, tok, [p], **kw).token_ids[0] for p in PROMPTS]
-    assert rows == [[r.token for r in mld.stream_generate(model, tok, p, max_tokens=20, block_length=1)]
-                    for p in PROMPTS]
+    assert rows == [
+        [r.token for r in mld.stream_generate(model, tok, p, max_tokens=20, block_length=1)] for p in PROMPTS
+    ]
 
 
 @pytest.mark.parametrize("kind", ["random", "partial", "whole"])
@@ -258,10 +271,12 @@ def test_batched_verify_is_each_rows_verify(models):
         np.testing.assert_allclose(np.array(logits), np.array(want), atol=2e-4, err_msg=f"row {row}")
         for a, b in zip(batched[row].cache, state.cache):
             assert a.offset == b.offset
-            np.testing.assert_allclose(np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]),
-                                       atol=2e-4)
-            np.testing.assert_allclose(np.array(a.values[..., : a.offset, :]),
-                                       np.array(b.values[..., : b.offset, :]), atol=2e-4)
+            np.testing.assert_allclose(
+                np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]), atol=2e-4
+            )
+            np.testing.assert_allclose(
+                np.array(a.values[..., : a.offset, :]), np.array(b.values[..., : b.offset, :]), atol=2e-4
+            )
 
 
 def _cli(path, *flags):
@@ -298,8 +313,9 @@ def test_server_json_field(paths, models, tmp_path, flags):
         mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
         with running_server(["--model", str(paths["partial"]), "--port", "0", *flags]) as (httpd, _):
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
-                                   max_retries=0, timeout=120)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused", max_retries=0, timeout=120
+            )
             ask = dict(model="default_model", messages=messages, max_tokens=16, temperature=0.0)
             r = client.chat.completions.create(**ask, extra_body={"self_spec": True})
             assert r.choices[0].message.content == expected
@@ -315,8 +331,15 @@ def test_protocol_refuses_it(models):
     from mlx_lm_diffusion.api.protocol import REQUEST_SCHEMA, run_request
 
     assert REQUEST_SCHEMA["properties"]["self_spec"]["type"] == "boolean"
-    request = dict(prompt_tokens=PROMPTS[0], target_length=15, num_steps=4, mask_schedule="cosine",
-                   temperature_schedule=[0.0] * 4, top_p=1.0, self_spec=True)
+    request = dict(
+        prompt_tokens=PROMPTS[0],
+        target_length=15,
+        num_steps=4,
+        mask_schedule="cosine",
+        temperature_schedule=[0.0] * 4,
+        top_p=1.0,
+        self_spec=True,
+    )
     with pytest.raises(ValueError, match="self_spec"):
         run_request(*models["partial"], request)
 
@@ -331,18 +354,21 @@ def test_named_option_everywhere():
     assert add_arguments(argparse.ArgumentParser()).parse_args(["--self-spec"]).self_spec is True
 
 
-@pytest.mark.parametrize("options,word", [
-    (dict(sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)), "sampler"),
-    (dict(temperature_schedule=(0.5,) * 4, steps=4), "steps"),
-    (dict(threshold=0.9), "threshold"),
-    (dict(strategy="low_confidence"), "strategy"),
-    (dict(steps=4), "steps"),
-    (dict(editing_threshold=0.5), "editing_threshold"),
-    (dict(logits_processors=[lambda tokens, logits: logits]), "logits_processors"),
-    (dict(block_length=1), "block_length >= 2"),
-    (dict(causal_context=False), "causal_context"),
-    (dict(suffix="later"), "suffix|after"),
-])
+@pytest.mark.parametrize(
+    "options,word",
+    [
+        (dict(sampler=lambda logprobs: mx.argmax(logprobs, axis=-1)), "sampler"),
+        (dict(temperature_schedule=(0.5,) * 4, steps=4), "steps"),
+        (dict(threshold=0.9), "threshold"),
+        (dict(strategy="low_confidence"), "strategy"),
+        (dict(steps=4), "steps"),
+        (dict(editing_threshold=0.5), "editing_threshold"),
+        (dict(logits_processors=[lambda tokens, logits: logits]), "logits_processors"),
+        (dict(block_length=1), "block_length >= 2"),
+        (dict(causal_context=False), "causal_context"),
+        (dict(suffix="later"), "suffix|after"),
+    ],
+)
 def test_refused_options(models, options, word):
     model, tok = models["partial"]
     with pytest.raises(ValueError, match=word):
@@ -369,10 +395,17 @@ def test_a_batched_row_refused_only_by_its_sampler_is_a_400(models):
 
     def args(temperature, logit_bias=None):
         return mlx_server.GenerationArguments(
-            model=None, sampling=mlx_server.SamplingArguments(temperature, 1.0, 0, 0.0, 0.0, 0.0),
+            model=None,
+            sampling=mlx_server.SamplingArguments(temperature, 1.0, 0, 0.0, 0.0, 0.0),
             logits=mlx_server.LogitsProcessorArguments(logit_bias, 0.0, 20, 0.0, 20, 0.0, 20),
-            stop_words=[], max_tokens=8, num_draft_tokens=0, logprobs=False, top_logprobs=0, seed=0,
-            chat_template_kwargs=None)
+            stop_words=[],
+            max_tokens=8,
+            num_draft_tokens=0,
+            logprobs=False,
+            top_logprobs=0,
+            seed=0,
+            chat_template_kwargs=None,
+        )
 
     prompt = PROMPTS[0]
     greedy = scheduler.request_decode(model, tokenizer, prompt, args(0.0), {"self_spec": True}).options
@@ -391,16 +424,27 @@ def test_a_checkpoint_commit_rule_does_not_refuse_self_spec(paths, models, tmp_p
 
     path = tmp_path / "with_config"
     shutil.copytree(paths["partial"], path)
-    (path / "generation_config.json").write_text(json.dumps(
-        {"block_length": 16, "steps": 16, "strategy": "low_confidence", "threshold": None, "max_new_tokens": 24}))
+    (path / "generation_config.json").write_text(
+        json.dumps(
+            {"block_length": 16, "steps": 16, "strategy": "low_confidence", "threshold": None, "max_new_tokens": 24}
+        )
+    )
     model, tokenizer = mld.load(str(path))
-    assert dict(model.generation_defaults) == {"block_length": 16, "steps": 16, "strategy": "low_confidence",
-                                               "max_tokens": 24}
+    assert dict(model.generation_defaults) == {
+        "block_length": 16,
+        "steps": 16,
+        "strategy": "low_confidence",
+        "max_tokens": 24,
+    }
     base_model, base_tokenizer = models["partial"]
     for prompt in PROMPTS:
         got = [(r.token, r.forwards) for r in mld.stream_generate(model, tokenizer, prompt, self_spec=True)]
-        want = [(r.token, r.forwards) for r in mld.stream_generate(base_model, base_tokenizer, prompt, self_spec=True,
-                                                                   block_length=16, max_tokens=24)]
+        want = [
+            (r.token, r.forwards)
+            for r in mld.stream_generate(
+                base_model, base_tokenizer, prompt, self_spec=True, block_length=16, max_tokens=24
+            )
+        ]
         assert got == want and len(got) == 24
     with pytest.raises(ValueError, match="strategy does not apply to self_spec"):
         mld.generate(model, tokenizer, PROMPTS[0], self_spec=True, strategy="low_confidence")
@@ -412,6 +456,7 @@ def test_mlx_lms_greedy_sampler_is_greedy_decoding(models):
     from mlx_lm.sample_utils import make_sampler
 
     model, tok = models["partial"]
-    assert mld.generate(model, tok, PROMPTS[0], max_tokens=8, self_spec=True, sampler=make_sampler(0.0)) == \
-        mld.generate(model, tok, PROMPTS[0], max_tokens=8, self_spec=True)
+    assert mld.generate(
+        model, tok, PROMPTS[0], max_tokens=8, self_spec=True, sampler=make_sampler(0.0)
+    ) == mld.generate(model, tok, PROMPTS[0], max_tokens=8, self_spec=True)
     assert resolve(DecodeOptions(max_tokens=8, sampler=make_sampler(0.0)), adapter_for(model, tok), 5).sampler is None

@@ -48,9 +48,7 @@ def port(served):
 
 @pytest.fixture(scope="module")
 def client(port):
-    return openai.OpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
-    )
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
 def chat_ids(tok, messages):
@@ -109,7 +107,9 @@ def test_streaming_chat_sends_committed_tokens(client, llada):
     _, responses = library(llada, ids)
     chunks = list(
         client.chat.completions.create(
-            model="default_model", messages=USER, stream=True,
+            model="default_model",
+            messages=USER,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -126,9 +126,7 @@ def test_text_completion_equals_library(client, llada):
     _, responses = library(llada, tok.encode("Once upon a time"), max_tokens=8)
     assert r.choices[0].text == text_of(responses)
     assert r.object == "text_completion"
-    streamed = client.completions.create(
-        model="default_model", prompt="Once upon a time", max_tokens=8, stream=True
-    )
+    streamed = client.completions.create(model="default_model", prompt="Once upon a time", max_tokens=8, stream=True)
     assert "".join(c.choices[0].text for c in streamed) == text_of(responses)
 
 
@@ -140,9 +138,7 @@ def test_logprobs_and_top_logprobs(client, llada):
     assert [c.model_extra["id"] for c in content] == tokens
     for c, resp in zip(content, responses):
         assert c.logprob == pytest.approx(resp.logprobs[resp.token].item(), abs=1e-5)
-    r = client.chat.completions.create(
-        model="default_model", messages=USER, logprobs=True, top_logprobs=3
-    )
+    r = client.chat.completions.create(model="default_model", messages=USER, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == len(tokens)
     for c, token in zip(content, tokens):
@@ -180,8 +176,7 @@ def test_temperature_top_p_and_seed(client, llada):
     from mlx_lm.sample_utils import make_sampler
 
     def sample(seed):
-        r = client.chat.completions.create(
-            model="default_model", messages=USER, temperature=1.0, top_p=0.9, seed=seed)
+        r = client.chat.completions.create(model="default_model", messages=USER, temperature=1.0, top_p=0.9, seed=seed)
         return r.choices[0].message.content
 
     first, again, other = sample(7), sample(7), sample(8)
@@ -194,7 +189,10 @@ def test_temperature_top_p_and_seed(client, llada):
 
 def test_max_tokens_past_the_context_is_fitted(client, llada):
     r = client.chat.completions.create(
-        model="default_model", messages=USER, max_tokens=100_000, logprobs=True,
+        model="default_model",
+        messages=USER,
+        max_tokens=100_000,
+        logprobs=True,
         extra_body={"block_length": 64, "steps": 1},
         logit_bias={str(EOS_ID): -1e9, str(EOT_ID): -1e9},
     )
@@ -235,14 +233,15 @@ def test_drafts_are_sse_comments(client, port, llada):
     body = {"messages": USER, "stream": True, "drafts": True, "block_length": 4}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
     try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         assert resp.status == 200
         lines = [line.decode().rstrip("\n") for line in resp]
     finally:
         conn.close()
-    drafts = [json.loads(line[len(": draft "):]) for line in lines if line.startswith(": draft ")]
+    drafts = [json.loads(line[len(": draft ") :]) for line in lines if line.startswith(": draft ")]
     ids = chat_ids(llada[1], USER)
     _, responses = library(llada, ids, block_length=4)
     assert [d["forwards"] for d in drafts] == list(range(1, responses[-1].forwards + 1))
@@ -295,14 +294,17 @@ def test_disconnect_mid_stream_frees_the_server(client, port, monkeypatch):
     monkeypatch.setattr(Scheduler, "_emit", counting_emit)
     max_tokens = 300
     body = {
-        "messages": USER, "stream": True, "max_tokens": max_tokens,
+        "messages": USER,
+        "stream": True,
+        "max_tokens": max_tokens,
         "logit_bias": {str(EOS_ID): -1e9, str(EOT_ID): -1e9},  # it cannot stop by itself
     }
     sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     payload = json.dumps(body).encode()
     sock.sendall(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
     )
     received = b""
     while b"data: " not in received:  # bounded by the socket timeout
@@ -363,8 +365,10 @@ def test_unknown_paths_and_health(port, client, llada_path):
     assert Path(llada_path).resolve().name in ids  # (the directory's name: issue 34)
     # the listed id names the served model: no reload, same answers
     r = client.chat.completions.create(model=Path(llada_path).resolve().name, messages=USER)
-    assert r.choices[0].message.content == client.chat.completions.create(
-        model="default_model", messages=USER).choices[0].message.content
+    assert (
+        r.choices[0].message.content
+        == client.chat.completions.create(model="default_model", messages=USER).choices[0].message.content
+    )
 
 
 def test_server_survives_faults(port, client):
@@ -375,8 +379,22 @@ def test_server_survives_faults(port, client):
 
 
 def test_parse_args_takes_mlx_lm_server_flags():
-    args = dserver.parse_args(["--model", "m", "--port", "9", "--top-k", "5", "--block-length", "8",
-                               "--strategy", "threshold", "--threshold", "0.7"])
+    args = dserver.parse_args(
+        [
+            "--model",
+            "m",
+            "--port",
+            "9",
+            "--top-k",
+            "5",
+            "--block-length",
+            "8",
+            "--strategy",
+            "threshold",
+            "--threshold",
+            "0.7",
+        ]
+    )
     assert (args.model, args.host, args.port, args.top_k) == ("m", "127.0.0.1", 9, 5)
     assert (args.block_length, args.strategy, args.threshold) == (8, "threshold", 0.7)
     assert args.prompt_cache_size == 10  # an mlx_lm.server default
@@ -390,11 +408,19 @@ def test_python_m_server(llada_path, tmp_path):
     """`python -m mlx_lm_diffusion.server` serves the model (the console script runs the
     same `main`)."""
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(llada_path),
-               "--max-tokens", "4", "--block-length", "2"]
+    command = [
+        sys.executable,
+        "-m",
+        "mlx_lm_diffusion.server",
+        "--model",
+        str(llada_path),
+        "--max-tokens",
+        "4",
+        "--block-length",
+        "2",
+    ]
     with console_server(command, env, tmp_path / "server.log") as port:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
-                          timeout=TIMEOUT)
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
         r = c.chat.completions.create(model="default_model", messages=USER)
         assert r.usage.completion_tokens <= 4
         assert r.choices[0].finish_reason in ("stop", "length")
@@ -414,10 +440,15 @@ def test_console_scripts_point_at_main():
 def test_request_fields_over_server_defaults():
     merge = merge_options
     assert merge({"steps": 4, "threshold": 0.9}, {"block_length": 8}) == {
-        "steps": 4, "threshold": 0.9, "block_length": 8}
+        "steps": 4,
+        "threshold": 0.9,
+        "block_length": 8,
+    }
     # naming another rule drops the default rule's settings
     assert merge({"steps": 4, "threshold": 0.9}, {"strategy": "low_confidence"}) == {
-        "steps": 4, "strategy": "low_confidence"}
+        "steps": 4,
+        "strategy": "low_confidence",
+    }
     assert merge({"strategy": "entropy_bound"}, {"threshold": 0.5}) == {"threshold": 0.5}
 
 

@@ -30,15 +30,17 @@ def client(llada_path, tmp_path_factory):
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
         with running_server(["--model", str(llada_path), "--port", "0", "--max-tokens", "16"]) as (httpd, _):
             port = httpd.server_address[1]
-            yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
-                                timeout=TIMEOUT)
+            yield openai.OpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
+            )
 
 
 def test_completion_suffix_is_an_infill(client, llada):
     model, tok = llada
     prompt, suffix = "def add(a, b):", "\n    return c"
-    r = client.completions.create(model="default_model", prompt=prompt, suffix=suffix, max_tokens=10,
-                                  extra_body={"block_length": 5})
+    r = client.completions.create(
+        model="default_model", prompt=prompt, suffix=suffix, max_tokens=10, extra_body={"block_length": 5}
+    )
     responses = list(mld.stream_generate(model, tok, prompt, max_tokens=10, suffix=suffix, block_length=5))
     keep = responses[:-1] if responses[-1].finish_reason == "stop" else responses
     assert r.choices[0].text == "".join(x.text for x in keep)
@@ -47,7 +49,11 @@ def test_completion_suffix_is_an_infill(client, llada):
 @pytest.mark.parametrize("seed", range(4))
 def test_response_format_json_schema_parses(client, seed):
     r = client.chat.completions.create(
-        model="default_model", messages=USER, max_tokens=48, temperature=1.0, seed=seed,
+        model="default_model",
+        messages=USER,
+        max_tokens=48,
+        temperature=1.0,
+        seed=seed,
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}},
         extra_body={"threshold": 0.3, "block_length": 16},
     )
@@ -58,8 +64,13 @@ def test_response_format_json_schema_parses(client, seed):
 def test_response_format_json_object(client):
     for seed in range(2):
         r = client.chat.completions.create(
-            model="default_model", messages=USER, max_tokens=48, temperature=1.0, seed=seed,
-            response_format={"type": "json_object"}, extra_body={"threshold": 0.3, "block_length": 16},
+            model="default_model",
+            messages=USER,
+            max_tokens=48,
+            temperature=1.0,
+            seed=seed,
+            response_format={"type": "json_object"},
+            extra_body={"threshold": 0.3, "block_length": 16},
         )
         content = r.choices[0].message.content
         if r.choices[0].finish_reason == "stop":
@@ -71,19 +82,28 @@ def test_response_format_json_object(client):
 def test_allowed_tokens_field(client, llada):
     _, tok = llada
     allowed = tok.encode("ab ", add_special_tokens=False)
-    r = client.completions.create(model="default_model", prompt="Hello", max_tokens=12, temperature=1.0, seed=1,
-                                  extra_body={"allowed_tokens": allowed})
+    r = client.completions.create(
+        model="default_model",
+        prompt="Hello",
+        max_tokens=12,
+        temperature=1.0,
+        seed=1,
+        extra_body={"allowed_tokens": allowed},
+    )
     assert set(r.choices[0].text) <= set("ab ")
 
 
-@pytest.mark.parametrize("fields,match", [
-    ({"suffix": 5}, "suffix"),
-    ({"response_format": "json"}, "response_format"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
-    ({"allowed_tokens": [MASK_ID]}, "mask token"),
-    ({"allowed_tokens": "abc"}, "allowed_tokens"),
-])
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"suffix": 5}, "suffix"),
+        ({"response_format": "json"}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+        ({"allowed_tokens": [MASK_ID]}, "mask token"),
+        ({"allowed_tokens": "abc"}, "allowed_tokens"),
+    ],
+)
 def test_bad_fields_get_400(client, fields, match):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="default_model", prompt="Hello", max_tokens=8, extra_body=fields)
@@ -98,8 +118,9 @@ def test_missing_grammar_library_is_a_400(client, monkeypatch):
 
     monkeypatch.setattr(grammar, "_llguidance", missing)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="default_model", messages=USER, max_tokens=8,
-                                       response_format={"type": "json_object"})
+        client.chat.completions.create(
+            model="default_model", messages=USER, max_tokens=8, response_format={"type": "json_object"}
+        )
     assert 'pip install -e ".[constraints]"' in e.value.body["message"]
 
 
@@ -111,21 +132,29 @@ def test_a_grammar_the_vocabulary_cannot_begin_is_a_400(stream):
     from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 
     with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
-                               max_retries=0, timeout=TIMEOUT)
-        formats = [{"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-                   for schema in ({"type": "array", "items": {"type": "integer"}}, {"type": "boolean"})]
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
+        )
+        formats = [
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+            for schema in ({"type": "array", "items": {"type": "integer"}}, {"type": "boolean"})
+        ]
         for response_format in formats:
             with pytest.raises(openai.BadRequestError) as e:
-                client.chat.completions.create(model="default_model",
-                                               messages=[{"role": "user", "content": "357+468="}],
-                                               response_format=response_format, stream=stream)
+                client.chat.completions.create(
+                    model="default_model",
+                    messages=[{"role": "user", "content": "357+468="}],
+                    response_format=response_format,
+                    stream=stream,
+                )
             assert "cannot begin output that matches this grammar" in e.value.body["message"]
             assert "\n" not in e.value.body["message"]
         # a grammar it can begin still runs
         out = client.chat.completions.create(
-            model="default_model", messages=[{"role": "user", "content": "357+468="}],
-            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}})
+            model="default_model",
+            messages=[{"role": "user", "content": "357+468="}],
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+        )
         assert isinstance(json.loads(out.choices[0].message.content), int)
 
 
@@ -140,8 +169,12 @@ def test_an_autoregressive_model_refuses_the_fields(tmp_path):
         mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
         with running_server(["--model", str(path), "--port", "0", "--max-tokens", "4"]) as (httpd, _):
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
-                                   max_retries=0, timeout=TIMEOUT)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
+                api_key="unused",
+                max_retries=0,
+                timeout=TIMEOUT,
+            )
             for fields in ({"suffix": " end"}, {"response_format": {"type": "json_object"}}):
                 with pytest.raises(openai.BadRequestError) as e:
                     client.completions.create(model="default_model", prompt="Hello", max_tokens=4, extra_body=fields)
@@ -172,11 +205,17 @@ SCHEMAS = [
     {"type": "string", "maxLength": 3},
     {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]},
     {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
-    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}},
-                                                 "required": ["b"]}}, "required": ["a"]},
+    {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}},
+        "required": ["a"],
+    },
     {"type": "object", "properties": {"mass": {"type": "number"}, "bus": {"const": "ab"}}, "required": ["mass", "bus"]},
-    {"type": "object", "properties": {"sum": {"type": "integer"}, "name": {"type": "string"}},
-     "required": ["sum", "name"]},
+    {
+        "type": "object",
+        "properties": {"sum": {"type": "integer"}, "name": {"type": "string"}},
+        "required": ["sum", "name"],
+    },
     {"type": "object", "properties": {"sum": {"type": "integer"}, "note": {"type": "string"}}, "required": ["sum"]},
     {"type": "object", "properties": {"s": {"enum": ["a", "zz"]}}, "required": ["s"]},
     {"type": "object", "properties": {"s": {"enum": ["zz", "yy"]}}, "required": ["s"]},
@@ -187,9 +226,11 @@ SCHEMAS = [
     {"type": "null"},
     {"anyOf": [{"type": "integer"}, {"const": "zz"}]},
     {"anyOf": [{"const": "zz"}, {"const": "yy"}]},
-    {"type": "object", "properties": {"sum": {"type": "integer", "minimum": 0}, "a": {"type": "string",
-                                                                                         "pattern": "^[0-9]+$"}},
-     "required": ["sum", "a"]},
+    {
+        "type": "object",
+        "properties": {"sum": {"type": "integer", "minimum": 0}, "a": {"type": "string", "pattern": "^[0-9]+$"}},
+        "required": ["sum", "a"],
+    },
 ]
 
 
@@ -204,14 +245,20 @@ def test_every_schema_is_a_400_or_valid_json(checkpoint, llada_path):
     path = DEMO_MODEL_PATH if checkpoint == "demo" else llada_path
     outcomes = {"400": 0, "valid": 0, "length": 0}
     with running_server(["--model", str(path), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused",
-                               max_retries=0, timeout=TIMEOUT)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT
+        )
         for i, schema in enumerate(SCHEMAS):
             response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
             try:
-                out = client.chat.completions.create(model="default_model", max_tokens=24, temperature=0,
-                                                     messages=[{"role": "user", "content": "357+468="}],
-                                                     response_format=response_format, stream=i % 4 == 3)
+                out = client.chat.completions.create(
+                    model="default_model",
+                    max_tokens=24,
+                    temperature=0,
+                    messages=[{"role": "user", "content": "357+468="}],
+                    response_format=response_format,
+                    stream=i % 4 == 3,
+                )
             except openai.BadRequestError as e:
                 assert "\n" not in e.body["message"]
                 outcomes["400"] += 1

@@ -16,8 +16,14 @@ from serving import post_json, running_server
 
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 
-PROTOCOL = {"prompt_tokens": [3, 4, 5], "target_length": 8, "num_steps": 4, "mask_schedule": "linear",
-            "temperature_schedule": [0.0] * 4, "top_p": 1.0}
+PROTOCOL = {
+    "prompt_tokens": [3, 4, 5],
+    "target_length": 8,
+    "num_steps": 4,
+    "mask_schedule": "linear",
+    "temperature_schedule": [0.0] * 4,
+    "top_p": 1.0,
+}
 
 
 def protocol(port: int, body, timeout: float = 120):
@@ -124,8 +130,18 @@ def test_long_requests_leave_rows_for_short_ones(llada_path):
     """Requests at the forward bound took every row of the batch (a normal request behind
     32 of them waited 429 s); long ones now hold at most half of a batch, and a short one
     behind them is admitted at once."""
-    argv = ["--model", str(llada_path), "--port", "0", "--log-level", "WARNING", "--decode-concurrency", "4",
-            "--long-request-forwards", "16"]
+    argv = [
+        "--model",
+        str(llada_path),
+        "--port",
+        "0",
+        "--log-level",
+        "WARNING",
+        "--decode-concurrency",
+        "4",
+        "--long-request-forwards",
+        "16",
+    ]
     long_body = {**PROTOCOL, "target_length": 3 + 48, "num_steps": 48, "temperature_schedule": [0.0] * 48}
     with running_server(argv) as (httpd, generator):
         port = httpd.server_address[1]
@@ -151,16 +167,27 @@ def test_a_long_request_is_not_stuck_behind_much_longer_ones(llada_path):
     waited 503.6 s. Each 4x heavier class of long requests now holds at most half the rows of
     the class below it: beside the heaviest (one row of two here), a request just over the
     long threshold is admitted at once and answers while they still decode."""
-    argv = ["--model", str(llada_path), "--port", "0", "--log-level", "WARNING", "--decode-concurrency", "4",
-            "--long-request-forwards", "16"]
+    argv = [
+        "--model",
+        str(llada_path),
+        "--port",
+        "0",
+        "--log-level",
+        "WARNING",
+        "--decode-concurrency",
+        "4",
+        "--long-request-forwards",
+        "16",
+    ]
     steps = 80  # (5x the threshold: the class above the first)
     heavy = {**PROTOCOL, "target_length": 3 + steps, "num_steps": steps, "temperature_schedule": [0.0] * steps}
     medium = {**PROTOCOL, "target_length": 3 + 24, "num_steps": 24, "temperature_schedule": [0.0] * 24}
     with running_server(argv) as (httpd, generator):
         port, scheduler = httpd.server_address[1], generator.scheduler
         answers = []
-        heavies = [threading.Thread(target=lambda: answers.append(protocol(port, heavy, timeout=600)))
-                   for _ in range(4)]
+        heavies = [
+            threading.Thread(target=lambda: answers.append(protocol(port, heavy, timeout=600))) for _ in range(4)
+        ]
         for thread in heavies:
             thread.start()
         for _ in range(600):  # (until they are queued and one decodes)
@@ -211,8 +238,11 @@ def test_a_short_request_does_not_step_with_the_long_ones(llada_path):
 
 def long_forwards(scheduler, steps: int) -> int:
     """Forwards run by the batches whose rows are the long requests (`steps` forwards each)."""
-    return sum(batch.forwards for batch in list(scheduler.batches.values())
-               if any(row.payload.forwards >= steps for row in list(batch.rows.values())))
+    return sum(
+        batch.forwards
+        for batch in list(scheduler.batches.values())
+        if any(row.payload.forwards >= steps for row in list(batch.rows.values()))
+    )
 
 
 def test_kernels_compile_in_a_private_directory_and_health_says_when_they_cannot(tmp_path):
@@ -264,8 +294,18 @@ def test_one_client_cannot_take_every_connection(tmp_path):
     --max-client-connections it holds at most that many, and another address is served."""
     import socket
 
-    argv = ["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING",
-            "--max-connections", "12", "--max-client-connections", "4"]
+    argv = [
+        "--model",
+        str(DEMO_MODEL_PATH),
+        "--port",
+        "0",
+        "--log-level",
+        "WARNING",
+        "--max-connections",
+        "12",
+        "--max-client-connections",
+        "4",
+    ]
     with running_server(argv) as (httpd, _):
         port = httpd.server_address[1]
         idle = []
@@ -282,8 +322,10 @@ def test_one_client_cannot_take_every_connection(tmp_path):
             other.settimeout(60)
             other.connect(("127.0.0.1", port))
             body = json.dumps(PROTOCOL).encode()
-            other.sendall(b"POST /v1/diffusion/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
-                          b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            other.sendall(
+                b"POST /v1/diffusion/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             reply = b""
             while b"\r\n\r\n" not in reply:
                 reply += other.recv(65536)
@@ -338,10 +380,11 @@ def test_client_chat_templates_render_under_limits():
         status, body = with_template(port, "{{ messages[-1]['content'] }}")
         assert status == 200 and body["choices"][0]["message"]["content"] == "825", body
         started = time.monotonic()
-        for template, reason in (("{{ 'x' * 10**10 }}", "needed more than"),
-                                 ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
-                                  "CPU time"),
-                                 ("{{ raise_exception('not this one') }}", "not this one")):
+        for template, reason in (
+            ("{{ 'x' * 10**10 }}", "needed more than"),
+            ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "CPU time"),
+            ("{{ raise_exception('not this one') }}", "not this one"),
+        ):
             status, body = with_template(port, template)
             assert status == 400 and reason in body["error"]["message"], body
             assert body["error"]["param"] == "chat_template_kwargs"
@@ -413,8 +456,11 @@ def _half_closed_exchange(port: int, body: dict) -> bytes:
     everything the server answers until it closes."""
     data = json.dumps(body).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=120) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
         sock.shutdown(socket.SHUT_WR)
         answer = b""
         while chunk := sock.recv(65536):
@@ -434,14 +480,17 @@ def test_a_client_that_half_closes_gets_its_whole_answer(llada_path, mode):
         expected = post_json(port, "/v1/completions", body)[1]["choices"][0]["text"]
         answer = _half_closed_exchange(port, body)
         while answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"):  # (interim answers a client skips)
-            answer = answer[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+            answer = answer[len(b"HTTP/1.1 100 Continue\r\n\r\n") :]
         head, _, payload = answer.partition(b"\r\n\r\n")
         assert head.split(b" ")[1] == b"200", answer[:300]
         assert json.loads(payload)["choices"][0]["text"] == expected
         streamed = _half_closed_exchange(port, {**body, "stream": True})
         assert streamed.split(b" ")[1] == b"200" and streamed.rstrip().endswith(b"data: [DONE]")
-        text = "".join(json.loads(line[len(b"data: "):])["choices"][0]["text"] for line in streamed.split(b"\n")
-                       if line.startswith(b"data: {") and json.loads(line[len(b"data: "):])["choices"])
+        text = "".join(
+            json.loads(line[len(b"data: ") :])["choices"][0]["text"]
+            for line in streamed.split(b"\n")
+            if line.startswith(b"data: {") and json.loads(line[len(b"data: ") :])["choices"]
+        )
         assert text == expected
 
 
@@ -495,13 +544,16 @@ def test_a_prompt_that_cannot_fit_is_refused_from_its_length(monkeypatch):
 
     tokenized = []
     real = DiffusionResponseGenerator._tokenize
-    monkeypatch.setattr(DiffusionResponseGenerator, "_tokenize",
-                        lambda self, *a, **k: tokenized.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(
+        DiffusionResponseGenerator, "_tokenize", lambda self, *a, **k: tokenized.append(1) or real(self, *a, **k)
+    )
     with running_server(["--model", str(DEMO_MODEL_PATH), "--port", "0", "--log-level", "WARNING"]) as (httpd, _):
         port = httpd.server_address[1]
-        for body in ({"messages": [{"role": "user", "content": "1" * 9_900_000}]},
-                     {"prompt": ["1+2=" * 400]}, {"messages": [{"role": "user", "content": [{"type": "text",
-                                                                                             "text": "9" * 5000}]}]}):
+        for body in (
+            {"messages": [{"role": "user", "content": "1" * 9_900_000}]},
+            {"prompt": ["1+2=" * 400]},
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "9" * 5000}]}]},
+        ):
             status, answer = post_json(port, "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
             assert status == 400 and answer["error"]["code"] == "context_length_exceeded", answer
         assert tokenized == []

@@ -46,9 +46,13 @@ def _signal_at(sig: int, delay: float, ignore_sigint: bool = False) -> tuple:
     seconds from the signal to the exit, whether it answered HTTP after the signal, stderr)."""
     port = _free_port()
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(DEMO_MODEL_PATH),
-                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
-                            preexec_fn=ignore)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_lm_diffusion.server", "--model", str(DEMO_MODEL_PATH), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        preexec_fn=ignore,
+    )
     try:
         time.sleep(delay)
         proc.send_signal(sig)
@@ -72,8 +76,9 @@ def _assert_ended_the_start(sig: int, outcome: tuple) -> None:
     assert code == 128 + sig, (code, stderr[-2000:])
     assert waited < EXIT_BOUND and not answered
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-2000:]
-    assert stderr.strip().splitlines()[-1] == (f"mlx_lm_diffusion.server: {signal.Signals(sig).name} during "
-                                               "start-up; the server did not start"), stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"mlx_lm_diffusion.server: {signal.Signals(sig).name} during start-up; the server did not start"
+    ), stderr[-2000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

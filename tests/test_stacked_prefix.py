@@ -25,8 +25,10 @@ def row(rng, length):
 
 def grow(rng, state, n):
     for cache in state.layers:
-        cache.update_and_fetch(mx.array(rng.standard_normal((1, HEADS, n, DIM)).astype(np.float32)),
-                               mx.array(rng.standard_normal((1, HEADS, n, DIM)).astype(np.float32)))
+        cache.update_and_fetch(
+            mx.array(rng.standard_normal((1, HEADS, n, DIM)).astype(np.float32)),
+            mx.array(rng.standard_normal((1, HEADS, n, DIM)).astype(np.float32)),
+        )
 
 
 def check_read(stacked, states, width):

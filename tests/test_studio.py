@@ -32,8 +32,15 @@ from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.output import unmask_order
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-sync",
-                  "--disable-background-networking", "--disable-component-update"]
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-background-networking",
+    "--disable-component-update",
+]
 WAIT_MS = 120_000
 
 
@@ -181,8 +188,11 @@ def test_a_threshold_takes_fewer_forwards(studio):
 
 
 def test_a_bad_option_shows_the_servers_message(studio):
-    status, answer = post_json(int(studio.url.rsplit(":", 1)[1]), "/v1/chat/completions",
-                               {"messages": [{"role": "user", "content": "1+1="}], "threshold": 2})
+    status, answer = post_json(
+        int(studio.url.rsplit(":", 1)[1]),
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "1+1="}], "threshold": 2},
+    )
     assert status == 400
     studio.set("a", threshold=2)
     studio.ask("1+1=")
@@ -233,8 +243,9 @@ def test_stop_cancels_a_long_request(studio, caplog):
         if studio.page.evaluate("window.studio.panes.a.frames.length") >= 5:
             break
         time.sleep(0.1)
-    shown, last = studio.page.evaluate("() => [document.querySelector('#pane-a .tpf').textContent, "
-                                       "window.studio.panes.a.frames.at(-1)]")
+    shown, last = studio.page.evaluate(
+        "() => [document.querySelector('#pane-a .tpf').textContent, window.studio.panes.a.frames.at(-1)]"
+    )
     studio.page.evaluate("document.querySelector('#stop').click()")  # (at once: the canvas grows under it)
     studio.page.wait_for_selector(f"body[data-runs='{studio.runs}']", timeout=WAIT_MS)
     assert studio.text("#pane-a .error") == "stopped: the request was cancelled"
@@ -362,8 +373,12 @@ def test_compare_runs_four_settings_and_their_controls_never_overlap(browser, de
 
 
 def _overlap(a: dict, b: dict) -> bool:
-    return (a["x"] < b["x"] + b["width"] - 1 and b["x"] < a["x"] + a["width"] - 1
-            and a["y"] < b["y"] + b["height"] - 1 and b["y"] < a["y"] + a["height"] - 1)
+    return (
+        a["x"] < b["x"] + b["width"] - 1
+        and b["x"] < a["x"] + a["width"] - 1
+        and a["y"] < b["y"] + b["height"] - 1
+        and b["y"] < a["y"] + a["height"] - 1
+    )
 
 
 def test_the_replay_slider_redraws_the_canvas(studio):
@@ -425,8 +440,12 @@ def test_the_page_is_served_under_a_strict_policy(demo, browser):
     assert refused.status == 403  # the server's Host policy holds for the page too
     # another origin's page cannot drive the server (no --allowed-origins)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "1+1="}]}),
-                 {"Content-Type": "application/json", "Origin": "http://evil.example.com"})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "1+1="}]}),
+        {"Content-Type": "application/json", "Origin": "http://evil.example.com"},
+    )
     assert conn.getresponse().status == 403
     conn.close()
     # the controls are the server's option listing, nothing else
@@ -453,8 +472,12 @@ def test_llada2_1_edits_show_as_edits(browser, tmp_path):
         page.set("a", max_tokens=16, block_length=8, threshold=0.5, editing_threshold=0.5, temperature=0)
         page.ask("hello")
         frames = page.frames()
-        edited = [i for k in range(1, len(frames)) for i, (a, b) in
-                  enumerate(zip(frames[k - 1]["tokens"], frames[k]["tokens"])) if a is not None and a != b]
+        edited = [
+            i
+            for k in range(1, len(frames))
+            for i, (a, b) in enumerate(zip(frames[k - 1]["tokens"], frames[k]["tokens"]))
+            if a is not None and a != b
+        ]
         assert edited, "the tiny LLaDA2.1 checkpoint edits under editing_threshold 0.5"
         assert page.page.locator("#pane-a .canvas .cell.edited").count() > 0
         keep_screenshot(page.page, "studio-edit.png")
@@ -520,8 +543,12 @@ def test_diffusion_gemma_draws_its_uniform_canvas_with_an_image(browser, tmp_pat
         assert page.text("#pane-a .error") == "" and frames
         assert set("".join(f["states"] for f in frames)) == {"d"}  # no mask token: argmax drafts
         assert int(page.text("#pane-a .forwards")) == len(frames) > 1
-        renoised = [i for k in range(1, len(frames)) for i, (a, b) in
-                    enumerate(zip(frames[k - 1]["tokens"], frames[k]["tokens"])) if a != b]
+        renoised = [
+            i
+            for k in range(1, len(frames))
+            for i, (a, b) in enumerate(zip(frames[k - 1]["tokens"], frames[k]["tokens"]))
+            if a != b
+        ]
         assert renoised, "a random uniform canvas changes its drafts between forwards"
         page.page.locator("#pane-a .replay").fill(str(min(renoised_frame(frames), len(frames) - 1)))
         assert page.page.locator("#pane-a .canvas .cell.edited").count() > 0
@@ -547,14 +574,40 @@ def renoised_frame(frames: list) -> int:
 
 def test_trace_png_from_the_generate_cli(tmp_path):
     out = tmp_path / "order.png"
-    done = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.generate", "--prompt", "357+468=",
-                           "--max-tokens", "8", "--trace-png", str(out)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm_diffusion.generate",
+            "--prompt",
+            "357+468=",
+            "--max-tokens",
+            "8",
+            "--trace-png",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "825" in done.stdout
     pixels = picture(out.read_bytes())
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 10
-    bad = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.generate", "--prompt", "1+1=",
-                          "--trace-png", str(tmp_path / "order.txt")], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm_diffusion.generate",
+            "--prompt",
+            "1+1=",
+            "--trace-png",
+            str(tmp_path / "order.txt"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --trace-png")
 
 
@@ -564,9 +617,18 @@ def test_the_picture_of_a_protocol_response(tmp_path):
 
     model, tokenizer = mld.load(str(DEMO_MODEL_PATH))
     prompt = tokenizer.encode("357+468=")
-    response = protocol.run_request(model, tokenizer, {
-        "prompt_tokens": prompt, "target_length": len(prompt) + 8, "num_steps": 8,
-        "mask_schedule": "linear", "temperature_schedule": [0.0] * 8, "top_p": 1.0})
+    response = protocol.run_request(
+        model,
+        tokenizer,
+        {
+            "prompt_tokens": prompt,
+            "target_length": len(prompt) + 8,
+            "num_steps": 8,
+            "mask_schedule": "linear",
+            "temperature_schedule": [0.0] * 8,
+            "top_p": 1.0,
+        },
+    )
     order = unmask_order.from_protocol(response)
     committed = {i - len(prompt) for step in response["per_step_unmasked"] for i in step["token_indices"]}
     assert len(order.forward) == 8 and set(np.flatnonzero(order.forward).tolist()) == committed
@@ -574,10 +636,24 @@ def test_the_picture_of_a_protocol_response(tmp_path):
     assert all(order.forward[i - len(prompt)] == first["step"] + 1 for i in first["token_indices"])
     saved = tmp_path / "response.json"
     saved.write_text(json.dumps(response))
-    done = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.output.unmask_order", str(saved),
-                           str(tmp_path / "order.svg")], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_lm_diffusion.output.unmask_order", str(saved), str(tmp_path / "order.svg")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert ET.parse(tmp_path / "order.svg").getroot().tag.endswith("svg")
-    bad = subprocess.run([sys.executable, "-m", "mlx_lm_diffusion.output.unmask_order", str(tmp_path / "nope.json"),
-                          str(tmp_path / "x.png")], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm_diffusion.output.unmask_order",
+            str(tmp_path / "nope.json"),
+            str(tmp_path / "x.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -26,8 +26,20 @@ TOOL_TEMPLATE = (
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 357, "b": 468}}\n</tool_call>'
-TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "a + b",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 USER = [{"role": "user", "content": "What is 357 + 468?"}]
 
 
@@ -83,8 +95,9 @@ def test_a_streamed_tool_call(server):
 def test_langchain_binds_tools_and_reads_the_call(server):
     import langchain_openai
 
-    chat = langchain_openai.ChatOpenAI(model="default_model", base_url=base_url(server), api_key="x",
-                                       max_retries=0, timeout=120)
+    chat = langchain_openai.ChatOpenAI(
+        model="default_model", base_url=base_url(server), api_key="x", max_retries=0, timeout=120
+    )
     message = chat.bind_tools(TOOLS).invoke("What is 357 + 468?")
     assert message.tool_calls and message.tool_calls[0]["name"] == "add"
     assert message.tool_calls[0]["args"] == {"a": 357, "b": 468}
@@ -104,14 +117,18 @@ def test_a_required_call_comes_back_as_tool_calls(server, monkeypatch):
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls
         assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 357, "b": 468}
-        chunks = list(client.chat.completions.create(model="default_model", messages=USER, tools=TOOLS,
-                                                     tool_choice=tool_choice, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model="default_model", messages=USER, tools=TOOLS, tool_choice=tool_choice, stream=True
+            )
+        )
         calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
         assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "add"
         assert json.loads(calls[0].function.arguments) == {"a": 357, "b": 468}
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
-            "tool_calls"]
+            "tool_calls"
+        ]
     body = {"messages": USER, "tools": TOOLS, "tool_choice": "required"}
     status, answer = post_json(server[0].server_address[1], "/v1/chat/completions", body)
     assert status == 200
@@ -127,9 +144,16 @@ def test_the_grammar_holds_the_call_to_the_named_tool(server, monkeypatch):
     """The model writes a call of another tool: the grammar keeps it to the one named, its
     arguments to that tool's parameters."""
     monkeypatch.setattr(scripted_family, "SCRIPT", FORCED.replace('"add"', '"sub"'))
-    tools = [*TOOLS, {"type": "function", "function": {"name": "sub", "parameters": TOOLS[0]["function"]["parameters"]}}]
-    body = {"messages": USER, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "add"}},
-            "max_tokens": 96}
+    tools = [
+        *TOOLS,
+        {"type": "function", "function": {"name": "sub", "parameters": TOOLS[0]["function"]["parameters"]}},
+    ]
+    body = {
+        "messages": USER,
+        "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "add"}},
+        "max_tokens": 96,
+    }
     status, answer = post_json(server[0].server_address[1], "/v1/chat/completions", body)
     assert status == 200, answer
     (call,) = answer["choices"][0]["message"]["tool_calls"]
@@ -140,22 +164,26 @@ def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(server):
     port = server[0].server_address[1]
     counts = {}
     for choice in ("auto", "none"):
-        status, answer = post_json(port, "/v1/chat/completions", {"messages": USER, "tools": TOOLS,
-                                                                  "tool_choice": choice, "max_tokens": 8})
+        status, answer = post_json(
+            port, "/v1/chat/completions", {"messages": USER, "tools": TOOLS, "tool_choice": choice, "max_tokens": 8}
+        )
         assert status == 200, answer
         counts[choice] = answer["usage"]["prompt_tokens"]
     status, answer = post_json(port, "/v1/chat/completions", {"messages": USER, "max_tokens": 8})
     assert counts["none"] == answer["usage"]["prompt_tokens"] < counts["auto"]
 
 
-@pytest.mark.parametrize("body, says", [
-    ({"tool_choice": "required"}, "needs a non-empty `tools`"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "'mul', which is not in"),
-    ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice must be one of"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice must be"),
-    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "each tool must be"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "send one"),
-])
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ({"tool_choice": "required"}, "needs a non-empty `tools`"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "'mul', which is not in"),
+        ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice must be one of"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice must be"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "each tool must be"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "send one"),
+    ],
+)
 def test_a_tool_choice_that_cannot_be_served_is_a_400(server, body, says):
     status, answer = post_json(server[0].server_address[1], "/v1/chat/completions", {"messages": USER, **body})
     assert status == 400 and says in answer["error"]["message"] and answer["error"]["param"] in ("tool_choice", "tools")
@@ -175,7 +203,8 @@ def test_langchain_structured_output_by_function_calling(server, monkeypatch):
         b: int
 
     monkeypatch.setattr(scripted_family, "SCRIPT", FORCED.replace('"add"', '"Add"'))
-    chat = langchain_openai.ChatOpenAI(model="default_model", base_url=base_url(server), api_key="x",
-                                       max_retries=0, timeout=120)
+    chat = langchain_openai.ChatOpenAI(
+        model="default_model", base_url=base_url(server), api_key="x", max_retries=0, timeout=120
+    )
     answer = chat.with_structured_output(Add, method="function_calling").invoke("What is 357 + 468?")
     assert answer == Add(a=357, b=468)

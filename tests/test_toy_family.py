@@ -62,13 +62,16 @@ def test_the_server_takes_the_family_field(paths, tmp_path):
         mp.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
         mp.setattr(hf_constants, "HF_HUB_OFFLINE", True)
         with running_server(["--model", str(toy), "--port", "0"]) as (httpd, _):
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1",
-                                   api_key="unused", max_retries=0, timeout=120)
+            client = openai.OpenAI(
+                base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="unused", max_retries=0, timeout=120
+            )
             model, tok = mld.load(str(toy))
             want = mld.generate(model, tok, "Hi", max_tokens=8, logit_shift=0)
-            got = client.completions.create(model="default_model", prompt="Hi", max_tokens=8,
-                                            extra_body={"logit_shift": 0})
+            got = client.completions.create(
+                model="default_model", prompt="Hi", max_tokens=8, extra_body={"logit_shift": 0}
+            )
             assert got.choices[0].text == want
             with pytest.raises(openai.BadRequestError, match="logit_shift"):
-                client.completions.create(model="default_model", prompt="Hi", max_tokens=8,
-                                          extra_body={"logit_shift": 7})
+                client.completions.create(
+                    model="default_model", prompt="Hi", max_tokens=8, extra_body={"logit_shift": 7}
+                )

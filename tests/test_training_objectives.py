@@ -59,8 +59,11 @@ def _oracle(adapter, tokens, spans, draws, times, blocks_u, normalize, first=0):
         canvas = np.where(masked, adapter.mask_id, seq)[None, :hi]
         state = adapter.start(mx.array(canvas[:, :lo]))
         logits = np.array(adapter.predict(state, mx.array(canvas), lo, hi).astype(mx.float32))[0]
-        log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        log_probs = (
+            logits
+            - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
             - logits.max(-1, keepdims=True)
+        )
         picked = log_probs[np.arange(hi - lo), seq[lo:hi]]
         losses.append(-(picked * masked[lo:hi]).sum() / times[row] * len(blocks))
         counts.append(end - start)
@@ -75,8 +78,10 @@ def _family(request, name):
     return model, adapter_for(model, tokenizer)
 
 
-@pytest.mark.parametrize("name,spans", [("llada", SPANS), ("dream", SPANS), ("sdar", SPANS),
-                                        ("llada2", LONG_SPANS), ("nemotron", LONG_SPANS)])
+@pytest.mark.parametrize(
+    "name,spans",
+    [("llada", SPANS), ("dream", SPANS), ("sdar", SPANS), ("llada2", LONG_SPANS), ("nemotron", LONG_SPANS)],
+)
 @pytest.mark.parametrize("normalize", ["answer", "tokens"])
 def test_the_objective_is_its_definition(request, name, spans, normalize):
     model, adapter = _family(request, name)
@@ -176,8 +181,9 @@ def test_validation_is_the_likelihood_estimate_and_repeats(llada):
     nll = 0.0
     for row, (offset, end) in enumerate(SPANS):
         seq = tokens[row, :end].tolist()
-        nll -= estimate_log_likelihood(adapter, seq[:offset], seq[offset:], samples=1, batch_size=1,
-                                       seed=[7, *seq]).log_likelihood
+        nll -= estimate_log_likelihood(
+            adapter, seq[:offset], seq[offset:], samples=1, batch_size=1, seed=[7, *seq]
+        ).log_likelihood
     count = sum(e - o for o, e in SPANS)
     assert int(first[1]) == count
     assert float(first[0]) == float(again[0]) == pytest.approx(nll / count, rel=1e-5)

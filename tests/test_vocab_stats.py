@@ -83,7 +83,9 @@ def test_cpu_exp_is_exp_to_float_rounding():
     2e-7 relative wherever exp is a normal float32, exactly 0 from -127 ln 2 down (-inf
     included), and the entropy's clamped term of a -inf logit is 0, not nan; compiled and
     fused as the statistics run it, the same bits."""
-    x = np.concatenate([np.linspace(-104.0, 88.0, 100_001), [-np.inf, -88.0, -87.0, 0.0, -1e-8, 1e-8]]).astype(np.float32)
+    x = np.concatenate([np.linspace(-104.0, 88.0, 100_001), [-np.inf, -88.0, -87.0, 0.0, -1e-8, 1e-8]]).astype(
+        np.float32
+    )
     got = np.array(vocab_stats.cpu_exp(mx.array(x))).astype(np.float64)
     want = np.exp(x.astype(np.float64))
     normal = want >= np.finfo(np.float32).tiny

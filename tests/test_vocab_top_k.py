@@ -15,13 +15,14 @@ def test_chunk_size_divides_the_vocabulary_near_sqrt_v_over_k():
     assert chunk_size(100, 100) == chunk_size(100, 0) == 1
 
 
-@pytest.mark.parametrize("vocab, k", [(1024, 7), (1024, 256), (1000, 13), (4096, 1), (1031, 7), (288, 256),
-                                      (1024, 1023)])
+@pytest.mark.parametrize(
+    "vocab, k", [(1024, 7), (1024, 256), (1000, 13), (4096, 1), (1031, 7), (288, 256), (1024, 1023)]
+)
 def test_top_k_ids_are_the_k_largest(vocab, k):
     rng = np.random.default_rng(vocab + k)
     logits = rng.standard_normal((2, 5, vocab)).astype(np.float32) * 7
     logits[0, 0, -3:] = 50.0 + np.arange(3)  # the best in the last chunk
-    logits[1, 2, :vocab // 2] = -np.inf  # half the row masked
+    logits[1, 2, : vocab // 2] = -np.inf  # half the row masked
     ids = top_k_ids(mx.array(logits), k)
     assert ids.shape == (2, 5, k) and ids.dtype == mx.uint32
     got = np.array(ids)

@@ -36,8 +36,11 @@ class Model(DiffusionModel):
 class Adapter(BaseAdapter):
     family = "Toy"
     defaults = FamilyDefaults(block_length=8, strategy="low_confidence")
-    options = (Option("logit_shift", int, "Toy: positions between a token and the row predicting it",
-                      default=1, low=0, high=1),)
+    options = (
+        Option(
+            "logit_shift", int, "Toy: positions between a token and the row predicting it", default=1, low=0, high=1
+        ),
+    )
 
     def configure(self, options: Any) -> None:
         self.shift = options.family["logit_shift"]

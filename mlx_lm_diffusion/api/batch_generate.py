@@ -113,8 +113,9 @@ def generate_batch(
     for prompt, limit, row_kwargs in zip(ids, limits, processors):
         check_prompt(prompt, adapter.mask_id, adapter.vocab_size)
         # (the suffix takes room in the context after the middle)
-        options = resolve(DecodeOptions(max_tokens=limit, **kwargs, **row_kwargs), adapter, len(prompt),
-                          len(suffix_ids))
+        options = resolve(
+            DecodeOptions(max_tokens=limit, **kwargs, **row_kwargs), adapter, len(prompt), len(suffix_ids)
+        )
         seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
         results[batch.add(prompt, options, seed=seed).id] = _RowResult(prompt)
     stats = _drive(batch, results, adapter.eos_ids, verbose)
@@ -124,13 +125,19 @@ def generate_batch(
     caches = [[TokenCache(r.prompt + t)] for r, t in zip(rows, token_ids)] if return_prompt_caches else None
     if verbose:
         print(f"[batch_generate] Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} tokens-per-sec")
-        print(f"[batch_generate] Generation: {stats.generation_tokens} tokens, "
-              f"{stats.generation_tps:.3f} tokens-per-sec, {batch.forwards} batched forwards")
+        print(
+            f"[batch_generate] Generation: {stats.generation_tokens} tokens, "
+            f"{stats.generation_tps:.3f} tokens-per-sec, {batch.forwards} batched forwards"
+        )
         print(f"[batch_generate] Peak memory: {stats.peak_memory:.3f} GB")
     return DiffusionBatchResponse(
-        texts, stats, caches, token_ids if return_token_ids else None,
+        texts,
+        stats,
+        caches,
+        token_ids if return_token_ids else None,
         [r.logprobs[: len(t)] for r, t in zip(rows, token_ids)] if return_logprobs else None,
-        forwards=[r.forwards for r in rows], finish_reasons=[r.finish for r in rows],
+        forwards=[r.forwards for r in rows],
+        finish_reasons=[r.finish for r in rows],
     )
 
 
@@ -150,9 +157,13 @@ def _drive(batch: RunningBatch, results: dict, eos_ids: frozenset, verbose: bool
     wall = time.perf_counter() - tic
     rows = results.values()
     return BatchStats(
-        prompt_tokens=sum(len(r.prompt) for r in rows), prompt_time=prompt_time or 0.0,
-        generation_tokens=sum(len(r.tokens) for r in rows), generation_steps=batch.forwards,
-        decode_time=wall - (prompt_time or 0.0), wall_time=wall, peak_memory=mx.get_peak_memory() / 1e9,
+        prompt_tokens=sum(len(r.prompt) for r in rows),
+        prompt_time=prompt_time or 0.0,
+        generation_tokens=sum(len(r.tokens) for r in rows),
+        generation_steps=batch.forwards,
+        decode_time=wall - (prompt_time or 0.0),
+        wall_time=wall,
+        peak_memory=mx.get_peak_memory() / 1e9,
     )
 
 

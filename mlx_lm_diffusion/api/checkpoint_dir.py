@@ -68,10 +68,16 @@ def _full(directory: Path) -> bool:
 class _CannotWrite(OSError):
     def __init__(self, target: Path, error: Exception, full: bool):
         text = str(error).lower()
-        code = error.errno if isinstance(error, OSError) and error.errno else (
-            errno.ENOSPC if full or "no space left" in text or "os error 28" in text else errno.EIO)
-        super().__init__(code, f"cannot write {target}: {os.strerror(code)} ({type(error).__name__}: "
-                               f"{' '.join(str(error).split())}); nothing was left there")
+        code = (
+            error.errno
+            if isinstance(error, OSError) and error.errno
+            else (errno.ENOSPC if full or "no space left" in text or "os error 28" in text else errno.EIO)
+        )
+        super().__init__(
+            code,
+            f"cannot write {target}: {os.strerror(code)} ({type(error).__name__}: "
+            f"{' '.join(str(error).split())}); nothing was left there",
+        )
 
     def __str__(self) -> str:  # (the message, without "[Errno 28]")
         return self.strerror

@@ -99,8 +99,16 @@ def fit_max_tokens(model: nn.Module, tokenizer: Any, prompt_len: int, max_tokens
     return fitted_max_tokens(adapter_for(model, tokenizer), prompt_len, max_tokens)
 
 
-def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_tokens: int, options: dict,
-                  max_forwards: Optional[int] = None, adapter: Any = None, **decoding: Any) -> Decode:
+def check_request(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: Sequence[int],
+    max_tokens: int,
+    options: dict,
+    max_forwards: Optional[int] = None,
+    adapter: Any = None,
+    **decoding: Any,
+) -> Decode:
     """The Decode `stream_generate` would run for this request, built up front: everything
     it would reject is rejected here (the server answers it with a 400 before streaming),
     and a decode that could take more than `max_forwards` forwards. `options`: the
@@ -108,8 +116,18 @@ def check_request(model: nn.Module, tokenizer: Any, prompt: Sequence[int], max_t
     caller adds (sampler, logits_processors, seed). `adapter`: the one to decode with."""
     fields = check_decode_fields({k: v for k, v in options.items() if k in named_options()})
     constraints = {k: options[k] for k in request_constraints.REQUEST_FIELDS if options.get(k) is not None}
-    return build_decode(model, tokenizer, list(prompt), max_tokens, adapter=adapter, fit_context=True,
-                        max_forwards=max_forwards, **constraints, **fields, **decoding)
+    return build_decode(
+        model,
+        tokenizer,
+        list(prompt),
+        max_tokens,
+        adapter=adapter,
+        fit_context=True,
+        max_forwards=max_forwards,
+        **constraints,
+        **fields,
+        **decoding,
+    )
 
 
 def stream_generate(

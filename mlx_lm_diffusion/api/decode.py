@@ -101,15 +101,16 @@ def build_decode(
         fields["logits_processors"] = [*(fields.get("logits_processors") or ()), processor]
         allowed = fields.get("allowed_tokens")
         if allowed is not None and not processor.can_begin_with([*allowed, *adapter.eos_ids]):
-            raise ValueError("response_format and allowed_tokens leave no token the answer can begin with; "
-                             "allow the tokens the format starts with (e.g. '{' for JSON)")
+            raise ValueError(
+                "response_format and allowed_tokens leave no token the answer can begin with; "
+                "allow the tokens the format starts with (e.g. '{' for JSON)"
+            )
     suffix_ids = encode_suffix(tokenizer, suffix) or []
     options = resolve(DecodeOptions(max_tokens=max_tokens, **fields), adapter, len(ids), len(suffix_ids))
     check_forward_budget(options, adapter, len(ids), max_forwards)
     check_prompt(ids, adapter.mask_id, adapter.vocab_size)
     seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
-    return Decode(adapter, tokenizer, ids, options, suffix_ids, seed, vision,
-                  forward_bound(options, adapter, len(ids)))
+    return Decode(adapter, tokenizer, ids, options, suffix_ids, seed, vision, forward_bound(options, adapter, len(ids)))
 
 
 __all__ = ["Decode", "build_decode", "fitted_max_tokens"]

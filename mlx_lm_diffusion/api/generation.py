@@ -52,8 +52,9 @@ def stream_generate(
     yield from decode_responses(decode, draft_callback, prompt_kv)
 
 
-def decode_responses(decode: Decode, draft_callback: Optional[Callable[[Step], None]] = None,
-                     prompt_kv: Optional[PromptReuse] = None) -> Iterator[DiffusionResponse]:
+def decode_responses(
+    decode: Decode, draft_callback: Optional[Callable[[Step], None]] = None, prompt_kv: Optional[PromptReuse] = None
+) -> Iterator[DiffusionResponse]:
     """`stream_generate`'s responses for a built Decode (the doors that built it themselves)."""
     adapter, options, ids = decode.adapter, decode.options, decode.ids
     if decode.vision is not None:

@@ -81,9 +81,13 @@ def _default_loss(arguments: dict) -> bool:
 # none), why it is refused)
 REFUSALS: Tuple[Tuple[str, str, Optional[Callable[[dict], bool]], str], ...] = (
     ("mlx_lm.generate", "generate_step", None, _BOUND_BEFORE_INSTALL),
-    ("mlx_lm.cache_prompt", "generate_step", None,
-     "mlx_lm.cache_prompt saves a key/value cache, and a diffusion model keeps none (every forward "
-     "re-reads the prompt); pass the prompt itself to mlx_lm_diffusion.generate / stream_generate"),
+    (
+        "mlx_lm.cache_prompt",
+        "generate_step",
+        None,
+        "mlx_lm.cache_prompt saves a key/value cache, and a diffusion model keeps none (every forward "
+        "re-reads the prompt); pass the prompt itself to mlx_lm_diffusion.generate / stream_generate",
+    ),
     ("mlx_lm.perplexity", "eval_ppl", None, _NEXT_TOKEN_SCORES),
     # (mlx_lm.lora's steps, refused before they add LoRA layers or write an adapter folder)
     ("mlx_lm.lora", "train_model", None, _NEXT_TOKEN_TRAINING),
@@ -91,7 +95,6 @@ REFUSALS: Tuple[Tuple[str, str, Optional[Callable[[dict], bool]], str], ...] = (
     ("mlx_lm.tuner.trainer", "train", _default_loss, _NEXT_TOKEN_TRAINING),
     ("mlx_lm.tuner.trainer", "evaluate", _default_loss, _NEXT_TOKEN_TRAINING),
 )
-
 
 
 @contextlib.contextmanager
@@ -223,8 +226,7 @@ def _dispatcher(original: Callable[..., Any], diffusion: Callable[..., Any]) -> 
     return dispatch
 
 
-def _refuser(original: Callable[..., Any], only_when: Optional[Callable[[dict], bool]],
-             why: str) -> Callable[..., Any]:
+def _refuser(original: Callable[..., Any], only_when: Optional[Callable[[dict], bool]], why: str) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -285,9 +287,7 @@ def uninstall() -> None:
 def installed() -> bool:
     """Whether every target currently dispatches diffusion models."""
     with _lock:
-        return all(
-            getattr(_module(m), a) is _dispatchers.get((m, a)) for m, a, _ in _all_targets()
-        )
+        return all(getattr(_module(m), a) is _dispatchers.get((m, a)) for m, a, _ in _all_targets())
 
 
 __all__ = ["install", "uninstall", "installed", "TARGETS", "REFUSALS", "WRAPPED"]

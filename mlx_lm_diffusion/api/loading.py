@@ -42,8 +42,11 @@ def check_regular_files(*folders: Any) -> None:
         if folder is None or not Path(folder).is_dir():
             continue
         for entry in Path(folder).iterdir():
-            if entry.suffix in (".json", ".safetensors", ".jinja", ".model", ".txt") and not entry.is_file() \
-                    and not entry.is_dir():
+            if (
+                entry.suffix in (".json", ".safetensors", ".jinja", ".model", ".txt")
+                and not entry.is_file()
+                and not entry.is_dir()
+            ):
                 raise ValueError(f"{entry} is not a regular file (a pipe or a device): give the checkpoint's files")
 
 
@@ -105,8 +108,9 @@ def load(
     model_path = _download(path_or_hf_repo, revision=revision)
     check_regular_files(model_path, adapter_path)
     with checkpoint_errors(model_path):
-        return _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code,
-                     group, family)
+        return _load(
+            model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code, group, family
+        )
 
 
 @contextmanager
@@ -133,8 +137,9 @@ def read_config(model_path: Any) -> dict:
     return load_config(Path(model_path))
 
 
-def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code, group,
-          family=None):
+def _load(
+    model_path, tokenizer_config, model_config, autoregressive, adapter_path, trust_remote_code, group, family=None
+):
     config = read_config(model_path)
     # I-DLM's LoRA flavour: a stock Qwen3 (or an I-DLM) with a PEFT LoRA for its mask rows
     mask_row_lora = adapter_path is not None and idlm_lora.is_peft_lora(adapter_path)
@@ -144,8 +149,10 @@ def _load(model_path, tokenizer_config, model_config, autoregressive, adapter_pa
     overrides = evidence.family_overrides(model_path, config, family)
     model_type = str(overrides.get("model_type", config.get("model_type")))
     if mask_row_lora and model_type != "idlm":
-        raise ValueError(f"{adapter_path} is a PEFT LoRA adapter, read only as I-DLM's LoRA flavour (a Qwen3 whose "
-                         "mask rows take the adapter); convert other adapters to mlx-lm's format")
+        raise ValueError(
+            f"{adapter_path} is a PEFT LoRA adapter, read only as I-DLM's LoRA flavour (a Qwen3 whose "
+            "mask rows take the adapter); convert other adapters to mlx-lm's format"
+        )
     if not autoregressive or model_type in FAMILIES:
         family_module(model_type)  # clear error for other model types
     model_config = {**(model_config or {}), **overrides}
@@ -186,8 +193,11 @@ def warn_non_finite(model: Any, model_path: Any) -> int:
     mx.eval(flags)
     bad = [k for (k, _), flag in zip(named, flags) if flag.item()]
     if bad:
-        print(f"warning: {model_path} has NaN or infinite values in {len(bad)} weight tensor(s) (first: {bad[0]}); "
-              "its output will be meaningless", file=sys.stderr)
+        print(
+            f"warning: {model_path} has NaN or infinite values in {len(bad)} weight tensor(s) (first: {bad[0]}); "
+            "its output will be meaningless",
+            file=sys.stderr,
+        )
     return len(bad)
 
 

@@ -36,10 +36,14 @@ def check_prompt(ids: List[int], mask_id: Optional[int], vocab_size: int) -> Non
 
 # Why mlx-lm's key/value-cache options cannot apply to a diffusion model (the CLIs'
 # refusals of the same flags say it too).
-NO_KV_WINDOW = ("a diffusion decode attends to its whole context: there is no rotating key/value window "
-                "to bound (the canvas's size is max_tokens)")
-NO_KV_QUANTIZATION = ("a diffusion model's key/value caches (the exact ones some families keep for the prompt "
-                      "and finished blocks) stay unquantized")
+NO_KV_WINDOW = (
+    "a diffusion decode attends to its whole context: there is no rotating key/value window "
+    "to bound (the canvas's size is max_tokens)"
+)
+NO_KV_QUANTIZATION = (
+    "a diffusion model's key/value caches (the exact ones some families keep for the prompt "
+    "and finished blocks) stay unquantized"
+)
 # mlx-lm's generate_step / batch_generate options refused when set to anything but their
 # off value (None): they would silently change nothing
 REFUSED_WHEN_SET = {"max_kv_size": NO_KV_WINDOW, "kv_bits": NO_KV_QUANTIZATION}

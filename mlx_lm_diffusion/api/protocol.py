@@ -122,8 +122,9 @@ def validate_request(request: Any) -> None:
     if not request["prompt_tokens"]:
         raise ValueError("prompt_tokens must hold at least one token")
     seed = request.get("seed_canvas")
-    if seed is not None and (len(seed) != request["target_length"]
-                             or seed[: len(request["prompt_tokens"])] != request["prompt_tokens"]):
+    if seed is not None and (
+        len(seed) != request["target_length"] or seed[: len(request["prompt_tokens"])] != request["prompt_tokens"]
+    ):
         raise ValueError("seed_canvas must hold target_length ids and begin with prompt_tokens")
     if len(request["temperature_schedule"]) != request["num_steps"]:
         raise ValueError(
@@ -167,9 +168,16 @@ class ScheduleWithEarlyExit(ScheduleQuota):
         return commit
 
 
-def run_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None,
-                on_step: Optional[Callable[[Step], None]] = None, processor: Any = None,
-                image_policy: Optional[image_inputs.ImagePolicy] = None, validated: bool = False) -> dict:
+def run_request(
+    model,
+    tokenizer,
+    request: dict,
+    max_forwards: Optional[int] = None,
+    on_step: Optional[Callable[[Step], None]] = None,
+    processor: Any = None,
+    image_policy: Optional[image_inputs.ImagePolicy] = None,
+    validated: bool = False,
+) -> dict:
     """Decode one InferenceRequest; returns an InferenceResponse (a dict). A request that
     could take more than `max_forwards` forwards is refused (ValueError) before it runs;
     `on_step` sees every step and may raise to stop the decode (a server's cancellation).
@@ -223,11 +231,13 @@ class ProtocolDecode:
             else:
                 newly = np.flatnonzero((previous[0] == mask_id) & (last.canvas[0] != mask_id))
             if newly.size:
-                trace.append({
-                    "step": last.step,
-                    "token_indices": (newly - shift).tolist(),
-                    "unmasked_tokens": last.canvas[0, newly].tolist(),
-                })
+                trace.append(
+                    {
+                        "step": last.step,
+                        "token_indices": (newly - shift).tolist(),
+                        "unmasked_tokens": last.canvas[0, newly].tolist(),
+                    }
+                )
             previous = last.canvas
         if self.rule.threshold_met:
             reason = "confidence_threshold_met"
@@ -246,23 +256,33 @@ class ProtocolDecode:
         }
 
 
-def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int] = None, processor: Any = None,
-                    image_policy: Optional[image_inputs.ImagePolicy] = None,
-                    validated: bool = False) -> ProtocolDecode:
+def prepare_request(
+    model,
+    tokenizer,
+    request: dict,
+    max_forwards: Optional[int] = None,
+    processor: Any = None,
+    image_policy: Optional[image_inputs.ImagePolicy] = None,
+    validated: bool = False,
+) -> ProtocolDecode:
     """Validate an InferenceRequest (unless `validated`) and resolve its decode (ValueError /
     ValidationError on a bad one, before anything runs; its images read in full)."""
     if not validated:
         validate_request(request)
     if request.get("self_spec"):
-        raise ValueError("self_spec decodes greedily by its own windows, not by a mask schedule: the "
-                         "step-schedule protocol cannot drive it; use the completions endpoints")
+        raise ValueError(
+            "self_spec decodes greedily by its own windows, not by a mask schedule: the "
+            "step-schedule protocol cannot drive it; use the completions endpoints"
+        )
     adapter = adapter_for(model, tokenizer)
     uniform = adapter.mask_id is None and adapter.decoder == "uniform_canvas"
     if adapter.mask_id is None and not uniform:
         raise ValueError(f"{adapter.family} has no mask token; the step-schedule protocol needs one")
     if uniform and "seed_canvas" in request:
-        raise ValueError(f"seed_canvas marks free positions with the mask token; {adapter.family} has "
-                         "none (its canvas is uniform noise): drop seed_canvas")
+        raise ValueError(
+            f"seed_canvas marks free positions with the mask token; {adapter.family} has "
+            "none (its canvas is uniform noise): drop seed_canvas"
+        )
     adapter.eos_ids = frozenset()  # the protocol fills target_length
     given = [int(t) for t in request["prompt_tokens"]]
     if adapter.mask_id in given or max(given) >= adapter.vocab_size:
@@ -270,13 +290,14 @@ def prepare_request(model, tokenizer, request: dict, max_forwards: Optional[int]
     prompt, adapter.vision = given, None
     if request.get("images"):  # read in full before anything runs
         processor = processor if processor is not None else tokenizer
-        prompt, adapter.vision = image_inputs.protocol_prompt(model, processor, given, request["images"],
-                                                              image_policy)
+        prompt, adapter.vision = image_inputs.protocol_prompt(model, processor, given, request["images"], image_policy)
     shift = len(prompt) - len(given)  # the soft tokens the images' placeholders became
     P, total, steps = len(prompt), int(request["target_length"]) + shift, int(request["num_steps"])
     if adapter.max_length is not None and total > adapter.max_length:  # the engine would cap it
-        raise ValueError(f"target_length ({request['target_length']}) exceeds the model's context of "
-                         f"{adapter.max_length} tokens{' with the images' if shift else ''}; lower it")
+        raise ValueError(
+            f"target_length ({request['target_length']}) exceeds the model's context of "
+            f"{adapter.max_length} tokens{' with the images' if shift else ''}; lower it"
+        )
     rule = ScheduleWithEarlyExit(request["mask_schedule"], request.get("confidence_threshold"))
     options = DecodeOptions(
         max_tokens=total - P,

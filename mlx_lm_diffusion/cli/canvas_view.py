@@ -33,9 +33,7 @@ class CanvasView:
 
     def render(self, step: Step) -> str:
         gen = step.canvas[0, step.prompt_len :]
-        pieces = [
-            MASK_GLYPH if t == self.mask_id else self.tokenizer.decode([int(t)]) or EMPTY_GLYPH for t in gen
-        ]
+        pieces = [MASK_GLYPH if t == self.mask_id else self.tokenizer.decode([int(t)]) or EMPTY_GLYPH for t in gen]
         return "".join(pieces).replace("\r", "").replace("\n", NEWLINE_GLYPH)
 
     def _isatty(self) -> bool:

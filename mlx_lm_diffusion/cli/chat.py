@@ -70,8 +70,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
             action.help = "Maximum tokens per reply (default: the model's generation_config.json, else 256)"
     refuse_flags(parser, REFUSED)
     compat.add_decode_arguments(parser)
-    parser.add_argument("--show-canvas", action="store_true",
-                        help="Show the canvas being unmasked (on stderr); each reply is printed once final")
+    parser.add_argument(
+        "--show-canvas",
+        action="store_true",
+        help="Show the canvas being unmasked (on stderr); each reply is printed once final",
+    )
     return parser
 
 
@@ -85,8 +88,9 @@ def _sampler(args: argparse.Namespace, tokenizer: Any) -> Callable[[mx.array], m
     )
 
 
-def _turn_prompt(tokenizer: Any, args: argparse.Namespace, query: str,
-                 pictures: Optional[images.ConversationImages] = None):
+def _turn_prompt(
+    tokenizer: Any, args: argparse.Namespace, query: str, pictures: Optional[images.ConversationImages] = None
+):
     """The turn's prompt ids, and the conversation's vision inputs (None without images)."""
     messages = []
     if args.system_prompt is not None and tokenizer.has_chat_template:
@@ -108,8 +112,11 @@ def keeps_turns(tokenizer: Any) -> bool:
     if not getattr(tokenizer, "has_chat_template", False):
         return False
     first = "first-turn-4d1f"
-    conversation = [{"role": "user", "content": first}, {"role": "assistant", "content": "reply-9c2e"},
-                    {"role": "user", "content": "second-turn-7b3a"}]
+    conversation = [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": "reply-9c2e"},
+        {"role": "user", "content": "second-turn-7b3a"},
+    ]
     try:
         rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     except Exception:  # noqa: BLE001 (a template with rules of its own: keep the turns, as mlx_lm.chat does)
@@ -146,7 +153,7 @@ def chat_loop(model: Any, tokenizer: Any, args: argparse.Namespace, ui: Any, dra
             continue
         if query.startswith(images.IMAGE_COMMAND + " ") or query == images.IMAGE_COMMAND:
             try:
-                print(pictures.attach(query[len(images.IMAGE_COMMAND):]), flush=True)
+                print(pictures.attach(query[len(images.IMAGE_COMMAND) :]), flush=True)
             except ValueError as e:
                 print(f"[error: {e}]", flush=True)
             continue
@@ -193,7 +200,6 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-
 class DiffusionChatUI(ChatUI):
     """mlx_lm.chat's screen under this door's name; where output is not a terminal (or
     NO_COLOR is set), a plain '> ' prompt instead of the corridor's cursor moves (a piped
@@ -210,7 +216,9 @@ class DiffusionChatUI(ChatUI):
             rows.append(("adapter", str(args.adapter_path)))
         rows.append(("max tokens", f"{args.max_tokens:,}"))
         if args.system_prompt:
-            rows.append(("system", args.system_prompt if len(args.system_prompt) <= 60 else args.system_prompt[:57] + "..."))
+            rows.append(
+                ("system", args.system_prompt if len(args.system_prompt) <= 60 else args.system_prompt[:57] + "...")
+            )
         print_header_panel(self._console, "mlx_lm_diffusion.chat", rows)
         print_chat_help(self._console)
         return self
@@ -222,6 +230,7 @@ class DiffusionChatUI(ChatUI):
         if not sys.stdin.isatty():  # (a piped query is not echoed: the transcript shows it)
             print(query)
         return query
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is None:  # (as a program: MLX's kernels in the user's own cache, not a shared /tmp)

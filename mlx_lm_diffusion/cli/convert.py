@@ -103,8 +103,21 @@ def convert(
         try:  # (a full disk leaves nothing half-written, and says so in one line)
             with written_whole(Path(mlx_path)) as staging:
                 staging.rmdir()  # (mlx-lm's convert makes its directory, and refuses one that exists)
-                _convert(hf_path, str(staging), quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
-                         upload_repo, revision, dequantize, trust_remote_code, q_head_bits)
+                _convert(
+                    hf_path,
+                    str(staging),
+                    quantize,
+                    q_group_size,
+                    q_bits,
+                    dtype,
+                    q_mode,
+                    quant_predicate,
+                    upload_repo,
+                    revision,
+                    dequantize,
+                    trust_remote_code,
+                    q_head_bits,
+                )
                 if borrowed:
                     keep_identity(source, staging, overrides)
                 keep_vision(source, staging)
@@ -132,8 +145,13 @@ def keep_identity(source: Path, converted: Path, overrides: dict) -> None:
 
 
 # the processor's files (mlx-vlm's and transformers' names), copied with a vision tower
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json",
-                   "chat_template.jinja", "chat_template.json")
+PROCESSOR_FILES = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def keep_vision(source: Path, converted: Path) -> None:
@@ -158,8 +176,21 @@ def keep_vision(source: Path, converted: Path) -> None:
             shutil.copy(source / name, converted / name)
 
 
-def _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, quant_predicate,
-             upload_repo, revision, dequantize, trust_remote_code, q_head_bits) -> None:
+def _convert(
+    hf_path,
+    mlx_path,
+    quantize,
+    q_group_size,
+    q_bits,
+    dtype,
+    q_mode,
+    quant_predicate,
+    upload_repo,
+    revision,
+    dequantize,
+    trust_remote_code,
+    q_head_bits,
+) -> None:
     import mlx_lm.utils as mlx_utils
     from mlx_lm.convert import convert as mlx_lm_convert
 
@@ -176,17 +207,56 @@ def _convert(hf_path, mlx_path, quantize, q_group_size, q_bits, dtype, q_mode, q
         mlx_convert = importlib.import_module("mlx_lm.convert")  # (the name alone is mlx_lm's function)
         mlx_convert.quantize_model = quantize_model
         try:
-            _run(mlx_lm_convert, hf_path, mlx_path, quantize, q_group_size, q_bits, q_mode, dtype,
-                 upload_repo, revision, dequantize, None, trust_remote_code)
+            _run(
+                mlx_lm_convert,
+                hf_path,
+                mlx_path,
+                quantize,
+                q_group_size,
+                q_bits,
+                q_mode,
+                dtype,
+                upload_repo,
+                revision,
+                dequantize,
+                None,
+                trust_remote_code,
+            )
         finally:
             mlx_convert.quantize_model = real_quantize
         return
-    _run(mlx_lm_convert, hf_path, mlx_path, quantize, q_group_size, q_bits, q_mode, dtype,
-         upload_repo, revision, dequantize, quant_predicate, trust_remote_code)
+    _run(
+        mlx_lm_convert,
+        hf_path,
+        mlx_path,
+        quantize,
+        q_group_size,
+        q_bits,
+        q_mode,
+        dtype,
+        upload_repo,
+        revision,
+        dequantize,
+        quant_predicate,
+        trust_remote_code,
+    )
 
 
-def _run(mlx_lm_convert, hf_path, mlx_path, quantize, q_group_size, q_bits, q_mode, dtype,
-         upload_repo, revision, dequantize, quant_predicate, trust_remote_code) -> None:
+def _run(
+    mlx_lm_convert,
+    hf_path,
+    mlx_path,
+    quantize,
+    q_group_size,
+    q_bits,
+    q_mode,
+    dtype,
+    upload_repo,
+    revision,
+    dequantize,
+    quant_predicate,
+    trust_remote_code,
+) -> None:
     mlx_lm_convert(
         hf_path,
         mlx_path,
@@ -207,14 +277,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     """mlx_lm.convert's parser (same flags) plus --q-head-bits."""
     from mlx_lm.convert import configure_parser
 
-
     p = configure_parser()
     p.prog = "mlx_lm_diffusion.convert"
     p.description = "Convert a diffusion checkpoint to MLX format (mlx_lm.convert's flags)"
     p.add_argument(
-        "--q-head-bits", type=int, default=DEFAULT_HEAD_BITS,
+        "--q-head-bits",
+        type=int,
+        default=DEFAULT_HEAD_BITS,
         help="With -q, bits for the token embeddings and the output head (default 8: uniform 4-bit heads "
-             "degrade under repeated denoising); give the same as --q-bits to quantize them uniformly",
+        "degrade under repeated denoising); give the same as --q-bits to quantize them uniformly",
     )
     return one_line_errors(p)
 

@@ -46,7 +46,9 @@ mlx_generate = importlib.import_module("mlx_lm.generate")
 
 PROG = "mlx_lm_diffusion.generate"
 
-_NO_DRAFT = "speculative decoding drafts tokens for an autoregressive model; a diffusion model unmasks its canvas in parallel"
+_NO_DRAFT = (
+    "speculative decoding drafts tokens for an autoregressive model; a diffusion model unmasks its canvas in parallel"
+)
 
 # mlx_lm.generate's flags that cannot apply to a diffusion model -> why.
 REFUSED = {
@@ -56,8 +58,10 @@ REFUSED = {
     "kv_bits": compat.NO_KV_QUANTIZATION,
     "kv_group_size": compat.NO_KV_QUANTIZATION,
     "quantized_kv_start": compat.NO_KV_QUANTIZATION,
-    "prompt_cache_file": ("mlx_lm.cache_prompt's files hold an autoregressive model's key/value cache, which a "
-                          "diffusion decode cannot start from"),
+    "prompt_cache_file": (
+        "mlx_lm.cache_prompt's files hold an autoregressive model's key/value cache, which a "
+        "diffusion decode cannot start from"
+    ),
     "prefill_step_size": "there is no prefill to split: every forward reads the prompt and the canvas together",
 }
 
@@ -74,32 +78,51 @@ def verbose_flag(parser: argparse.ArgumentParser) -> None:
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = mlx_generate.setup_arg_parser()
     p.prog = PROG
-    p.description = (
-        "Generate text with a diffusion language model (mlx_lm.generate's flags plus diffusion options)."
-    )
+    p.description = "Generate text with a diffusion language model (mlx_lm.generate's flags plus diffusion options)."
     for action in p._actions:
         if action.dest == "model":
             action.help = MODEL_HELP
         if action.dest == "max_tokens":
-            action.help = ("Maximum number of tokens to generate (default: the model's "
-                           "generation_config.json max_new_tokens, else 256); more than the model's "
-                           "context holds is capped to it")
+            action.help = (
+                "Maximum number of tokens to generate (default: the model's "
+                "generation_config.json max_new_tokens, else 256); more than the model's "
+                "context holds is capped to it"
+            )
     p.set_defaults(max_tokens=None)  # None: the checkpoint's max_new_tokens, else 256
     refuse_flags(p, REFUSED)
     verbose_flag(p)
-    p.add_argument("--video", type=str, default=(), nargs="+",
-                   help="Video files for the video placeholders of the prompt, in order (DiffusionGemma)")
-    p.add_argument("--show-canvas", action="store_true",
-                   help="Show the canvas being unmasked (on stderr); the answer is printed once final")
-    p.add_argument("--trace-png", default=None, metavar="FILE",
-                   help="Save the unmask-order picture (position x forward, coloured by the confidence "
-                        "at commit) to FILE (.png, .svg or .pdf; needs matplotlib: the plot extra)")
-    p.add_argument("--trace-anim", default=None, metavar="FILE",
-                   help="Save the decode as an animation, the canvas after every forward, to FILE (.gif or .webp; "
-                        ".mp4 with ffmpeg installed; needs Pillow: the plot extra)")
-    p.add_argument("--suffix", default=None,
-                   help="Infill: the text after the generated span (prompt, at most --max-tokens "
-                        "generated tokens, then this); the families that cannot attend to it refuse it")
+    p.add_argument(
+        "--video",
+        type=str,
+        default=(),
+        nargs="+",
+        help="Video files for the video placeholders of the prompt, in order (DiffusionGemma)",
+    )
+    p.add_argument(
+        "--show-canvas",
+        action="store_true",
+        help="Show the canvas being unmasked (on stderr); the answer is printed once final",
+    )
+    p.add_argument(
+        "--trace-png",
+        default=None,
+        metavar="FILE",
+        help="Save the unmask-order picture (position x forward, coloured by the confidence "
+        "at commit) to FILE (.png, .svg or .pdf; needs matplotlib: the plot extra)",
+    )
+    p.add_argument(
+        "--trace-anim",
+        default=None,
+        metavar="FILE",
+        help="Save the decode as an animation, the canvas after every forward, to FILE (.gif or .webp; "
+        ".mp4 with ffmpeg installed; needs Pillow: the plot extra)",
+    )
+    p.add_argument(
+        "--suffix",
+        default=None,
+        help="Infill: the text after the generated span (prompt, at most --max-tokens "
+        "generated tokens, then this); the families that cannot attend to it refuse it",
+    )
     return one_line_errors(add_decode_arguments(p))  # --block-length, --steps, --strategy, --threshold, ...
 
 
@@ -109,7 +132,9 @@ def _template_kwargs(args: argparse.Namespace) -> dict:
     try:
         config = json.loads(args.chat_template_config)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--chat-template-config is not JSON ({e.msg}); give e.g. '{{\"enable_thinking\": false}}'") from None
+        raise ValueError(
+            f"--chat-template-config is not JSON ({e.msg}); give e.g. '{{\"enable_thinking\": false}}'"
+        ) from None
     if not isinstance(config, dict):
         raise ValueError("--chat-template-config must be a JSON object of keyword arguments")
     return config
@@ -117,8 +142,9 @@ def _template_kwargs(args: argparse.Namespace) -> dict:
 
 def _media_parts(args: argparse.Namespace) -> list:
     """The user message's image and video parts (--image, --video), before its text."""
-    return ([{"type": "image", "image": path} for path in args.image or ()]
-            + [{"type": "video", "video": path} for path in getattr(args, "video", None) or ()])
+    return [{"type": "image", "image": path} for path in args.image or ()] + [
+        {"type": "video", "video": path} for path in getattr(args, "video", None) or ()
+    ]
 
 
 def _build_prompt(tokenizer: TokenizerWrapper, args: argparse.Namespace):
@@ -219,8 +245,17 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
     mask_id, title = adapter.mask_id, trace_title(args.model, adapter.family, options)
     if not args.show_canvas:
         callback = _traced(args, mask_id, run.progress(), text_tokenizer(tokenizer))
-        text = generate(model, tokenizer, ids, max_tokens=args.max_tokens, verbose=args.verbose,
-                        sampler=sampler, seed=args.seed, draft_callback=callback, **options)
+        text = generate(
+            model,
+            tokenizer,
+            ids,
+            max_tokens=args.max_tokens,
+            verbose=args.verbose,
+            sampler=sampler,
+            seed=args.seed,
+            draft_callback=callback,
+            **options,
+        )
         run.finished(text)
         if not args.verbose:
             print(text)
@@ -232,8 +267,16 @@ def _decode(args: argparse.Namespace, run: distributed.DistributedRun, group=Non
     callback = _traced(args, mask_id, run.progress(shown), text_tokenizer(tokenizer))
     text, last = "", None
     try:
-        for last in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, sampler=sampler,
-                                    seed=args.seed, draft_callback=callback, **options):
+        for last in stream_generate(
+            model,
+            tokenizer,
+            ids,
+            max_tokens=args.max_tokens,
+            sampler=sampler,
+            seed=args.seed,
+            draft_callback=callback,
+            **options,
+        ):
             text += last.text
     finally:
         view.close()
@@ -254,8 +297,10 @@ def _check_trace_path(path: str) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--trace-png needs matplotlib: pip install 'mlx-lm-diffusion[plot]' "
-                         "(from a clone: pip install -e \".[plot]\")") from None
+        raise ValueError(
+            "--trace-png needs matplotlib: pip install 'mlx-lm-diffusion[plot]' "
+            '(from a clone: pip install -e ".[plot]")'
+        ) from None
 
 
 def _check_anim_path(path: str) -> None:
@@ -311,8 +356,10 @@ def print_stats(response) -> None:
     if response is None:
         return
     print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
-    print(f"Generation: {response.generation_tokens} tokens, "
-          f"{response.generation_tps:.3f} tokens-per-sec, {response.forwards} forwards")
+    print(
+        f"Generation: {response.generation_tokens} tokens, "
+        f"{response.generation_tps:.3f} tokens-per-sec, {response.forwards} forwards"
+    )
     print(f"Peak memory: {response.peak_memory:.3f} GB")
 
 

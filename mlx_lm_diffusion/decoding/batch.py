@@ -101,9 +101,16 @@ class RunningBatch:
     def accepts(self, options: ResolvedOptions) -> bool:
         return not self.rows or family_key(options) == self.family
 
-    def add(self, prompt: Sequence[int], options: ResolvedOptions, payload: Any = None,
-            seed: Optional[np.ndarray] = None, prefix: Optional[PrefixKV] = None,
-            keep_logprobs: Optional[bool] = None, proposals: int = 0) -> BatchRow:
+    def add(
+        self,
+        prompt: Sequence[int],
+        options: ResolvedOptions,
+        payload: Any = None,
+        seed: Optional[np.ndarray] = None,
+        prefix: Optional[PrefixKV] = None,
+        keep_logprobs: Optional[bool] = None,
+        proposals: int = 0,
+    ) -> BatchRow:
         """A new row; it first advances at the next `step()`. `seed` (1, W): its canvas's
         pinned tokens (an infill's suffix; Engine.run). `prefix`: the KV of leading prompt
         tokens from an earlier decode (a prompt cache's), which the row starts from where
@@ -128,8 +135,16 @@ class RunningBatch:
         ids = mx.array([list(prompt)])
         prompt_kv = PromptReuse(prefix)
         reuse = prompt_kv.plan(self.adapter, engine, ids)  # (after the engine configured the adapter)
-        row = BatchRow(self._next_id, len(prompt), options, engine.row_steps(ids, seed, reuse), key,
-                       payload=payload, prompt_kv=prompt_kv, engine=engine)
+        row = BatchRow(
+            self._next_id,
+            len(prompt),
+            options,
+            engine.row_steps(ids, seed, reuse),
+            key,
+            payload=payload,
+            prompt_kv=prompt_kv,
+            engine=engine,
+        )
         self._next_id += 1
         self.rows[row.id] = row
         return row
@@ -163,8 +178,9 @@ class RunningBatch:
         queued = self._forward(waiting, events)
         if self.pipeline:
             # (what the rows read back next, and what their next read-back reads: one wait)
-            mx.async_eval(*queued, *[a for row in self.rows.values() if row.reading is not None
-                                     for a in row.reading.arrays])
+            mx.async_eval(
+                *queued, *[a for row in self.rows.values() if row.reading is not None for a in row.reading.arrays]
+            )
         else:
             self._settle(events)
         return events
@@ -189,8 +205,9 @@ class RunningBatch:
             try:
                 source = getattr(logits, "source", None)  # (one head call for every row)
                 origins = [(source, i) if source is not None else None for i in fused]
-                committed = commit_rows([waiting[i].pending.commit for i in fused], [replies[i] for i in fused],
-                                        origins)
+                committed = commit_rows(
+                    [waiting[i].pending.commit for i in fused], [replies[i] for i in fused], origins
+                )
             except Exception as error:  # noqa: BLE001 (as a failed forward: those rows fail)
                 for i in fused:
                     self._fail(waiting[i], error, events)
@@ -269,12 +286,15 @@ def draws(decoder) -> bool:
     """Whether a decode may draw random numbers: anything but a masked-block decode with a
     greedy proposal and a rule that draws none (fused_commit's plain steps)."""
     o = decoder.options
-    return not (decoder.name == "masked_block" and o.sampler is None and o.temperature_schedule is None
-                and deterministic_rule(o.rule))
+    return not (
+        decoder.name == "masked_block"
+        and o.sampler is None
+        and o.temperature_schedule is None
+        and deterministic_rule(o.rule)
+    )
 
 
 def _use_key(key: mx.array) -> None:
     """Make `key` MLX's global PRNG state (mx.random.seed(s) sets the key (s >> 32, s & 0xffffffff))."""
     high, low = key.tolist()
     mx.random.seed((int(high) << 32) | int(low))
-

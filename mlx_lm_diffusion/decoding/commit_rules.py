@@ -357,8 +357,18 @@ class DreamOrigin(DreamConfidence):
 RULES: dict[str, type[CommitRule]] = {
     rule.name: rule
     for rule in (
-        LowConfidence, LowConfidenceDynamic, LowConfidenceStatic, RandomRemasking, Threshold, Factor,
-        EntropyBound, EntropyBounded, DreamConfidence, DreamTopkMargin, DreamEntropy, DreamOrigin,
+        LowConfidence,
+        LowConfidenceDynamic,
+        LowConfidenceStatic,
+        RandomRemasking,
+        Threshold,
+        Factor,
+        EntropyBound,
+        EntropyBounded,
+        DreamConfidence,
+        DreamTopkMargin,
+        DreamEntropy,
+        DreamOrigin,
     )
 }
 
@@ -372,8 +382,7 @@ def make_rule(name: str, **settings: Any) -> CommitRule:
     if name not in RULES:
         raise ValueError(f"Unknown strategy {name!r}; choose one of: {', '.join(RULES)}")
     rule = RULES[name]
-    return rule(**{attr: settings[option] for option, attr in rule.takes.items()
-                   if settings.get(option) is not None})
+    return rule(**{attr: settings[option] for option, attr in rule.takes.items() if settings.get(option) is not None})
 
 
 def commits_next_only(rule: Any, width: int, steps: int, vocab_size: int) -> bool:
@@ -397,7 +406,10 @@ def commits_next_only(rule: Any, width: int, steps: int, vocab_size: int) -> boo
             x0=mx.zeros((1, width), dtype=mx.int32),
             prob=mx.array(np.where(is_first, 1.0, uniform_prob)[None], dtype=mx.float32),
             entropy=mx.array(np.where(is_first, 0.0, uniform_entropy)[None], dtype=mx.float32),
-            logprobs=mx.array(logprobs, dtype=mx.float32), candidates=candidates, step=step, steps=steps,
+            logprobs=mx.array(logprobs, dtype=mx.float32),
+            candidates=candidates,
+            step=step,
+            steps=steps,
             masked=np.array([width - first]),
         )
         committed = np.flatnonzero(np.array(rule.select(inputs, state))[0] & np.array(candidates)[0])

@@ -149,8 +149,13 @@ class Engine:
     """Runs one resolved decode through an adapter; iterate `run()` for the steps."""
 
     def __init__(
-        self, adapter: Adapter, options: ResolvedOptions, keep_logprobs: bool = True, pipeline: bool = True,
-        gather_rows: bool = True, proposals: int = 0,
+        self,
+        adapter: Adapter,
+        options: ResolvedOptions,
+        keep_logprobs: bool = True,
+        pipeline: bool = True,
+        gather_rows: bool = True,
+        proposals: int = 0,
     ):
         self.adapter = adapter
         self.options = options
@@ -265,10 +270,22 @@ class Engine:
         # once it is over) are final.
         horizon = end if (q.block_over or not self.decoder.changing()) else start
         self._finality(canvas, host, horizon)
-        return Step(self.decoder.draft(host, end), canvas.prompt_len, canvas.final, canvas.done.copy(),
-                    q.forwards, q.block, q.step, q.kept, q.ran_forward, q.confidence, q.edits,
-                    self.decoder.drafted(), None if q.accepted is None else np.array(q.accepted),
-                    self._take_proposals() if q.ran_forward else None)
+        return Step(
+            self.decoder.draft(host, end),
+            canvas.prompt_len,
+            canvas.final,
+            canvas.done.copy(),
+            q.forwards,
+            q.block,
+            q.step,
+            q.kept,
+            q.ran_forward,
+            q.confidence,
+            q.edits,
+            self.decoder.drafted(),
+            None if q.accepted is None else np.array(q.accepted),
+            self._take_proposals() if q.ran_forward else None,
+        )
 
     def _finality(self, canvas: Canvas, host: np.ndarray, horizon: int) -> None:
         """Final = the committed prefix of the generation before `horizon`, up to and

@@ -30,35 +30,76 @@ _COUNT_LIMIT = 1 << 20  # block and step counts past this are input errors, not 
 MAX_TEMPERATURE = 100.0
 
 GENERIC_OPTIONS: tuple[Option, ...] = (
-    Option("max_tokens", int, "Tokens to generate", default=256, low=1, named=False,
-           hint="ask for at least one token"),
+    Option("max_tokens", int, "Tokens to generate", default=256, low=1, named=False, hint="ask for at least one token"),
     Option("block_length", int, "Tokens per block", low=1, high=_COUNT_LIMIT, hint="use a positive block size"),
-    Option("steps", int, "Denoising steps per block", low=1, high=_COUNT_LIMIT,
-           hint="use at least one denoising step per block"),
+    Option(
+        "steps",
+        int,
+        "Denoising steps per block",
+        low=1,
+        high=_COUNT_LIMIT,
+        hint="use at least one denoising step per block",
+    ),
     Option("strategy", str, f"Commit rule: {', '.join(RULES)}", choices=tuple(RULES)),
-    Option("threshold", help=f"Confidence threshold (selects the 'threshold' strategy unless the "
-           f"family's rule takes one: {', '.join(THRESHOLD_RULES)})", **_PROBABILITY),
-    Option("factor", float, "Factor of the 'factor' strategy (selects it unless given one)", low=0.0,
-           low_open=True),
-    Option("entropy_bound", float, "Entropy budget of the 'entropy_bound' / 'entropy_bounded' strategies "
-           "(selects 'entropy_bound' unless the family's rule takes one)", low=0.0),
-    Option("alg_temp", float, "Temperature of the maskgit_plus / topk_margin / entropy rules' ranking "
-           "(0: the most confident first)", low=0.0),
-    Option("editing_threshold", help="Revise committed tokens whose replacement is this confident",
-           **_PROBABILITY),
+    Option(
+        "threshold",
+        help=f"Confidence threshold (selects the 'threshold' strategy unless the "
+        f"family's rule takes one: {', '.join(THRESHOLD_RULES)})",
+        **_PROBABILITY,
+    ),
+    Option("factor", float, "Factor of the 'factor' strategy (selects it unless given one)", low=0.0, low_open=True),
+    Option(
+        "entropy_bound",
+        float,
+        "Entropy budget of the 'entropy_bound' / 'entropy_bounded' strategies "
+        "(selects 'entropy_bound' unless the family's rule takes one)",
+        low=0.0,
+    ),
+    Option(
+        "alg_temp",
+        float,
+        "Temperature of the maskgit_plus / topk_margin / entropy rules' ranking (0: the most confident first)",
+        low=0.0,
+    ),
+    Option("editing_threshold", help="Revise committed tokens whose replacement is this confident", **_PROBABILITY),
     Option("max_post_steps", int, "Editing passes once a block is full", low=0, high=_COUNT_LIMIT),
     Option("preset", str, "A family's named settings (see its presets)"),
-    Option("schedule", str, f"Mask schedule as the per-step quota, instead of --strategy: "
-           f"{', '.join(GAMMAS)}", choices=tuple(GAMMAS)),
-    Option("temperature_schedule", tuple, "One temperature per step (0: greedy)", item=float, low=0.0,
-           high=MAX_TEMPERATURE, named=False),
-    Option("top_p", float, "Nucleus sampling with temperature_schedule", default=1.0, low=0.0, high=1.0,
-           low_open=True, named=False),
+    Option(
+        "schedule",
+        str,
+        f"Mask schedule as the per-step quota, instead of --strategy: {', '.join(GAMMAS)}",
+        choices=tuple(GAMMAS),
+    ),
+    Option(
+        "temperature_schedule",
+        tuple,
+        "One temperature per step (0: greedy)",
+        item=float,
+        low=0.0,
+        high=MAX_TEMPERATURE,
+        named=False,
+    ),
+    Option(
+        "top_p",
+        float,
+        "Nucleus sampling with temperature_schedule",
+        default=1.0,
+        low=0.0,
+        high=1.0,
+        low_open=True,
+        named=False,
+    ),
     Option("sampler", callable, "mlx-lm sampler over log-probs; greedy if None", named=False),
-    Option("logits_processors", tuple, "mlx-lm logits processors, fed the committed tokens left to right "
-           "(mlx_lm_diffusion.decoding.decoders.constraints)", default=(), named=False, item=callable),
-    Option("allowed_tokens", tuple, "Only these token ids may be generated (EOS always may)", item=int,
-           low=0),
+    Option(
+        "logits_processors",
+        tuple,
+        "mlx-lm logits processors, fed the committed tokens left to right "
+        "(mlx_lm_diffusion.decoding.decoders.constraints)",
+        default=(),
+        named=False,
+        item=callable,
+    ),
+    Option("allowed_tokens", tuple, "Only these token ids may be generated (EOS always may)", item=int, low=0),
     Option("seed", int, "PRNG seed", low=0, high=2**64 - 1, named=False),  # (mx.random.seed's range)
 )
 

@@ -147,8 +147,9 @@ def forward_bound(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int) 
     return decoder_class(adapter, resolved.family)(adapter, resolved, keep_logprobs=False).forward_bound(prompt_len)
 
 
-def check_forward_budget(resolved: ResolvedOptions, adapter: Adapter, prompt_len: int,
-                         max_forwards: Optional[int]) -> int:
+def check_forward_budget(
+    resolved: ResolvedOptions, adapter: Adapter, prompt_len: int, max_forwards: Optional[int]
+) -> int:
     """Refuse (ValueError) a decode that could take more than `max_forwards` forwards; a
     server checks this before anything runs. Returns the bound."""
     bound = forward_bound(resolved, adapter, prompt_len)
@@ -200,16 +201,17 @@ def _rule(values: dict, defaults: Any, block_length: int) -> CommitRule:
         if strategy is not None:
             raise ValueError("give either schedule or strategy, not both")
         if given:
-            raise ValueError(f"{given[0]} does not apply to a mask schedule (its quotas decide what each "
-                             f"step commits); drop {given[0]} or schedule")
+            raise ValueError(
+                f"{given[0]} does not apply to a mask schedule (its quotas decide what each "
+                f"step commits); drop {given[0]} or schedule"
+            )
         return ScheduleQuota(values["schedule"])
     if strategy is None:
         strategy = defaults.strategy
         unread = [name for name in given if name not in RULES[strategy].takes]
         implying = [name for name in unread if name in IMPLIED_RULES]
         if len(implying) > 1:
-            raise ValueError(f"{' and '.join(implying)} each select a rule of their own; give one "
-                             "(or name a strategy)")
+            raise ValueError(f"{' and '.join(implying)} each select a rule of their own; give one (or name a strategy)")
         if implying:
             strategy = IMPLIED_RULES[implying[0]]
     if strategy not in RULES:
@@ -217,14 +219,17 @@ def _rule(values: dict, defaults: Any, block_length: int) -> CommitRule:
     for name in given:
         if name not in RULES[strategy].takes:
             readers = [rule for rule, cls in RULES.items() if name in cls.takes]
-            raise ValueError(f"{name} applies to the {', '.join(readers)} strategies, not {strategy!r}; "
-                             f"drop {name} or choose one of those")
+            raise ValueError(
+                f"{name} applies to the {', '.join(readers)} strategies, not {strategy!r}; "
+                f"drop {name} or choose one of those"
+            )
     settings = {name: values.get(name, getattr(defaults, name, None)) for name in RULE_SETTINGS}
     return make_rule(strategy, block_length=block_length, **settings)
 
 
-def _fit_context(adapter: Adapter, decoder: Any, prompt_len: int, suffix_len: int, max_tokens: int,
-                 block_length: int) -> int:
+def _fit_context(
+    adapter: Adapter, decoder: Any, prompt_len: int, suffix_len: int, max_tokens: int, block_length: int
+) -> int:
     """max_tokens capped to what the model's context holds after the prompt and an infill's
     suffix (the decode then ends with finish_reason "length"); a prompt that fills the
     context is an error."""
@@ -238,8 +243,11 @@ def _fit_context(adapter: Adapter, decoder: Any, prompt_len: int, suffix_len: in
             f"{adapter.max_length} leaves after the prompt; lower block_length"
         )
     if fitted < 1:
-        given = (f"the prompt ({prompt_len} tokens) and suffix ({suffix_len} tokens) leave" if suffix_len
-                 else f"the prompt ({prompt_len} tokens) leaves")
+        given = (
+            f"the prompt ({prompt_len} tokens) and suffix ({suffix_len} tokens) leave"
+            if suffix_len
+            else f"the prompt ({prompt_len} tokens) leaves"
+        )
         raise ValueError(
             f"{given} no room in the model's context of {adapter.max_length} tokens; shorten "
             f"{'them' if suffix_len else 'it (or reset the conversation)'}"

@@ -29,8 +29,10 @@ DEMO_MAX_TOKENS = GEN_LENGTH  # a small canvas that holds any answer (5 slots), 
 
 
 # The CLIs' --model help (generate, chat): what model_or_demo does without it.
-MODEL_HELP = ("The path to the local model directory or Hugging Face repo. "
-              "Without it, the embedded demo model (it adds two numbers) is used.")
+MODEL_HELP = (
+    "The path to the local model directory or Hugging Face repo. "
+    "Without it, the embedded demo model (it adds two numbers) is used."
+)
 
 
 def model_or_demo(model: Optional[str]) -> str:

@@ -75,9 +75,10 @@ class Evaluation:
     def slot_accuracy(self) -> list:
         """Per answer slot (most significant first), the share of problems whose decoded
         answer, right-aligned, has the right character there (blank or digit)."""
+
         def slots(text: str) -> str:
             if self.form == "json":  # the number inside {"sum":...}
-                text = text[len(JSON_OPEN):].removesuffix(JSON_CLOSE)
+                text = text[len(JSON_OPEN) :].removesuffix(JSON_CLOSE)
             return text[-ANSWER_WIDTH:].rjust(ANSWER_WIDTH)
 
         truth = [slots(right_answer(self.form, a, b)) for a, b in self.pairs]
@@ -109,8 +110,15 @@ def generation_defaults(path) -> dict:
     return {k: config[k] for k in DECODING_KEYS if k in config}
 
 
-def evaluate(model, tokenizer, pairs, max_tokens: int = GEN_LENGTH, batch_size: Optional[int] = None,
-             form: str = "plain", **options) -> Evaluation:
+def evaluate(
+    model,
+    tokenizer,
+    pairs,
+    max_tokens: int = GEN_LENGTH,
+    batch_size: Optional[int] = None,
+    form: str = "plain",
+    **options,
+) -> Evaluation:
     """Decode every problem of `form` with `options` (DecodeOptions fields; `None` or absent
     takes the checkpoint's default, when `load` read one, else the family's) and compare with
     the right answer (`right_answer`). batch_size: rows per decode (default: as many as keep a
@@ -130,7 +138,7 @@ def evaluate(model, tokenizer, pairs, max_tokens: int = GEN_LENGTH, batch_size: 
             seed = None
             if S:  # an infill: the middle free, each row's suffix pinned after it
                 seed = np.full((len(prompts), resolved.max_tokens + S), FREE, dtype=np.int64)
-                seed[:, resolved.max_tokens:] = group.suffixes[lo : lo + rows]
+                seed[:, resolved.max_tokens :] = group.suffixes[lo : lo + rows]
             _decode(Engine(adapter, resolved, keep_logprobs=False), prompts, result, adapter.eos_ids, seed)
             result.pairs += list(zip(group.a[lo : lo + rows].tolist(), group.b[lo : lo + rows].tolist()))
     if forced:  # the "{" a grammar forces is the json prompt's last token
@@ -167,27 +175,40 @@ SETS = {  # name -> (problems, form)
 REPORTED_SETS = ("held-out", "carry chains", "json", "infill")
 
 
-def metrics(path, n: int, max_tokens: Sequence[int] = MAX_TOKENS, threshold: float = 0.9,
-            stream=sys.stderr, sets: Sequence[str] = REPORTED_SETS) -> dict:
+def metrics(
+    path,
+    n: int,
+    max_tokens: Sequence[int] = MAX_TOKENS,
+    threshold: float = 0.9,
+    stream=sys.stderr,
+    sets: Sequence[str] = REPORTED_SETS,
+) -> dict:
     """Exact match and tokens per forward of the checkpoint at `path`, at its defaults and
     with `threshold`: each of `sets` at every max_tokens (the json form at JSON_MAX_TOKENS,
     infills at INFILL_MAX_TOKENS), and the named edge cases: the record in recipe.json."""
     lengths = {"json": JSON_MAX_TOKENS, "infill": INFILL_MAX_TOKENS}
     model, tokenizer = load(str(path))
     defaults = generation_defaults(path)
-    rules = {"defaults": dict(defaults), f"threshold {threshold}": {**defaults, "strategy": None,
-                                                                     "threshold": threshold}}
+    rules = {
+        "defaults": dict(defaults),
+        f"threshold {threshold}": {**defaults, "strategy": None, "threshold": threshold},
+    }
     out = {"problems": n, "default_decoding": defaults, "results": []}
     for name in sets:
         pairs, form = SETS[name](n)
         for rule, options in rules.items():
             for m in lengths.get(form, max_tokens):
                 r = evaluate(model, tokenizer, pairs, max_tokens=m, form=form, **options)
-                row = {"set": name, "rule": rule, "max_tokens": m, "exact_match": round(r.accuracy, 4),
-                       "stopped_at_eos": round(float(np.mean(r.stopped)), 4),
-                       "tokens_per_forward": round(r.tokens_per_forward, 3),
-                       "forwards_per_problem": round(float(np.mean(r.forwards)), 2),
-                       "seconds": round(r.seconds, 1)}
+                row = {
+                    "set": name,
+                    "rule": rule,
+                    "max_tokens": m,
+                    "exact_match": round(r.accuracy, 4),
+                    "stopped_at_eos": round(float(np.mean(r.stopped)), 4),
+                    "tokens_per_forward": round(r.tokens_per_forward, 3),
+                    "forwards_per_problem": round(float(np.mean(r.forwards)), 2),
+                    "seconds": round(r.seconds, 1),
+                }
                 out["results"].append(row)
                 if stream is not None:
                     print(json.dumps(row), file=stream, flush=True)
@@ -198,13 +219,16 @@ def metrics(path, n: int, max_tokens: Sequence[int] = MAX_TOKENS, threshold: flo
 
 
 def table(record: dict) -> str:
-    head = (f"{'set':<14}{'rule':<15}{'max_tokens':>11}{'exact match':>13}{'EOS stop':>10}"
-            f"{'tok/forward':>13}{'fwd/problem':>13}")
-    lines = [f"{record['problems']} problems per set; defaults {record['default_decoding']}", head,
-             "-" * len(head)]
+    head = (
+        f"{'set':<14}{'rule':<15}{'max_tokens':>11}{'exact match':>13}{'EOS stop':>10}"
+        f"{'tok/forward':>13}{'fwd/problem':>13}"
+    )
+    lines = [f"{record['problems']} problems per set; defaults {record['default_decoding']}", head, "-" * len(head)]
     for r in record["results"]:
-        lines.append(f"{r['set']:<14}{r['rule']:<15}{r['max_tokens']:>11}{100 * r['exact_match']:>12.1f}%"
-                     f"{100 * r['stopped_at_eos']:>9.1f}%{r['tokens_per_forward']:>13.2f}{r['forwards_per_problem']:>13.2f}")
+        lines.append(
+            f"{r['set']:<14}{r['rule']:<15}{r['max_tokens']:>11}{100 * r['exact_match']:>12.1f}%"
+            f"{100 * r['stopped_at_eos']:>9.1f}%{r['tokens_per_forward']:>13.2f}{r['forwards_per_problem']:>13.2f}"
+        )
     if "edge_cases" in record:
         lines.append(f"edge cases right: {record['edge_cases_right']} of {len(record['edge_cases'])}")
     return "\n".join(lines)
@@ -212,12 +236,14 @@ def table(record: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
 
-    p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.evaluate",
-                                                description=__doc__.split("\n\n")[0]))
+    p = one_line_errors(
+        argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.evaluate", description=__doc__.split("\n\n")[0])
+    )
     p.add_argument("--model", type=Path, default=DEMO_MODEL_PATH, help="Checkpoint (default: the demo)")
     p.add_argument("--problems", type=int, default=1000, help="Problems per set")
-    p.add_argument("--sets", nargs="+", choices=list(SETS), default=list(REPORTED_SETS),
-                   help="Problem sets (default: %(default)s)")
+    p.add_argument(
+        "--sets", nargs="+", choices=list(SETS), default=list(REPORTED_SETS), help="Problem sets (default: %(default)s)"
+    )
     p.add_argument("--max-tokens", type=int, nargs="+", default=list(MAX_TOKENS))
     p.add_argument("--threshold", type=float, default=0.9, help="Threshold of the second rule")
     p.add_argument("--json", type=Path, help="Also write the record here")

@@ -66,9 +66,26 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 # Problems that must be right (tests/test_demo.py): carries through every place, five-digit
 # sums, zeros, one-digit operands, and the sums an earlier demo got wrong.
 EDGE_CASES = (
-    (0, 0), (0, 1), (1, 0), (9, 1), (1, 9), (99, 1), (999, 1), (9999, 1), (1, 9999), (9999, 9999),
-    (5000, 5000), (4999, 5001), (9990, 10), (5555, 4445), (9999, 0), (0, 9999), (8, 37), (549, 8391),
-    (40, 3505), (9, 4562),
+    (0, 0),
+    (0, 1),
+    (1, 0),
+    (9, 1),
+    (1, 9),
+    (99, 1),
+    (999, 1),
+    (9999, 1),
+    (1, 9999),
+    (9999, 9999),
+    (5000, 5000),
+    (4999, 5001),
+    (9990, 10),
+    (5555, 4445),
+    (9999, 0),
+    (0, 9999),
+    (8, 37),
+    (549, 8391),
+    (40, 3505),
+    (9, 4562),
 )
 
 
@@ -140,6 +157,7 @@ def _sum_lengths(rng: np.random.Generator, n: int) -> tuple:
 
 def _zeros(rng: np.random.Generator, n: int) -> tuple:
     """Operands whose digits are mostly zeros (0, 5000, 3005), nines some of the time."""
+
     def one() -> np.ndarray:
         d = rng.integers(MIN_DIGITS, MAX_DIGITS + 1, size=n)
         digits = rng.integers(0, 10, size=(n, MAX_DIGITS))
@@ -148,11 +166,18 @@ def _zeros(rng: np.random.Generator, n: int) -> tuple:
         value = (digits * 10 ** np.arange(MAX_DIGITS)).sum(axis=1) % 10**d
         top = 10 ** (d - 1)
         return np.where((d > 1) & (value < top), value + top * rng.integers(1, 10, size=n), value)
+
     return one(), one()
 
 
-_SAMPLE = {"uniform": _uniform, "carrying": _carrying, "zeros": _zeros, "aligned": _aligned,
-           "sum_aligned": _sum_aligned, "sum_lengths": _sum_lengths}
+_SAMPLE = {
+    "uniform": _uniform,
+    "carrying": _carrying,
+    "zeros": _zeros,
+    "aligned": _aligned,
+    "sum_aligned": _sum_aligned,
+    "sum_lengths": _sum_lengths,
+}
 
 
 def sample_pairs(rng: np.random.Generator, n: int, sampler: str = "uniform", held_out: bool = False) -> tuple:
@@ -213,8 +238,9 @@ def _row(form: str, a: int, b: int, gen: int) -> tuple:
     return prompt, answer + [EOS_ID] * (gen - len(answer)), []
 
 
-def canvas_batch(rng: np.random.Generator, size: int, gen: int, form: str = "plain",
-                 sampler: str = "uniform") -> CanvasBatch:
+def canvas_batch(
+    rng: np.random.Generator, size: int, gen: int, form: str = "plain", sampler: str = "uniform"
+) -> CanvasBatch:
     """`size` training rows (never a held-out pair) of `form` with `gen` generated
     positions (an infill's middle slots): the rows share the prompt length of the first
     pair drawn (and an infill's suffix length), so that they share one canvas length.
@@ -240,8 +266,14 @@ def canvas_batch(rng: np.random.Generator, size: int, gen: int, form: str = "pla
     answer_len = np.array([len([t for t in g if t != EOS_ID]) + (EOS_ID in g) for _, _, (p, g, s) in rows], np.int32)
     if form == "infill":
         answer_len[:] = gen
-    return CanvasBatch(np.array([r[0] for r in rows]), np.array([r[1] for r in rows]), tokens, prompt_len,
-                       np.full(size, gen, np.int32), answer_len)
+    return CanvasBatch(
+        np.array([r[0] for r in rows]),
+        np.array([r[1] for r in rows]),
+        tokens,
+        prompt_len,
+        np.full(size, gen, np.int32),
+        answer_len,
+    )
 
 
 def held_out_problems(n: int, seed: int = 1234, sampler: str = "uniform") -> list[tuple[int, int]]:
@@ -306,7 +338,12 @@ def group_by_prompt_length(pairs: list[tuple[int, int]], form: str = "plain") ->
     batches = []
     for (_, S), g in sorted(groups.items()):
         texts = [_texts(form, a, b) for a, b in g]
-        batches.append(Batch(np.array([p[0] for p in g]), np.array([p[1] for p in g]),
-                             np.array([encode(t[0]) for t in texts], np.int32),
-                             np.array([encode(t[1]) for t in texts], np.int32).reshape(len(g), S)))
+        batches.append(
+            Batch(
+                np.array([p[0] for p in g]),
+                np.array([p[1] for p in g]),
+                np.array([encode(t[0]) for t in texts], np.int32),
+                np.array([encode(t[1]) for t in texts], np.int32).reshape(len(g), S),
+            )
+        )
     return batches

@@ -69,8 +69,9 @@ MASK_EPS = 1e-3  # LLaDA's minimum mask probability
 GENERATION_DEFAULTS = {"block_length": 8, "steps": 8, "strategy": "low_confidence", "max_new_tokens": 32}
 
 
-def model_config(d_model: int, n_layers: int, n_heads: int, mlp: int, rope_theta: float = 10000.0,
-                 max_len: int = CONTEXT) -> dict:
+def model_config(
+    d_model: int, n_layers: int, n_heads: int, mlp: int, rope_theta: float = 10000.0, max_len: int = CONTEXT
+) -> dict:
     """config.json of the demo model, in the Hugging Face LLaDA format."""
     return {
         "architectures": ["LLaDAModelLM"],
@@ -100,8 +101,14 @@ def build_model(config: dict) -> llada.Model:
     return model
 
 
-def mask_batch(rng: np.random.Generator, batch, masking: str = "count", suffix: float = 0.5,
-               suffix_span: int = 16, pad_weight: int = 32):
+def mask_batch(
+    rng: np.random.Generator,
+    batch,
+    masking: str = "count",
+    suffix: float = 0.5,
+    suffix_span: int = 16,
+    pad_weight: int = 32,
+):
     """Noised inputs (B, T), targets (B, T) and per-position loss weights (B, T).
 
     Only generated positions (after each row's prompt) are masked. t is uniform per
@@ -167,7 +174,7 @@ def hf_weights(model: nn.Module) -> dict:
             continue
         for mlx_prefix, hf_prefix in inverse_top.items():
             if name.startswith(mlx_prefix):
-                out[hf_prefix + name[len(mlx_prefix):]] = value
+                out[hf_prefix + name[len(mlx_prefix) :]] = value
                 break
         else:
             raise KeyError(f"no Hugging Face name for {name}")
@@ -178,8 +185,7 @@ def save_checkpoint(model: nn.Module, config: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), hf_weights(model), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {**GENERATION_DEFAULTS, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID,
-                  "mask_token_id": MASK_ID}
+    generation = {**GENERATION_DEFAULTS, "eos_token_id": EOS_ID, "pad_token_id": EOS_ID, "mask_token_id": MASK_ID}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     write_tokenizer(out, model_max_length=config["max_sequence_length"])
 
@@ -191,7 +197,7 @@ def expanded_weights(weights: dict, after: Sequence[int], fresh: nn.Module) -> d
     so the grown model computes exactly what the checkpoint computes, and training starts
     from it with more depth."""
     prefix = "model.transformer.blocks."
-    old = sorted({int(k[len(prefix):].split(".")[0]) for k in weights if k.startswith(prefix)})
+    old = sorted({int(k[len(prefix) :].split(".")[0]) for k in weights if k.startswith(prefix)})
     if not set(after) <= set(old):
         raise ValueError(f"--insert-blocks {list(after)}: the checkpoint has blocks {old[0]}-{old[-1]}")
     source: list = []  # per block of the grown model: the checkpoint's block, or None (new)
@@ -204,7 +210,7 @@ def expanded_weights(weights: dict, after: Sequence[int], fresh: nn.Module) -> d
     for k, v in new.items():
         if not k.startswith(prefix):
             continue
-        j, name = k[len(prefix):].split(".", 1)
+        j, name = k[len(prefix) :].split(".", 1)
         i = source[int(j)]
         if i is not None:
             out[k] = weights[f"{prefix}{i}.{name}"]
@@ -216,8 +222,7 @@ def expanded_weights(weights: dict, after: Sequence[int], fresh: nn.Module) -> d
 def lr_schedule(lr: float, steps: int, warmup: int):
     warmup = max(1, min(warmup, steps // 2))
     return optim.join_schedules(
-        [optim.linear_schedule(lr / warmup, lr, warmup),
-         optim.cosine_decay(lr, max(steps - warmup, 1), lr * 0.05)],
+        [optim.linear_schedule(lr / warmup, lr, warmup), optim.cosine_decay(lr, max(steps - warmup, 1), lr * 0.05)],
         [warmup],
     )
 
@@ -238,12 +243,13 @@ class Progress:
         if step % self.every and step != self.steps:
             return
         elapsed = time.perf_counter() - self.start
-        recent = float(np.mean(self.losses[-self.every:]))
+        recent = float(np.mean(self.losses[-self.every :]))
         eta = elapsed / step * (self.steps - step)
         print(
             f"step {step:5d}/{self.steps}  loss {recent:.4f}  {self.tokens / elapsed:8.0f} tok/s  "
             f"elapsed {_clock(elapsed)}  ETA {_clock(eta)}",
-            file=self.stream, flush=True,
+            file=self.stream,
+            flush=True,
         )
 
 
@@ -259,9 +265,15 @@ def _draw(rng: np.random.Generator, values, weights, size: int) -> np.ndarray:
     return rng.choice(np.asarray(values), size=size, p=p / p.sum())
 
 
-def step_plan(rng: np.random.Generator, steps: int, gen_lengths=GEN_LENGTHS, gen_weights=GEN_WEIGHTS,
-              form_weights=FORM_WEIGHTS, sampler_weights=SAMPLER_WEIGHTS,
-              middles: Sequence[int] = MIDDLES) -> list:
+def step_plan(
+    rng: np.random.Generator,
+    steps: int,
+    gen_lengths=GEN_LENGTHS,
+    gen_weights=GEN_WEIGHTS,
+    form_weights=FORM_WEIGHTS,
+    sampler_weights=SAMPLER_WEIGHTS,
+    middles: Sequence[int] = MIDDLES,
+) -> list:
     """(form, sampler, generated length) of every step, fixed by the seed. A json step
     takes a length that holds its answer (and fits the context); an infill step a middle
     of one of `middles` slots (default MIDDLES: 4 to 16), uniformly."""
@@ -344,8 +356,11 @@ def train(
 
     plan = step_plan(rng, steps, gen_lengths, gen_weights, form_weights, sampler_weights, middles)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    print(f"demo model: {n_params / 1e6:.2f}M parameters, {steps} steps of ~{batch_tokens} tokens, seed {seed}",
-          file=sys.stderr, flush=True)
+    print(
+        f"demo model: {n_params / 1e6:.2f}M parameters, {steps} steps of ~{batch_tokens} tokens, seed {seed}",
+        file=sys.stderr,
+        flush=True,
+    )
     progress = Progress(steps, log_every)
     losses = []
     for step in range(1, steps + 1):
@@ -361,11 +376,23 @@ def train(
         if eval_every and step % eval_every == 0 and step < steps:
             if out is not None:  # a snapshot to look at (and to fall back on) while training runs
                 save_checkpoint(model, config, out / "snapshots" / f"step{step}")
-            for name, n in (("held-out", 5), ("held-out", GEN_LENGTH), ("held-out", 512), ("carry chains", GEN_LENGTH),
-                            ("json", 16), ("json", 512), ("infill", 4), ("infill", 8)):  # 512: capped to the context
+            for name, n in (
+                ("held-out", 5),
+                ("held-out", GEN_LENGTH),
+                ("held-out", 512),
+                ("carry chains", GEN_LENGTH),
+                ("json", 16),
+                ("json", 512),
+                ("infill", 4),
+                ("infill", 8),
+            ):  # 512: capped to the context
                 exact, slots = _accuracy(model, eval_size, n, name)
-                print(f"  {name} exact match ({eval_size}, max_tokens {n}): {exact:.3f}  per answer slot: "
-                      + " ".join(f"{x:.2f}" for x in slots), file=sys.stderr, flush=True)
+                print(
+                    f"  {name} exact match ({eval_size}, max_tokens {n}): {exact:.3f}  per answer slot: "
+                    + " ".join(f"{x:.2f}" for x in slots),
+                    file=sys.stderr,
+                    flush=True,
+                )
     wall = time.perf_counter() - progress.start
     cpu = time.process_time() - progress.cpu_start
 
@@ -402,56 +429,111 @@ def _accuracy(model: nn.Module, n: int, max_tokens: int = GEN_LENGTH, problems: 
     """Exact match and per-slot accuracy on a set of `evaluate.SETS` at the demo's default decoding."""
     # EOS comes from the config; the decoding as generation_config.json will say
     pairs, form = SETS[problems](n)
-    r = evaluate(model, None, pairs, max_tokens=max_tokens, form=form,
-                 block_length=GENERATION_DEFAULTS["block_length"], steps=GENERATION_DEFAULTS["steps"])
+    r = evaluate(
+        model,
+        None,
+        pairs,
+        max_tokens=max_tokens,
+        form=form,
+        block_length=GENERATION_DEFAULTS["block_length"],
+        steps=GENERATION_DEFAULTS["steps"],
+    )
     return r.accuracy, r.slot_accuracy
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.train",
-                                                description=__doc__.split("\n\n")[0]))
+    p = one_line_errors(
+        argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.demo.train", description=__doc__.split("\n\n")[0])
+    )
     p.add_argument("--out", type=Path, required=True, help="Checkpoint directory to write")
-    p.add_argument("--steps", type=int, default=3000, help="Training steps (0: write the --init checkpoint, "
-                   "grown by --insert-blocks, untrained)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3000,
+        help="Training steps (0: write the --init checkpoint, grown by --insert-blocks, untrained)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-tokens", type=int, default=2048,
-                   help="Tokens per step: batch_tokens // canvas length rows (at least 8)")
+    p.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=2048,
+        help="Tokens per step: batch_tokens // canvas length rows (at least 8)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--clip", type=float, default=1.0, help="Gradient-norm clip (0: off)")
-    p.add_argument("--masking", choices=("bernoulli", "count"), default="count",
-                   help="Per-position masks with probability t, or exactly ceil(t L) masks")
-    p.add_argument("--suffix", type=float, default=0.5,
-                   help="Share of rows masked as a block decode sees them: all from a cut on")
-    p.add_argument("--pad-weight", type=int, default=32,
-                   help="The EOS padding of a row counts for at most this many positions")
-    p.add_argument("--gen-lengths", type=int, nargs="+", default=list(GEN_LENGTHS),
-                   help="Generated lengths of the training canvases (after the prompt; 0: the rest of "
-                        "the context)")
-    p.add_argument("--gen-weights", type=float, nargs="+", default=list(GEN_WEIGHTS),
-                   help="How often each generated length is drawn (relative)")
-    p.add_argument("--form-weights", type=float, nargs=3, default=list(FORM_WEIGHTS),
-                   help="How often each form (plain, json, infill) is drawn (relative)")
-    p.add_argument("--sampler-weights", type=float, nargs="+", default=list(SAMPLER_WEIGHTS),
-                   help="How often each operand sampler (%s) is drawn (relative; those left out: 0)"
-                   % ", ".join(SAMPLERS))
-    p.add_argument("--middles", type=int, nargs="+", default=list(MIDDLES),
-                   help="Middle lengths of the infill form's canvases, drawn uniformly")
+    p.add_argument(
+        "--masking",
+        choices=("bernoulli", "count"),
+        default="count",
+        help="Per-position masks with probability t, or exactly ceil(t L) masks",
+    )
+    p.add_argument(
+        "--suffix", type=float, default=0.5, help="Share of rows masked as a block decode sees them: all from a cut on"
+    )
+    p.add_argument(
+        "--pad-weight", type=int, default=32, help="The EOS padding of a row counts for at most this many positions"
+    )
+    p.add_argument(
+        "--gen-lengths",
+        type=int,
+        nargs="+",
+        default=list(GEN_LENGTHS),
+        help="Generated lengths of the training canvases (after the prompt; 0: the rest of the context)",
+    )
+    p.add_argument(
+        "--gen-weights",
+        type=float,
+        nargs="+",
+        default=list(GEN_WEIGHTS),
+        help="How often each generated length is drawn (relative)",
+    )
+    p.add_argument(
+        "--form-weights",
+        type=float,
+        nargs=3,
+        default=list(FORM_WEIGHTS),
+        help="How often each form (plain, json, infill) is drawn (relative)",
+    )
+    p.add_argument(
+        "--sampler-weights",
+        type=float,
+        nargs="+",
+        default=list(SAMPLER_WEIGHTS),
+        help="How often each operand sampler (%s) is drawn (relative; those left out: 0)" % ", ".join(SAMPLERS),
+    )
+    p.add_argument(
+        "--middles",
+        type=int,
+        nargs="+",
+        default=list(MIDDLES),
+        help="Middle lengths of the infill form's canvases, drawn uniformly",
+    )
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--mlp", type=int, default=256)
-    p.add_argument("--rope-theta", type=float, default=500.0,
-                   help="RoPE base: small, so that positions a few tokens apart are told apart, "
-                        "yet the slowest rotation spans the whole context")
+    p.add_argument(
+        "--rope-theta",
+        type=float,
+        default=500.0,
+        help="RoPE base: small, so that positions a few tokens apart are told apart, "
+        "yet the slowest rotation spans the whole context",
+    )
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=0, help="Held-out check every N steps (0: off)")
     p.add_argument("--eval-size", type=int, default=512, help="Held-out problems for the final metrics")
     p.add_argument("--init", type=Path, help="Start from this checkpoint's weights (same shape)")
-    p.add_argument("--insert-blocks", type=int, nargs="+", default=[], metavar="AFTER",
-                   help="With --init: a new block after each of these blocks of the checkpoint, its residual "
-                        "output zeroed (the same function, more depth); --n-layers counts them")
+    p.add_argument(
+        "--insert-blocks",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="AFTER",
+        help="With --init: a new block after each of these blocks of the checkpoint, its residual "
+        "output zeroed (the same function, more depth); --n-layers counts them",
+    )
     p.add_argument("--no-final-metrics", action="store_true", help="Skip the final held-out evaluation")
     return p.parse_args(argv)
 
@@ -461,14 +543,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = "python -m mlx_lm_diffusion.demo.train " + shlex.join(argv)
     run = train(
-        args.out, steps=args.steps, seed=args.seed, batch_tokens=args.batch_tokens, lr=args.lr,
-        warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, masking=args.masking,
-        suffix=args.suffix, pad_weight=args.pad_weight,
-        gen_lengths=args.gen_lengths, gen_weights=args.gen_weights, form_weights=args.form_weights,
-        sampler_weights=args.sampler_weights, middles=args.middles,
+        args.out,
+        steps=args.steps,
+        seed=args.seed,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        clip=args.clip,
+        masking=args.masking,
+        suffix=args.suffix,
+        pad_weight=args.pad_weight,
+        gen_lengths=args.gen_lengths,
+        gen_weights=args.gen_weights,
+        form_weights=args.form_weights,
+        sampler_weights=args.sampler_weights,
+        middles=args.middles,
         d_model=args.d_model,
-        n_layers=args.n_layers, n_heads=args.n_heads, mlp=args.mlp, rope_theta=args.rope_theta, log_every=args.log_every,
-        eval_every=args.eval_every, init=args.init, insert_blocks=args.insert_blocks, command=command,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        mlp=args.mlp,
+        rope_theta=args.rope_theta,
+        log_every=args.log_every,
+        eval_every=args.eval_every,
+        init=args.init,
+        insert_blocks=args.insert_blocks,
+        command=command,
     )
     record = run["record"]
     if not args.no_final_metrics:

@@ -25,7 +25,7 @@ import json
 import re
 from pathlib import Path
 
-CHARS = "0123456789+-={}\":,absum"
+CHARS = '0123456789+-={}":,absum'
 EOS = "<eos>"
 MASK = "<|mdm_mask|>"
 UNK = "<unk>"

@@ -56,43 +56,82 @@ def json_object(text: str) -> dict:
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Evaluate a diffusion language model with "
-                                "lm-evaluation-harness: accuracy against speed (mlx_lm.evaluate's flags plus "
-                                "diffusion options).")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Evaluate a diffusion language model with "
+        "lm-evaluation-harness: accuracy against speed (mlx_lm.evaluate's flags plus "
+        "diffusion options).",
+    )
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--tasks", nargs="+", required=True, help="lm-eval task names (space or comma separated)")
     p.add_argument("--output-dir", default=".", help="Output directory for result files.")
-    p.add_argument("--batch-size", type=int, default=8,
-                   help="Maximum number of sequences processed at once, both when scoring (Monte Carlo samples "
-                        "per forward) and when generating (rows decoded together).")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="Maximum number of sequences processed at once, both when scoring (Monte Carlo samples "
+        "per forward) and when generating (rows decoded together).",
+    )
     p.add_argument("--num-shots", type=int, default=None, help="Number of shots")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="Maximum number of tokens to generate. When set, this value takes precedence over task "
-                        "specific defaults.")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="Maximum number of tokens to generate. When set, this value takes precedence over task specific defaults.",
+    )
     p.add_argument("--limit", type=int, default=None, help="Limit the number of examples per task.")
     p.add_argument("--seed", type=int, default=123, help="Random seed (lm-eval's, and the likelihood's masks).")
-    p.add_argument("--fewshot-as-multiturn", action="store_true", default=False,
-                   help="Whether to provide the fewshot examples as a multiturn conversation or a single user turn.")
-    p.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
-                   help="Specifies whether to apply a chat template to the prompt. If the model has a chat "
-                        "template, this defaults to `True`, otherwise `False`.")
-    p.add_argument("--chat-template-args", type=json_object, default={},
-                   help="A JSON formatted string of arguments for the tokenizer's apply_chat_template, "
-                        "e.g. '{\"enable_thinking\":false}'")
-    p.add_argument("--confirm-run-unsafe-code", action="store_true", default=False,
-                   help="Confirm that you want to run tasks that execute untrusted code (lm-eval's flag; here also "
-                        "local task YAML with `!function` or an `include:` from outside its directory)")
+    p.add_argument(
+        "--fewshot-as-multiturn",
+        action="store_true",
+        default=False,
+        help="Whether to provide the fewshot examples as a multiturn conversation or a single user turn.",
+    )
+    p.add_argument(
+        "--apply-chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Specifies whether to apply a chat template to the prompt. If the model has a chat "
+        "template, this defaults to `True`, otherwise `False`.",
+    )
+    p.add_argument(
+        "--chat-template-args",
+        type=json_object,
+        default={},
+        help="A JSON formatted string of arguments for the tokenizer's apply_chat_template, "
+        "e.g. '{\"enable_thinking\":false}'",
+    )
+    p.add_argument(
+        "--confirm-run-unsafe-code",
+        action="store_true",
+        default=False,
+        help="Confirm that you want to run tasks that execute untrusted code (lm-eval's flag; here also "
+        "local task YAML with `!function` or an `include:` from outside its directory)",
+    )
     p.add_argument("--trust-remote-code", action="store_true", help="Enable trusting remote code for tokenizer")
     p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="Sampling top-p")
     p.add_argument("--top-k", type=int, default=0, help="Sampling top-k")
-    p.add_argument("--include-path", default=None, metavar="DIR",
-                   help="A directory of local lm-eval YAML tasks (lm-eval's --include_path)")
-    p.add_argument("--mc-samples", type=int, default=128,
-                   help="Monte Carlo samples of the likelihood bound per loglikelihood request (LLaDA's mc_num)")
-    p.add_argument("--sweep", nargs="+", default=None, metavar="NAME=V1,V2",
-                   help="Evaluate every combination of these decoding settings, e.g. threshold=0.7,0.8,0.9 "
-                        "cache=none,dual ('none': the default)")
+    p.add_argument(
+        "--include-path",
+        default=None,
+        metavar="DIR",
+        help="A directory of local lm-eval YAML tasks (lm-eval's --include_path)",
+    )
+    p.add_argument(
+        "--mc-samples",
+        type=int,
+        default=128,
+        help="Monte Carlo samples of the likelihood bound per loglikelihood request (LLaDA's mc_num)",
+    )
+    p.add_argument(
+        "--sweep",
+        nargs="+",
+        default=None,
+        metavar="NAME=V1,V2",
+        help="Evaluate every combination of these decoding settings, e.g. threshold=0.7,0.8,0.9 "
+        "cache=none,dual ('none': the default)",
+    )
     return one_line_errors(add_decode_arguments(p))  # --threshold, --cache, --block-length, --steps, ...
 
 
@@ -154,16 +193,31 @@ def evaluate(args: argparse.Namespace) -> list:
     for setting, run_options in runs:
         warm_up(loaded, {**run_options, "sampler": sampler})
         mx.random.seed(args.seed)
-        lm = DiffusionLM(loaded=loaded, max_tokens=setting.get("max_tokens", args.max_tokens),
-                         batch_size=args.batch_size, use_chat_template=args.apply_chat_template,
-                         chat_template_args=args.chat_template_args, sampler=sampler, mc_samples=args.mc_samples,
-                         seed=args.seed, options=run_options)
+        lm = DiffusionLM(
+            loaded=loaded,
+            max_tokens=setting.get("max_tokens", args.max_tokens),
+            batch_size=args.batch_size,
+            use_chat_template=args.apply_chat_template,
+            chat_template_args=args.chat_template_args,
+            sampler=sampler,
+            mc_samples=args.mc_samples,
+            seed=args.seed,
+            options=run_options,
+        )
         with task_data_errors(tasks):
             results = lm_eval.simple_evaluate(
-                model=lm, tasks=tasks, task_manager=manager, num_fewshot=args.num_shots, limit=args.limit,
-                fewshot_as_multiturn=args.fewshot_as_multiturn, apply_chat_template=lm.use_chat_template,
-                random_seed=args.seed, numpy_random_seed=args.seed, torch_random_seed=args.seed,
-                fewshot_random_seed=args.seed, confirm_run_unsafe_code=args.confirm_run_unsafe_code,
+                model=lm,
+                tasks=tasks,
+                task_manager=manager,
+                num_fewshot=args.num_shots,
+                limit=args.limit,
+                fewshot_as_multiturn=args.fewshot_as_multiturn,
+                apply_chat_template=lm.use_chat_template,
+                random_seed=args.seed,
+                numpy_random_seed=args.seed,
+                torch_random_seed=args.seed,
+                fewshot_random_seed=args.seed,
+                confirm_run_unsafe_code=args.confirm_run_unsafe_code,
                 log_samples=False,
             )
         speed = lm.speed.record()
@@ -187,8 +241,9 @@ def task_data_errors(tasks: Sequence[str]) -> Iterator[None]:
         cause = e
         while cause.__cause__ is not None:  # (datasets wraps the reader's own error)
             cause = cause.__cause__
-        raise ValueError(f"the data of task {', '.join(map(str, tasks))} cannot be read: "
-                         f"{type(cause).__name__}: {cause}") from None
+        raise ValueError(
+            f"the data of task {', '.join(map(str, tasks))} cannot be read: {type(cause).__name__}: {cause}"
+        ) from None
 
 
 def warm_up(loaded: tuple, options: dict) -> None:
@@ -217,8 +272,12 @@ def _file_stem(args: argparse.Namespace, tasks: Sequence[str]) -> str:
 
 def _record(args: argparse.Namespace, setting: dict, results: dict, speed: dict) -> dict:
     kept = ("results", "groups", "group_subtasks", "configs", "versions", "n-shot", "higher_is_better", "n-samples")
-    return {"model": str(args.model), "setting": sweep.label(setting), "speed": speed,
-            **{k: results[k] for k in kept if k in results}}
+    return {
+        "model": str(args.model),
+        "setting": sweep.label(setting),
+        "speed": speed,
+        **{k: results[k] for k in kept if k in results},
+    }
 
 
 def _plain(value: Any) -> Any:

@@ -72,8 +72,15 @@ def fit_prompt(prompt: list, max_tokens: int, max_length: Optional[int]) -> list
     return prompt[-keep:]
 
 
-def generate_until(model: Any, tokenizer: Any, prompts: Sequence[list], max_tokens: Sequence[int],
-                   until: Sequence[Sequence[str]], options: dict, batch_size: int = 8) -> GenerationRun:
+def generate_until(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[list],
+    max_tokens: Sequence[int],
+    until: Sequence[Sequence[str]],
+    options: dict,
+    batch_size: int = 8,
+) -> GenerationRun:
     """Decode `prompts` (token ids) with `options` (DecodeOptions keywords: sampler, seed,
     the decoding options), at most `batch_size` rows at a time."""
     adapter = adapter_for(model, tokenizer)
@@ -100,8 +107,7 @@ def generate_until(model: Any, tokenizer: Any, prompts: Sequence[list], max_toke
     return GenerationRun(results, seconds)
 
 
-def _collect(event: RowEvent, result: Generation, eos_ids: frozenset, tokenizer: Any,
-             until: Sequence[str]) -> bool:
+def _collect(event: RowEvent, result: Generation, eos_ids: frozenset, tokenizer: Any, until: Sequence[str]) -> bool:
     """Add the row's newly final tokens to `result`; True once its text holds a stop string."""
     if event.error is not None:
         raise event.error

@@ -85,8 +85,9 @@ class DiffusionLM(LM):
         self.model, self.tokenizer = loaded
         self.max_tokens = max_tokens
         self.batch_size = int(batch_size)
-        self.use_chat_template = (self.tokenizer.chat_template is not None if use_chat_template is None
-                                  else bool(use_chat_template))
+        self.use_chat_template = (
+            self.tokenizer.chat_template is not None if use_chat_template is None else bool(use_chat_template)
+        )
         self.chat_template_args = dict(chat_template_args or {})
         self.sampler = sampler
         self.mc_samples = int(mc_samples)
@@ -98,8 +99,11 @@ class DiffusionLM(LM):
 
     def apply_chat_template(self, chat_history: list, add_generation_prompt: bool = True) -> str:
         return self.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt, **self.chat_template_args,
+            chat_history,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+            **self.chat_template_args,
         )
 
     @property
@@ -131,8 +135,15 @@ class DiffusionLM(LM):
             prompts = [self._encode(c) for c in contexts]
             limits = [self.max_tokens or int(k.get("max_gen_toks", DEFAULT_MAX_TOKENS)) for k in kwargs]
             until = [[k["until"]] if isinstance(k.get("until"), str) else list(k.get("until") or []) for k in kwargs]
-            run = generate_until(self.model, self.tokenizer, prompts, limits, until,
-                                 {**self.options, "sampler": self.sampler}, self.batch_size)
+            run = generate_until(
+                self.model,
+                self.tokenizer,
+                prompts,
+                limits,
+                until,
+                {**self.options, "sampler": self.sampler},
+                self.batch_size,
+            )
             speed = self.speed.task(task)
             speed.generated += len(indices)
             speed.tokens += run.tokens
@@ -165,8 +176,14 @@ class DiffusionLM(LM):
             if continuation is None:
                 out.append((-float("inf"), False))
                 continue
-            estimate = estimate_log_likelihood(adapter, context, continuation, self.mc_samples, self.batch_size,
-                                               request_seed(self.seed, context, continuation))
+            estimate = estimate_log_likelihood(
+                adapter,
+                context,
+                continuation,
+                self.mc_samples,
+                self.batch_size,
+                request_seed(self.seed, context, continuation),
+            )
             greedy, forwards = greedy_match(adapter, context, continuation, self.batch_size)
             speed.scoring_forwards += estimate.forwards + forwards
             speed.scoring_seconds += time.perf_counter() - tic
@@ -195,8 +212,9 @@ class DiffusionLM(LM):
             return context, continuation
         keep = limit - len(continuation)
         if keep < int(needs_context):
-            log.warning("a continuation of %d tokens does not fit the context of %d: scored -inf",
-                        len(continuation), limit)
+            log.warning(
+                "a continuation of %d tokens does not fit the context of %d: scored -inf", len(continuation), limit
+            )
             return context, None
         return (context[len(context) - keep :] if keep else []), continuation
 
@@ -214,8 +232,14 @@ class DiffusionLM(LM):
                 context, continuation = pair
                 if n == 0 and not layout.needs_context:
                     context = []  # the text's first tokens scored on nothing at all
-                estimate = estimate_log_likelihood(adapter, context, continuation, self.mc_samples,
-                                                   self.batch_size, request_seed(self.seed, context, continuation))
+                estimate = estimate_log_likelihood(
+                    adapter,
+                    context,
+                    continuation,
+                    self.mc_samples,
+                    self.batch_size,
+                    request_seed(self.seed, context, continuation),
+                )
                 total += estimate.log_likelihood
                 forwards += estimate.forwards
             speed = self.speed.task(request.task_name)

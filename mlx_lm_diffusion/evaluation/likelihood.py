@@ -68,8 +68,9 @@ def batch_sizes(samples: int, batch_size: int) -> list[int]:
     return [batch_size] * full + ([rest] if rest else [])
 
 
-def draw_all(rng: np.random.Generator, blocks: Sequence[tuple[int, int]], samples: int,
-             batch_size: int) -> list[list[MaskDraw]]:
+def draw_all(
+    rng: np.random.Generator, blocks: Sequence[tuple[int, int]], samples: int, batch_size: int
+) -> list[list[MaskDraw]]:
     """Every batch's draw for every block, in the order the estimate consumes them."""
     return [[stratified_masks(rng, end - start, b) for start, end in blocks] for b in batch_sizes(samples, batch_size)]
 
@@ -97,8 +98,10 @@ def scored_rows(adapter: Any, tokens: np.ndarray, start: int, end: int, masks: n
 
 def _tokens(adapter: Any, layout: BoundLayout, context: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
     if layout.needs_context and not context:
-        raise ValueError(f"{adapter.family} cannot score a first token with nothing before it: give a context "
-                         "(lm-eval's rolling windows start with a prefix token)")
+        raise ValueError(
+            f"{adapter.family} cannot score a first token with nothing before it: give a context "
+            "(lm-eval's rolling windows start with a prefix token)"
+        )
     tokens = np.array(list(context) + list(continuation), dtype=np.int64)
     if adapter.mask_id in tokens.tolist():
         raise ValueError(f"the text contains the mask token (id {adapter.mask_id}): it cannot be scored")

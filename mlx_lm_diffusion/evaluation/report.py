@@ -54,9 +54,19 @@ def rows_of(setting: str, results: dict, speed: dict, grid: tuple = ()) -> list:
     for task, scores in results.items():
         metric, value, stderr = primary_metric(scores)
         cost = speed.get(task, {})
-        rows.append(Row(setting, task, metric, value, stderr, cost.get("tokens_per_forward"),
-                        cost.get("tokens_per_second"), int(cost.get("forwards", 0) + cost.get("scoring_forwards", 0)),
-                        grid))
+        rows.append(
+            Row(
+                setting,
+                task,
+                metric,
+                value,
+                stderr,
+                cost.get("tokens_per_forward"),
+                cost.get("tokens_per_second"),
+                int(cost.get("forwards", 0) + cost.get("scoring_forwards", 0)),
+                grid,
+            )
+        )
     return rows
 
 
@@ -69,8 +79,15 @@ def markdown(rows: Sequence[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] * 3 + ["---:"] * 4) + "|"]
     for r in rows:
         value = _cell(r.value, 4) + ("" if r.stderr is None else f" ± {r.stderr:.4f}")
-        cells = (r.setting, r.task, r.metric, value, _cell(r.tokens_per_forward, 2), _cell(r.tokens_per_second, 1),
-                 str(r.forwards))
+        cells = (
+            r.setting,
+            r.task,
+            r.metric,
+            value,
+            _cell(r.tokens_per_forward, 2),
+            _cell(r.tokens_per_second, 1),
+            str(r.forwards),
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -106,18 +123,22 @@ def figure(rows: Sequence[Row]) -> Any:
     columns = 3 if grid else 2
     fig, panels = plt.subplots(len(tasks), columns, figsize=(4.8 * columns + 2.6, 3.9 * len(tasks)), squeeze=False)
     colours = plt.get_cmap("tab10" if len(settings) <= 10 else "viridis")
-    style = {s: (colours(k % 10 if len(settings) <= 10 else k / max(len(settings) - 1, 1)), MARKERS[k % len(MARKERS)])
-             for k, s in enumerate(settings)}
+    style = {
+        s: (colours(k % 10 if len(settings) <= 10 else k / max(len(settings) - 1, 1)), MARKERS[k % len(MARKERS)])
+        for k, s in enumerate(settings)
+    }
     for t, task in enumerate(tasks):
         points = [r for r in timed if r.task == task]
-        for c, (attr, name) in enumerate((("tokens_per_forward", "tokens per forward"),
-                                          ("tokens_per_second", "tokens per second"))):
+        for c, (attr, name) in enumerate(
+            (("tokens_per_forward", "tokens per forward"), ("tokens_per_second", "tokens per second"))
+        ):
             ax = panels[t][c]
             placed = [(getattr(r, attr), r.value, r) for r in points if getattr(r, attr) is not None]
             for x, y, r in placed:
                 colour, marker = style[r.setting]
-                ax.errorbar([x], [y], yerr=[r.stderr or 0.0], fmt=marker, color=colour, capsize=3, ms=7,
-                            label=r.setting)
+                ax.errorbar(
+                    [x], [y], yerr=[r.stderr or 0.0], fmt=marker, color=colour, capsize=3, ms=7, label=r.setting
+                )
             front = pareto_front([(x, y) for x, y, _ in placed])
             if len(front) > 1:
                 ax.plot(*zip(*front), "--", color="0.45", lw=1, zorder=0, label="Pareto front")

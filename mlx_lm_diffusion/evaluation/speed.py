@@ -41,8 +41,11 @@ class TaskSpeed:
 
     def record(self) -> dict:
         """The counts and the two rates, for the results JSON."""
-        return {**asdict(self), "tokens_per_forward": self.tokens_per_forward,
-                "tokens_per_second": self.tokens_per_second}
+        return {
+            **asdict(self),
+            "tokens_per_forward": self.tokens_per_forward,
+            "tokens_per_second": self.tokens_per_second,
+        }
 
 
 @dataclass

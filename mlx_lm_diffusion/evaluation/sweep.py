@@ -38,7 +38,9 @@ def parse_value(name: str, text: str) -> Any:
         else:
             value = kind(text) if kind in (int, float) else text
     except ValueError:
-        raise ValueError(f"--sweep {name}: {text!r} is not {'an integer' if kind is int else 'a number' if kind is float else 'true or false'}") from None
+        raise ValueError(
+            f"--sweep {name}: {text!r} is not {'an integer' if kind is int else 'a number' if kind is float else 'true or false'}"
+        ) from None
     try:
         return option.check(value)
     except ValueError as e:

@@ -43,8 +43,10 @@ def _checked(manager: TaskManager, names: Sequence[str], where: str) -> TaskMana
     unknown = _unknown(manager, names)
     if unknown:
         where = f" ({where})"
-        raise ValueError(f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}{where}; "
-                         "list lm-eval's with `lm-eval ls tasks`, or add a directory of YAML tasks with --include-path")
+        raise ValueError(
+            f"unknown task{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}{where}; "
+            "list lm-eval's with `lm-eval ls tasks`, or add a directory of YAML tasks with --include-path"
+        )
     return manager
 
 
@@ -68,11 +70,11 @@ def check_task_code(include_path: Optional[str], names: Sequence[str], confirmed
         text = path.read_text(errors="replace")
         function = _FUNCTION.search(text)
         if function:
-            raise ValueError(f"{path} runs Python code ({function.group(0)}); pass --confirm-run-unsafe-code to run "
-                             "a task you trust")
+            raise ValueError(
+                f"{path} runs Python code ({function.group(0)}); pass --confirm-run-unsafe-code to run a task you trust"
+            )
         for target in _INCLUDE.findall(text):
             resolved = (path.parent / target).resolve()
             root = Path(include_path).resolve() if include_path is not None else path.parent.resolve()
             if root not in resolved.parents and resolved != root:
-                raise ValueError(f"{path} includes {target}, outside {root}; pass --confirm-run-unsafe-code "
-                                 "to read it")
+                raise ValueError(f"{path} includes {target}, outside {root}; pass --confirm-run-unsafe-code to read it")

@@ -80,7 +80,7 @@ def _data_url_bytes(url: str, policy: ImagePolicy) -> bytes:
 
 
 def _path_bytes(source: str, policy: ImagePolicy) -> bytes:
-    name = source[len("file://"):] if source.startswith("file://") else source
+    name = source[len("file://") :] if source.startswith("file://") else source
     path = Path(name).expanduser()
     if not policy.allow_paths:
         if policy.allowed_dir is None:
@@ -119,8 +119,9 @@ def _header(data: bytes, what: str, policy: ImagePolicy):
     except Exception as e:  # PIL raises several kinds for damaged headers
         raise ImageError(f"{what} is not a readable image ({type(e).__name__}: {e})") from None
     if image.width * image.height > policy.max_pixels:
-        raise ImageError(f"{what} has {image.width}x{image.height} pixels, past the limit of "
-                         f"{policy.max_pixels}", status=413)
+        raise ImageError(
+            f"{what} has {image.width}x{image.height} pixels, past the limit of {policy.max_pixels}", status=413
+        )
     if getattr(image, "is_animated", False):
         raise ImageError(f"{what} is animated; send a single frame")
     return image
@@ -186,8 +187,10 @@ def open_images(sources: Any, policy: ImagePolicy = LOCAL) -> list:
     opened = [_opened(s, policy) for s in items]
     total = sum(image.width * image.height for image, _ in opened)
     if total > policy.max_request_pixels:
-        raise ImageError(f"the request's images have {total} pixels together, past the limit of "
-                         f"{policy.max_request_pixels}", status=413)
+        raise ImageError(
+            f"the request's images have {total} pixels together, past the limit of {policy.max_request_pixels}",
+            status=413,
+        )
     return [image.convert("RGB") if what is None else _decode(image, what) for image, what in opened]
 
 
@@ -304,9 +307,12 @@ def has_media(messages: Any) -> bool:
     """Whether chat messages carry an image or video part."""
     if not isinstance(messages, list):
         return False
-    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and any(
-        isinstance(p, dict) and p.get("type") in _IMAGE_PARTS + ("video",) for p in m["content"])
-        for m in messages)
+    return any(
+        isinstance(m, dict)
+        and isinstance(m.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") in _IMAGE_PARTS + ("video",) for p in m["content"])
+        for m in messages
+    )
 
 
 def _placeholders(processor: Any, text: str, n: int, token: str, kind: str) -> str:
@@ -317,8 +323,9 @@ def _placeholders(processor: Any, text: str, n: int, token: str, kind: str) -> s
     return token * (n - have) + text
 
 
-def vision_prompt(processor: Any, text: str, images: list, videos: list,
-                  add_special_tokens: bool = True) -> Tuple[List[int], VisionInputs]:
+def vision_prompt(
+    processor: Any, text: str, images: list, videos: list, add_special_tokens: bool = True
+) -> Tuple[List[int], VisionInputs]:
     """The processor's token ids and pixel values for `text` (one placeholder per image,
     added at the start when the text has none) with decoded images and video frames."""
     if images and videos:  # (their pixel values come in two layouts: one kind a request)
@@ -328,8 +335,9 @@ def vision_prompt(processor: Any, text: str, images: list, videos: list,
     if videos:
         text = _placeholders(processor, text, len(videos), processor.video_token, "video")
     try:
-        inputs = processor(text=[text], images=images or None, videos=videos or None,
-                           add_special_tokens=add_special_tokens)
+        inputs = processor(
+            text=[text], images=images or None, videos=videos or None, add_special_tokens=add_special_tokens
+        )
     except ImageError:
         raise
     except Exception as e:
@@ -363,18 +371,21 @@ def request_inputs(model: Any, tokenizer: Any, prompt: Any, kwargs: dict) -> Tup
             prompt = wrapped.apply_chat_template(list(prompt), add_generation_prompt=True)
         return wrapped, prompt, vision
     if not getattr(model, "has_vision", False):
-        raise ImageError("this model takes no images (no vision tower): images need a checkpoint with one "
-                         "(DiffusionGemma's)")
+        raise ImageError(
+            "this model takes no images (no vision tower): images need a checkpoint with one (DiffusionGemma's)"
+        )
     if processor is None:
-        raise ImageError("images need the checkpoint's processor: pass the processor that load() returned "
-                         "in place of the tokenizer")
+        raise ImageError(
+            "images need the checkpoint's processor: pass the processor that load() returned in place of the tokenizer"
+        )
     text, images, videos, special = prompt, [], [], True
     if messages:
         chat, images, videos = chat_messages(prompt)
         text, special = templated(wrapped, chat), False
     elif not isinstance(prompt, str):
-        raise ImageError("with images, give the prompt as text or chat messages (the processor "
-                         "places each image's tokens)")
+        raise ImageError(
+            "with images, give the prompt as text or chat messages (the processor places each image's tokens)"
+        )
     images = open_images(list(images) + _as_list(image))
     videos = open_videos(list(videos) + _as_list(video))
     ids, vision = vision_prompt(processor, text, images, videos, add_special_tokens=special)
@@ -388,9 +399,22 @@ def _as_list(value: Any) -> list:
 
 
 __all__ = [
-    "ImageError", "ImagePolicy", "open_image", "open_images", "open_videos", "load_processor",
-    "is_processor", "text_tokenizer", "chat_messages", "has_media", "vision_prompt", "request_inputs",
-    "VisionInputs", "MAX_IMAGES", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS",
+    "ImageError",
+    "ImagePolicy",
+    "open_image",
+    "open_images",
+    "open_videos",
+    "load_processor",
+    "is_processor",
+    "text_tokenizer",
+    "chat_messages",
+    "has_media",
+    "vision_prompt",
+    "request_inputs",
+    "VisionInputs",
+    "MAX_IMAGES",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
 ]
 
 
@@ -437,22 +461,23 @@ class ConversationImages:
             text, special = templated(tokenizer, messages), False
         else:
             text, special = messages[-1]["content"][-1]["text"] if new else messages[-1]["content"], True
-        ids, vision = vision_prompt(self.processor, text, new, [], add_special_tokens=special) if new else (
-            None, None)
+        ids, vision = vision_prompt(self.processor, text, new, [], add_special_tokens=special) if new else (None, None)
         if ids is None:
             ids = tokenizer.encode(text, add_special_tokens=special)
         else:
             pv = vision.pixel_values
-            self.pixels.extend(pv[i:i + 1] if not isinstance(pv, list) else mx.array(pv[i])[None]
-                               for i in range(len(new)))
+            self.pixels.extend(
+                pv[i : i + 1] if not isinstance(pv, list) else mx.array(pv[i])[None] for i in range(len(new))
+            )
         return list(ids), VisionInputs(list(self.pixels), None, count=len(self.pixels))
 
 
 # ----------------------------------------------------------------------------- the server
 
 
-def protocol_prompt(model: Any, processor: Any, prompt: List[int], sources: Sequence[str],
-                    policy: Optional[ImagePolicy] = None) -> Tuple[List[int], VisionInputs]:
+def protocol_prompt(
+    model: Any, processor: Any, prompt: List[int], sources: Sequence[str], policy: Optional[ImagePolicy] = None
+) -> Tuple[List[int], VisionInputs]:
     """The step-schedule protocol's `images` extension: `prompt` (token ids) holds one
     image token per image where it goes; each becomes that image's tokens as the
     processor expands them (its begin token, soft tokens, end token). Images are data:
@@ -460,15 +485,18 @@ def protocol_prompt(model: Any, processor: Any, prompt: List[int], sources: Sequ
     all read before anything runs."""
     policy = policy or ImagePolicy(allow_paths=False)
     if not getattr(model, "has_vision", False) or not is_processor(processor):
-        raise ImageError("this model takes no images (the protocol's images need a checkpoint with a "
-                         "vision tower and its processor)")
+        raise ImageError(
+            "this model takes no images (the protocol's images need a checkpoint with a vision tower and its processor)"
+        )
     token = int(processor.image_token_id)
     if len(sources) > policy.max_images:
         raise ImageError(f"{len(sources)} images in one request; at most {policy.max_images}")
     places = [i for i, t in enumerate(prompt) if t == token]
     if len(places) != len(sources):
-        raise ImageError(f"prompt_tokens hold {len(places)} image tokens (id {token}) for {len(sources)} "
-                         "images: put one image token where each image goes")
+        raise ImageError(
+            f"prompt_tokens hold {len(places)} image tokens (id {token}) for {len(sources)} "
+            "images: put one image token where each image goes"
+        )
     pictures = open_images(list(sources), policy)
     ids, pixels, last = [], [], 0
     for place, picture in zip(places, pictures):
@@ -483,25 +511,41 @@ def protocol_prompt(model: Any, processor: Any, prompt: List[int], sources: Sequ
 
 def add_server_arguments(parser: Any) -> None:
     group = parser.add_argument_group("images (DiffusionGemma)")
-    group.add_argument("--allowed-image-dir", type=Path, default=None,
-                       help="A directory whose files requests may name as images (image_url.url a path "
-                            "or file:// URL under it); off by default: images are data: URLs only")
-    group.add_argument("--max-images", type=int, default=MAX_IMAGES,
-                       help=f"Images in one request at most (default {MAX_IMAGES}; more are a 400)")
-    group.add_argument("--max-image-bytes", type=int, default=MAX_IMAGE_BYTES,
-                       help=f"Largest encoded image (default {MAX_IMAGE_BYTES}; larger is a 413)")
+    group.add_argument(
+        "--allowed-image-dir",
+        type=Path,
+        default=None,
+        help="A directory whose files requests may name as images (image_url.url a path "
+        "or file:// URL under it); off by default: images are data: URLs only",
+    )
+    group.add_argument(
+        "--max-images",
+        type=int,
+        default=MAX_IMAGES,
+        help=f"Images in one request at most (default {MAX_IMAGES}; more are a 400)",
+    )
+    group.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=MAX_IMAGE_BYTES,
+        help=f"Largest encoded image (default {MAX_IMAGE_BYTES}; larger is a 413)",
+    )
 
 
 def server_policy(cli_args: Any) -> ImagePolicy:
     """Clients name no local paths unless the operator allowed a directory."""
     allowed = getattr(cli_args, "allowed_image_dir", None)
-    return ImagePolicy(allow_paths=False, allowed_dir=None if allowed is None else Path(allowed),
-                       max_images=getattr(cli_args, "max_images", MAX_IMAGES) or MAX_IMAGES,
-                       max_bytes=getattr(cli_args, "max_image_bytes", MAX_IMAGE_BYTES) or MAX_IMAGE_BYTES)
+    return ImagePolicy(
+        allow_paths=False,
+        allowed_dir=None if allowed is None else Path(allowed),
+        max_images=getattr(cli_args, "max_images", MAX_IMAGES) or MAX_IMAGES,
+        max_bytes=getattr(cli_args, "max_image_bytes", MAX_IMAGE_BYTES) or MAX_IMAGE_BYTES,
+    )
 
 
-def check_served_messages(messages: Sequence[dict], policy: ImagePolicy,
-                          takes_images: Callable[[], bool] = lambda: True) -> list:
+def check_served_messages(
+    messages: Sequence[dict], policy: ImagePolicy, takes_images: Callable[[], bool] = lambda: True
+) -> list:
     """Every image of a chat request, read in full on the handler thread (ImageError with
     the status to answer); video parts are not served. A model without a vision tower
     (`takes_images()` False) refuses images before any is decoded."""
@@ -529,8 +573,9 @@ def served_processor(model_provider: Any) -> Any:
     return _processors[key]
 
 
-def served_prompt(model_provider: Any, tokenizer: Any, messages: List[dict], pictures: list,
-                  template_kwargs: dict) -> Tuple[List[int], VisionInputs]:
+def served_prompt(
+    model_provider: Any, tokenizer: Any, messages: List[dict], pictures: list, template_kwargs: dict
+) -> Tuple[List[int], VisionInputs]:
     """A chat request's prompt ids and vision inputs, through the served processor."""
     processor = served_processor(model_provider)
     if processor is None or not getattr(model_provider.model, "has_vision", False):

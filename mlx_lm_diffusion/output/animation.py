@@ -26,8 +26,17 @@ CELL_W, CELL_H, PAD, HEADER = 40, 22, 6, 24
 FRAME_MS, LAST_MS = 150, 2000
 FORMATS = (".gif", ".webp", ".mp4")
 # viridis at 9 evenly spaced stops (matplotlib's table), interpolated between
-VIRIDIS = ((68, 1, 84), (71, 44, 122), (59, 81, 139), (44, 113, 142), (33, 144, 141), (39, 173, 129),
-           (92, 200, 99), (170, 220, 50), (253, 231, 37))
+VIRIDIS = (
+    (68, 1, 84),
+    (71, 44, 122),
+    (59, 81, 139),
+    (44, 113, 142),
+    (33, 144, 141),
+    (39, 173, 129),
+    (92, 200, 99),
+    (170, 220, 50),
+    (253, 231, 37),
+)
 MASKED, DRAFT_FILL, DRAFT_EDGE, GRID = (238, 238, 238), (255, 243, 205), (224, 160, 0), (200, 200, 200)
 
 
@@ -97,7 +106,9 @@ def picture(frame: dict, first_commit: list, last_forward: int, title: str, widt
         text = _cell_text(tokens[i] if i < len(tokens) else None, cw)
         if text and ch >= 12:
             light = state == "c" and sum(fill) < 3 * 140
-            draw.text((x + 2, y + max(1, (ch - 12) // 2)), text, fill=(255, 255, 255) if light else (0, 0, 0), font=font)
+            draw.text(
+                (x + 2, y + max(1, (ch - 12) // 2)), text, fill=(255, 255, 255) if light else (0, 0, 0), font=font
+            )
     return image
 
 
@@ -133,8 +144,14 @@ def save_animation(frames: Sequence[dict], path: Any, title: str = "") -> int:
     if suffix == ".mp4":
         _mp4(images, path)
     else:
-        images[0].save(str(path), save_all=True, append_images=images[1:], duration=durations, loop=0,
-                       **({"lossless": True} if suffix == ".webp" else {}))
+        images[0].save(
+            str(path),
+            save_all=True,
+            append_images=images[1:],
+            duration=durations,
+            loop=0,
+            **({"lossless": True} if suffix == ".webp" else {}),
+        )
     return len(images)
 
 
@@ -143,8 +160,25 @@ def _mp4(images: list, path: Any) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for k, image in enumerate(images):
             image.save(Path(tmp) / f"{k:05d}.png")
-        done = subprocess.run(["ffmpeg", "-y", "-loglevel", "error", "-framerate", str(1000 // FRAME_MS), "-i",
-                               str(Path(tmp) / "%05d.png"), "-vf", "pad=ceil(iw/2)*2:ceil(ih/2)*2",
-                               "-pix_fmt", "yuv420p", str(path)], capture_output=True, text=True, timeout=600)
+        done = subprocess.run(
+            [
+                "ffmpeg",
+                "-y",
+                "-loglevel",
+                "error",
+                "-framerate",
+                str(1000 // FRAME_MS),
+                "-i",
+                str(Path(tmp) / "%05d.png"),
+                "-vf",
+                "pad=ceil(iw/2)*2:ceil(ih/2)*2",
+                "-pix_fmt",
+                "yuv420p",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if done.returncode != 0:
             raise ValueError(f"ffmpeg could not write {path}: {done.stderr.strip()[-300:]}")

@@ -77,7 +77,9 @@ def draft_frame(tokenizer: Any, step: Step, mask_id: Optional[int], texts: Dict[
         positions, ids, probs = step.proposals
         frame["proposals"] = [
             [int(p) - step.prompt_len, [[_text(tokenizer, texts, int(t)), round(float(q), 4)] for t, q in zip(i, r)]]
-            for p, i, r in zip(positions, ids, probs) if int(p) >= step.prompt_len]
+            for p, i, r in zip(positions, ids, probs)
+            if int(p) >= step.prompt_len
+        ]
     if step.accepted is not None:  # (a uniform canvas: the positions whose draw the rule kept)
         offset = step.block[0] - step.prompt_len
         frame["accepted"] = [int(i) + offset for i in np.flatnonzero(step.accepted[0])]

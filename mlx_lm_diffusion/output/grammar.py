@@ -25,8 +25,10 @@ INSTALL_HINT = 'the constraints extra: pip install -e ".[constraints]" in a clon
 # on optional whitespace (a schema's own "x-guidance" settings still apply).
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
-UNSPELLABLE = ("the model's vocabulary cannot spell output that matches this grammar (text it requires, a key, "
-               "a constant or an enum value, has characters no token has)")
+UNSPELLABLE = (
+    "the model's vocabulary cannot spell output that matches this grammar (text it requires, a key, "
+    "a constant or an enum value, has characters no token has)"
+)
 
 _tokenizers: dict = {}  # (id(hf tokenizer), vocab size) -> (hf tokenizer, llguidance tokenizer, textless ids, Reach)
 
@@ -141,7 +143,9 @@ class GrammarProcessor:
             if fed != 1:
                 raise RuntimeError(f"a grammar processor is fed one token per call, in order; got {fed}")
             token = int(tokens[-1].item())
-            if token not in self.textless and not self.matcher.consume_token(token):  # (llguidance's report: the first line)
+            if token not in self.textless and not self.matcher.consume_token(
+                token
+            ):  # (llguidance's report: the first line)
                 error = (self.matcher.get_error() or "").strip().splitlines()[:1]
                 raise RuntimeError(f"token {token} breaks the grammar: {error[0] if error else 'rejected'}")
             self.consumed += 1
@@ -154,13 +158,13 @@ class GrammarProcessor:
             allowed = np.pad(allowed, (0, logits.shape[-1] - allowed.shape[0]))
         return mx.where(mx.array(allowed), logits, -mx.inf)
 
-
     def can_begin_with(self, ids: Sequence[int]) -> bool:
         """Whether any of `ids` may come first (a token without text always may); asked
         before the first call (the matcher is not advanced)."""
         allowed = np.frombuffer(self.matcher.compute_logit_bias(), dtype=np.uint8)[: self.vocab_size] > 0
         return self.matcher.is_accepting() or any(
-            0 <= int(t) < self.vocab_size and (allowed[int(t)] or int(t) in self.textless) for t in ids)
+            0 <= int(t) < self.vocab_size and (allowed[int(t)] or int(t) in self.textless) for t in ids
+        )
 
 
 def grammar_processor(tokenizer: Any, vocab_size: int, grammar: str, schema: Any = None) -> GrammarProcessor:
@@ -191,10 +195,13 @@ def _check_can_begin(matcher: Any, tokenizer: Any, vocab_size: int) -> None:
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     special = set(getattr(hf, "all_special_ids", ()) or ())
     allowed = np.flatnonzero(np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)[:vocab_size] > 0)
-    if not any(int(t) not in special and hf.decode([int(t)]) and matcher.validate_tokens([int(t)]) == 1
-               for t in allowed):
-        raise ValueError("the model's vocabulary cannot begin output that matches this grammar (no token it "
-                         "allows first has text of its own)")
+    if not any(
+        int(t) not in special and hf.decode([int(t)]) and matcher.validate_tokens([int(t)]) == 1 for t in allowed
+    ):
+        raise ValueError(
+            "the model's vocabulary cannot begin output that matches this grammar (no token it "
+            "allows first has text of its own)"
+        )
 
 
 def json_schema_processor(tokenizer: Any, vocab_size: int, schema: Any) -> GrammarProcessor:
@@ -230,10 +237,15 @@ def response_format_processor(tokenizer: Any, vocab_size: int, response_format: 
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise ValueError("response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}")
+            raise ValueError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
         return json_schema_processor(tokenizer, vocab_size, spec["schema"])
     raise ValueError(f"response_format type must be text, json_object or json_schema; got {kind!r}")
 
 
-__all__ = ["GrammarProcessor", "grammar_processor", "json_schema_processor", "response_format_processor",
-           "INSTALL_HINT"]
+__all__ = [
+    "GrammarProcessor",
+    "grammar_processor",
+    "json_schema_processor",
+    "response_format_processor",
+    "INSTALL_HINT",
+]

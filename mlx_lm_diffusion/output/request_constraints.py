@@ -35,8 +35,10 @@ def refuse_unserved(options: dict) -> None:
     fields: refuse them rather than answer without the suffix or the format."""
     for name in REQUEST_FIELDS:
         if options.get(name) is not None:
-            raise ValueError(f"{name} is served for diffusion models only; this server's model decodes "
-                             "with mlx-lm's own loop, which would ignore it")
+            raise ValueError(
+                f"{name} is served for diffusion models only; this server's model decodes "
+                "with mlx-lm's own loop, which would ignore it"
+            )
 
 
 __all__ = ["REQUEST_FIELDS", "parse_fields", "refuse_unserved"]

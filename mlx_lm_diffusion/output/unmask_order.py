@@ -140,15 +140,24 @@ def draw(order: UnmaskOrder, path: str, labels: Optional[list[str]] = None, titl
         import matplotlib.pyplot as plt
         from matplotlib.colors import ListedColormap
     except ImportError as e:
-        raise ValueError("drawing the unmask order needs matplotlib: pip install 'mlx-lm-diffusion[plot]' "
-                         "(from a clone: pip install -e \".[plot]\")") from e
+        raise ValueError(
+            "drawing the unmask order needs matplotlib: pip install 'mlx-lm-diffusion[plot]' "
+            '(from a clone: pip install -e ".[plot]")'
+        ) from e
     cells = order.grid()
     n, f = cells.shape[1], cells.shape[0]
     fig, ax = plt.subplots(figsize=(min(2 + 0.25 * n, 16), min(1.5 + 0.22 * f, 12)), dpi=100)
-    ax.imshow(np.where(cells == -1.0, 1.0, np.nan), cmap=ListedColormap(["#d9d9d9"]), vmin=0, vmax=1,
-              aspect="auto", interpolation="nearest")
-    shown = ax.imshow(np.where(cells >= 0, cells, np.nan), cmap="viridis", vmin=0, vmax=1, aspect="auto",
-                      interpolation="nearest")
+    ax.imshow(
+        np.where(cells == -1.0, 1.0, np.nan),
+        cmap=ListedColormap(["#d9d9d9"]),
+        vmin=0,
+        vmax=1,
+        aspect="auto",
+        interpolation="nearest",
+    )
+    shown = ax.imshow(
+        np.where(cells >= 0, cells, np.nan), cmap="viridis", vmin=0, vmax=1, aspect="auto", interpolation="nearest"
+    )
     fig.colorbar(shown, ax=ax, label="confidence at commit")
     ax.set_xlabel("generated position")
     ax.set_ylabel("forward")
@@ -165,8 +174,10 @@ def draw(order: UnmaskOrder, path: str, labels: Optional[list[str]] = None, titl
 def main(argv: Optional[list[str]] = None) -> int:
     """`python -m mlx_lm_diffusion.output.unmask_order RESPONSE.json OUT.png`: the picture
     of a saved step-schedule protocol response."""
-    parser = argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.output.unmask_order",
-                                     description="Draw the unmask order of a step-schedule protocol response")
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_lm_diffusion.output.unmask_order",
+        description="Draw the unmask order of a step-schedule protocol response",
+    )
     parser.add_argument("response", help="The protocol response, a JSON file ('-': stdin)")
     parser.add_argument("out", help="The picture to write (.png, .svg or .pdf)")
     args = parser.parse_args(argv)

@@ -67,8 +67,11 @@ def form_group() -> mx.distributed.Group:
     try:
         return mx.distributed.init()
     except RuntimeError as e:
-        fail(None, f"rank {rank}: the distributed group could not form: {e} (a peer that never started or "
-                   "could not be reached, or another process on its port)")
+        fail(
+            None,
+            f"rank {rank}: the distributed group could not form: {e} (a peer that never started or "
+            "could not be reached, or another process on its port)",
+        )
         raise  # (fail ends the process)
 
 
@@ -163,8 +166,11 @@ class PeerWatchdog:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
             if self.armed and time.monotonic() - self.last > self.timeout:
-                fail(self.group, f"no progress from the other ranks for {self.timeout:g} s "
-                                 f"(a peer hangs or died; {PEER_TIMEOUT_ENV} sets the limit)")
+                fail(
+                    self.group,
+                    f"no progress from the other ranks for {self.timeout:g} s "
+                    f"(a peer hangs or died; {PEER_TIMEOUT_ENV} sets the limit)",
+                )
 
 
 _LAST_WORDS: list = []  # callbacks fail() runs before the process ends (the server's clients)

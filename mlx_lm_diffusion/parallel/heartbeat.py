@@ -55,7 +55,7 @@ class Heartbeat:
                 link, _ = listener.accept()
                 link.settimeout(5)
                 hello = _read_exactly(link, len(key) + 4)
-                peer = int.from_bytes(hello[len(key):], "big") if hello[: len(key)] == key else None
+                peer = int.from_bytes(hello[len(key) :], "big") if hello[: len(key)] == key else None
                 if peer is None or not 0 < peer < size or peer in peers:
                     link.close()
                     continue

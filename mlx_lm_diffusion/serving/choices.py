@@ -185,7 +185,7 @@ def _merge_stream(handler, choices: List[_Choice], events: "queue.Queue", n: int
             if event.startswith(b":") and not failure:  # (keepalives)
                 handler.wfile.write(event + b"\n\n")
             return
-        payload = event[len(b"data: "):]
+        payload = event[len(b"data: ") :]
         if payload == b"[DONE]":
             return
         chunk = json.loads(payload)

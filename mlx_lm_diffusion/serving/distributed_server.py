@@ -90,6 +90,8 @@ def follow(generator: Any) -> int:
     if generator.load_error is not None:
         distributed.fail(generator.group, f"cannot load the model: {generator.load_error}", code=2)
     if generator._generation_failed:
-        distributed.fail(generator.group, "the generation loop ended: the distributed group failed "
-                                          "(a peer rank died or lost its connection)")
+        distributed.fail(
+            generator.group,
+            "the generation loop ended: the distributed group failed (a peer rank died or lost its connection)",
+        )
     return 0

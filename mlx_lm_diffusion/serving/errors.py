@@ -17,8 +17,7 @@ class RequestError(ValueError):
     """A request the server cannot serve as asked: answered with `status` and an
     OpenAI-shaped JSON body."""
 
-    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
-                 code: Optional[str] = None):
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
         self.status = status
         self.param = param
@@ -44,8 +43,13 @@ def error_body(message: str, status: int, param: Optional[str] = None, code: Opt
     """OpenAI's error object."""
     kind = "server_error" if status >= 500 else "invalid_request_error"
     if code is None:
-        code = {404: "not_found", 411: "length_required", 413: "request_too_large",
-                403: "forbidden", 503: "unavailable"}.get(status)
+        code = {
+            404: "not_found",
+            411: "length_required",
+            413: "request_too_large",
+            403: "forbidden",
+            503: "unavailable",
+        }.get(status)
     return {"error": {"message": str(message), "type": kind, "param": param, "code": code}}
 
 

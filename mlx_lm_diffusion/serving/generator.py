@@ -66,7 +66,6 @@ def _model_id(name: str) -> str:
     return path.resolve().name if path.exists() else name
 
 
-
 def scrubbed(error: BaseException, tokenizer: Any) -> str:
     """An error's message as a client may read it: a tokenizer's repr (it names the
     checkpoint's absolute path and its settings) becomes "the tokenizer", and any path of the
@@ -80,6 +79,7 @@ def scrubbed(error: BaseException, tokenizer: Any) -> str:
     if isinstance(path, str) and path.startswith("/"):
         text = text.replace(path, Path(path).name)
     return text
+
 
 class DiffusionResponseGenerator(distributed_server.DistributedGeneration, ResponseGenerator):
     """mlx_lm.server's generation loop, with decoding options, drafts, up-front checks,
@@ -142,8 +142,11 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             body = {**body, "seed": openai_requests.request_seed()}
         scheduler = self.scheduler
         # (DiffusionGemma's committing uniform canvas and a request's images decode alone)
-        alone = bool(body.get("images")) or getattr(
-            scheduler, "model", None) is not None and getattr(scheduler.model, "has_vision", None) is not None
+        alone = (
+            bool(body.get("images"))
+            or getattr(scheduler, "model", None) is not None
+            and getattr(scheduler.model, "has_vision", None) is not None
+        )
         if scheduler is not None and self.model_provider.model is scheduler.model and not alone:
             decode = self.protocol_worker.submit(self._prepare_protocol, scheduler, body, cancel).result()
             return scheduler.submit_protocol(decode, lambda: self._check_cancel(cancel)).result()
@@ -152,8 +155,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
     def _prepare_protocol(self, scheduler: Scheduler, body: dict, cancel: Optional[threading.Event]):
         with self.decode_lock:  # (resolved as alone; the decode is the scheduler's)
             self._check_cancel(cancel)
-            return prepare_request(scheduler.model, scheduler.tokenizer, body, max_forwards=self.max_forwards,
-                                   validated=True)
+            return prepare_request(
+                scheduler.model, scheduler.tokenizer, body, max_forwards=self.max_forwards, validated=True
+            )
 
     def _run_protocol_alone(self, body: dict, cancel: Optional[threading.Event]) -> dict:
         with self.decode_lock:
@@ -164,10 +168,16 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             if self.group is not None:  # (decoded on rank 0 alone)
                 raise RequestError("the step-schedule protocol is not served under mlx.launch", status=501)
             pictures = bool(body.get("images"))  # the `images` extension
-            return run_request(model, tokenizer, body, max_forwards=self.max_forwards,
-                               on_step=lambda step: self._check_cancel(cancel),
-                               processor=images.served_processor(self.model_provider) if pictures else None,
-                               image_policy=images.server_policy(self.cli_args), validated=True)
+            return run_request(
+                model,
+                tokenizer,
+                body,
+                max_forwards=self.max_forwards,
+                on_step=lambda step: self._check_cancel(cancel),
+                processor=images.served_processor(self.model_provider) if pictures else None,
+                image_policy=images.server_policy(self.cli_args),
+                validated=True,
+            )
 
     def longest_token_chars(self) -> Optional[int]:
         """The most characters one vocabulary entry spells (its string in the tokenizer's
@@ -235,9 +245,7 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
     def generate(self, request, generation_args, progress_callback=None):
         try:
             self._check_model(generation_args.model)
-            ctx, responses = super().generate(
-                request, generation_args, self._progress(request, progress_callback)
-            )
+            ctx, responses = super().generate(request, generation_args, self._progress(request, progress_callback))
         except RequestError as e:
             if isinstance(request, DiffusionRequest):
                 request.error_status = e.status
@@ -282,8 +290,12 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
 
     def _not_served(self, name: Any) -> RequestError:
         served = ", ".join(self.model_ids) or "nothing"
-        return RequestError(f"model {name!r} is not served here; this server serves: {served}",
-                            status=404, param="model", code="model_not_found")
+        return RequestError(
+            f"model {name!r} is not served here; this server serves: {served}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
 
     # -- generation thread
 
@@ -314,9 +326,13 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         # (under mlx.launch every rank follows mlx_lm.server's own loop, request by request:
         # a batch's rows would be stepped on rank 0 alone)
         if is_diffusion_model(model) and not getattr(cli, "no_batch", False) and self.group is None:
-            self.scheduler = Scheduler(model, self.model_provider.tokenizer, self.decode_lock,
-                                       getattr(cli, "decode_concurrency", 32),
-                                       getattr(cli, "long_request_forwards", DEFAULT_LONG_FORWARDS))
+            self.scheduler = Scheduler(
+                model,
+                self.model_provider.tokenizer,
+                self.decode_lock,
+                getattr(cli, "decode_concurrency", 32),
+                getattr(cli, "long_request_forwards", DEFAULT_LONG_FORWARDS),
+            )
 
     def stop_and_join(self):
         if self.scheduler is not None:
@@ -332,9 +348,12 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         on). Images, an infill's suffix and a response_format take the serial path, whose
         decode applies them (a batch row knows none of them yet)."""
         options = self._options(request[1])
-        return (self.scheduler is not None and self.model_provider.model is self.scheduler.model
-                and not any(mlx_server._image_parts(getattr(request[1], "messages", None) or []))
-                and all(options.get(name) is None for name in request_constraints.REQUEST_FIELDS))
+        return (
+            self.scheduler is not None
+            and self.model_provider.model is self.scheduler.model
+            and not any(mlx_server._image_parts(getattr(request[1], "messages", None) or []))
+            and all(options.get(name) is None for name in request_constraints.REQUEST_FIELDS)
+        )
 
     def _options(self, request) -> dict:
         return merge_options(self.defaults, getattr(request, "options", {}))
@@ -346,8 +365,11 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 ids = getattr(request, "prompt_ids", None)
             if ids is None:
                 ids = self._client_template_prompt(tokenizer, request, args)
-            result = (ids, [ids], ["assistant"], "normal", None) if ids is not None else super()._tokenize(
-                tokenizer, request, args)
+            result = (
+                (ids, [ids], ["assistant"], "normal", None)
+                if ids is not None
+                else super()._tokenize(tokenizer, request, args)
+            )
         except template_sandbox.RenderersBusy as e:
             raise RequestError(str(e), status=503, param="chat_template_kwargs", code="busy") from e
         except template_sandbox.TemplateError as e:
@@ -364,8 +386,15 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
             return result
         # The request's Decode, built once here on its own path: the batch's row takes it
         # (prepare_job: request.decode), the serial decode's stream_generate is handed it
-        decode = request_decode(model, tokenizer, result[0], args, self._options(request), self.max_forwards,
-                                vision=getattr(request, "vision_inputs", None))
+        decode = request_decode(
+            model,
+            tokenizer,
+            result[0],
+            args,
+            self._options(request),
+            self.max_forwards,
+            vision=getattr(request, "vision_inputs", None),
+        )
         request.decode = decode
         compat.hand_decode(decode)
         return result
@@ -433,8 +462,11 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         """Whether a request the batch cannot take is decoded on the lone-decode thread,
         taking turns with the batch (serving.turns): the served model when it is the only
         one (a request for another model would load it on the generation thread meanwhile)."""
-        return (self.scheduler is not None and self.model_provider.model is self.scheduler.model
-                and not getattr(self.cli_args, "allowed_models", None))
+        return (
+            self.scheduler is not None
+            and self.model_provider.model is self.scheduler.model
+            and not getattr(self.cli_args, "allowed_models", None)
+        )
 
     def _serve_lone(self, request) -> None:
         try:
@@ -464,7 +496,9 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
                 try:
                     req.vision_inputs = self._image_prompt(req, request[2])  # (for its Decode: _tokenize)
                 except (RequestError, ValueError) as e:
-                    rqueue.put(e if isinstance(e, RequestError) else RequestError(str(e), status=getattr(e, "status", 400)))
+                    rqueue.put(
+                        e if isinstance(e, RequestError) else RequestError(str(e), status=getattr(e, "status", 400))
+                    )
                     return
         with self.decode_lock, compat.request_options(**options):
             try:
@@ -481,7 +515,8 @@ class DiffusionResponseGenerator(distributed_server.DistributedGeneration, Respo
         template_kwargs.update(args.chat_template_kwargs or {})
         template_kwargs.pop("tools", None)
         req.image_prompt, vision = images.served_prompt(
-            self.model_provider, self.model_provider.tokenizer, req.messages, req.images, template_kwargs)
+            self.model_provider, self.model_provider.tokenizer, req.messages, req.images, template_kwargs
+        )
         return vision
 
     def stats(self) -> dict:

@@ -160,14 +160,20 @@ class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
         host = self.headers.get("Host")
         if host is not None and not self._host_allowed(host):
             self.close_connection = True
-            self._send_error(403, f"Host {host[:100]!r} is not this server's address; "
-                             "start it with --allowed-hosts to serve under this name")
+            self._send_error(
+                403,
+                f"Host {host[:100]!r} is not this server's address; "
+                "start it with --allowed-hosts to serve under this name",
+            )
             return False
         origin = self.headers.get("Origin")
         if origin is not None and not self._origin_allowed(origin):
             self.close_connection = True
-            self._send_error(403, f"Origin {origin[:100]!r} is not allowed; start the server "
-                             "with --allowed-origins to let this page call it")
+            self._send_error(
+                403,
+                f"Origin {origin[:100]!r} is not allowed; start the server "
+                "with --allowed-origins to let this page call it",
+            )
             return False
         return True
 
@@ -237,8 +243,9 @@ class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
             return NO_BODY
         length = int(text)
         if length > limit:
-            self._send_error(413, f"the body ({length} bytes) is over this server's limit of "
-                             f"{limit} bytes (--max-body-bytes)")
+            self._send_error(
+                413, f"the body ({length} bytes) is over this server's limit of {limit} bytes (--max-body-bytes)"
+            )
             self._drain_after_error()
             return NO_BODY
         raw = self.rfile.read(length)
@@ -287,8 +294,7 @@ class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
         self.wfile.write(f": draft {json.dumps(payload)}\n\n".encode())
         self.wfile.flush()
 
-    def _send_error(self, status: int, message: str, param: Optional[str] = None,
-                    code: Optional[str] = None) -> None:
+    def _send_error(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
         self._send_json(status, error_body(message, status, param, code))
 
     def _send_json(self, status: int, data: dict) -> None:

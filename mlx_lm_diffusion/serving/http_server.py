@@ -35,8 +35,14 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, address, handler, read_timeout: Optional[float] = DEFAULT_READ_TIMEOUT,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, max_client_connections: Optional[int] = None):
+    def __init__(
+        self,
+        address,
+        handler,
+        read_timeout: Optional[float] = DEFAULT_READ_TIMEOUT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_client_connections: Optional[int] = None,
+    ):
         self.read_timeout = read_timeout
         self.max_connections = max_connections
         self.max_client_connections = max_client_connections or None  # None (or 0): no per-client cap
@@ -64,10 +70,15 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
                 self._open += 1
                 self._by_client[client] = held + 1
         if refuse:
-            why = "the server is shutting down" if self.draining else (
-                f"too many open connections (--max-connections {self.max_connections}); retry later"
-                if self._open >= self.max_connections else
-                f"this client holds too many open connections (--max-client-connections {share}); retry later")
+            why = (
+                "the server is shutting down"
+                if self.draining
+                else (
+                    f"too many open connections (--max-connections {self.max_connections}); retry later"
+                    if self._open >= self.max_connections
+                    else f"this client holds too many open connections (--max-client-connections {share}); retry later"
+                )
+            )
             return self._refuse(request, why)
         try:
             super().process_request(request, client_address)
@@ -124,8 +135,10 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
 
     def _refuse(self, sock, message: str) -> None:
         body = json.dumps(error_body(message, 503)).encode()
-        head = (f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode()
+        head = (
+            f"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+        ).encode()
         try:
             sock.setblocking(False)
             sock.send(head + body)
@@ -167,8 +180,10 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
                     del self._deadlines[h]
                 closing, self._closing = self._closing, []
             for h in late:
-                logging.info(f"closing {h.client_address[0]}: no complete request within "
-                             f"{self.read_timeout:g} s (--read-timeout)")
+                logging.info(
+                    f"closing {h.client_address[0]}: no complete request within "
+                    f"{self.read_timeout:g} s (--read-timeout)"
+                )
                 _shut(h.connection)
             keep = []
             for sock, deadline in closing:
@@ -230,8 +245,10 @@ class DiffusionHTTPServer(ThreadingHTTPServer):
             if cancel is not None:
                 cancel(Cancelled("the server is shutting down; the request was cancelled"))
         if remaining:
-            logging.warning(f"shutting down: cancelled {len(remaining)} request(s) still running "
-                            f"after {grace:g} s (--shutdown-grace)")
+            logging.warning(
+                f"shutting down: cancelled {len(remaining)} request(s) still running "
+                f"after {grace:g} s (--shutdown-grace)"
+            )
         deadline = time.monotonic() + cancel_wait
         while busy() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -262,8 +279,12 @@ def _shut(sock) -> None:
 
 
 def make_http_server(
-    host: str, port: int, response_generator: ResponseGenerator, handler_class=DiffusionAPIHandler,
-    read_timeout: Optional[float] = None, max_connections: Optional[int] = None,
+    host: str,
+    port: int,
+    response_generator: ResponseGenerator,
+    handler_class=DiffusionAPIHandler,
+    read_timeout: Optional[float] = None,
+    max_connections: Optional[int] = None,
     max_client_connections: Optional[int] = None,
 ) -> DiffusionHTTPServer:
     """A DiffusionHTTPServer bound to (host, port) (port 0: any free port) whose
@@ -279,8 +300,11 @@ def make_http_server(
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, _, _, _, address = infos[0]
     server_class = type("DiffusionHTTPServer", (DiffusionHTTPServer,), {"address_family": family})
-    handler = functools.partial(
-        handler_class, response_generator, system_fingerprint=build_fingerprint()
+    handler = functools.partial(handler_class, response_generator, system_fingerprint=build_fingerprint())
+    return server_class(
+        address,
+        handler,
+        read_timeout=read_timeout or None,
+        max_connections=max_connections,
+        max_client_connections=max_client_connections,
     )
-    return server_class(address, handler, read_timeout=read_timeout or None, max_connections=max_connections,
-                        max_client_connections=max_client_connections)

@@ -41,8 +41,15 @@ ARENAS_UNDER_LIMIT = 2
 _M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 # what MLX's, Python's and the system's allocation failures say (besides MemoryError)
-OUT_OF_MEMORY_WORDS = ("out of memory", "unable to allocate", "failed to allocate", "[malloc]",
-                       "can't start new thread", "cannot allocate memory", "failed to map segment")
+OUT_OF_MEMORY_WORDS = (
+    "out of memory",
+    "unable to allocate",
+    "failed to allocate",
+    "[malloc]",
+    "can't start new thread",
+    "cannot allocate memory",
+    "failed to map segment",
+)
 
 
 def address_space_limit() -> Optional[int]:
@@ -71,8 +78,10 @@ def shortage(reserve: int = RESERVE_BYTES, to: str = "decode") -> Optional[str]:
     left = address_space_left()
     if left is None or left >= reserve:
         return None
-    return (f"out of memory: {max(left, 0) >> 20} MiB of address space left under this server's limit "
-            f"(RLIMIT_AS {address_space_limit() >> 20} MiB), {reserve >> 20} MiB needed to {to}")
+    return (
+        f"out of memory: {max(left, 0) >> 20} MiB of address space left under this server's limit "
+        f"(RLIMIT_AS {address_space_limit() >> 20} MiB), {reserve >> 20} MiB needed to {to}"
+    )
 
 
 def weights_bytes(model: object) -> int:
@@ -113,5 +122,14 @@ def is_out_of_memory(error: BaseException) -> bool:
     return any(words in text for words in OUT_OF_MEMORY_WORDS)
 
 
-__all__ = ["RESERVE_BYTES", "START_RESERVE_BYTES", "address_space_left", "address_space_limit", "cap_malloc_arenas",
-           "first_matmul", "is_out_of_memory", "shortage", "weights_bytes"]
+__all__ = [
+    "RESERVE_BYTES",
+    "START_RESERVE_BYTES",
+    "address_space_left",
+    "address_space_limit",
+    "cap_malloc_arenas",
+    "first_matmul",
+    "is_out_of_memory",
+    "shortage",
+    "weights_bytes",
+]

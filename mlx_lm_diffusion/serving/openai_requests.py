@@ -44,15 +44,16 @@ def check_sampling_against_vocabulary(args: Any, vocab_size: int) -> None:
     mlx-lm's top-k raises mid-decode for top_k >= the vocabulary."""
     top_k = args.sampling.top_k
     if top_k >= vocab_size:
-        raise RequestError(f"top_k must be below the vocabulary size ({vocab_size}), got {top_k}; "
-                           "0 keeps every token", param="top_k")
+        raise RequestError(
+            f"top_k must be below the vocabulary size ({vocab_size}), got {top_k}; 0 keeps every token", param="top_k"
+        )
     for token, bias in (args.logits.logit_bias or {}).items():
         if not 0 <= token < vocab_size:
-            raise RequestError(f"logit_bias key {token} is not a token id (0 to {vocab_size - 1})",
-                               param="logit_bias")
+            raise RequestError(f"logit_bias key {token} is not a token id (0 to {vocab_size - 1})", param="logit_bias")
         if not math.isfinite(bias):
-            raise RequestError(f"logit_bias values must be finite numbers, got {bias!r} for {token}",
-                               param="logit_bias")
+            raise RequestError(
+                f"logit_bias values must be finite numbers, got {bias!r} for {token}", param="logit_bias"
+            )
 
 
 def request_seed() -> int:
@@ -91,9 +92,21 @@ class DiffusionRequest(CompletionRequest):
 
 # OpenAI's request fields this server reads no meaning from: accepted and ignored (README)
 IGNORED_OPENAI_FIELDS = (
-    "user", "store", "metadata", "service_tier", "parallel_tool_calls", "function_call",
-    "functions", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity",
-    "prompt_cache_key", "safety_identifier",
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "parallel_tool_calls",
+    "function_call",
+    "functions",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+    "verbosity",
+    "prompt_cache_key",
+    "safety_identifier",
 )
 
 
@@ -174,9 +187,12 @@ def check_prompt_length(body: dict, generator: Any) -> None:
     at_least = ids + chars // longest
     if at_least >= context:
         field = "messages" if "messages" in body else "prompt"
-        raise RequestError(f"the prompt has at least {at_least} tokens ({chars} characters, at most {longest} a "
-                           f"token), more than the model's context of {context}: shorten it", param=field,
-                           code="context_length_exceeded")
+        raise RequestError(
+            f"the prompt has at least {at_least} tokens ({chars} characters, at most {longest} a "
+            f"token), more than the model's context of {context}: shorten it",
+            param=field,
+            code="context_length_exceeded",
+        )
 
 
 def merge_options(defaults: dict, requested: dict) -> dict:
@@ -189,12 +205,42 @@ def merge_options(defaults: dict, requested: dict) -> dict:
 
 
 _BODY_FIELDS = (
-    "model", "messages", "prompt", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
-    "presence_penalty", "presence_context_size", "frequency_penalty", "frequency_context_size",
-    "xtc_probability", "xtc_threshold", "logit_bias", "logprobs", "top_logprobs", "seed",
-    "stop", "tools", "tool_choice", "role_mapping", "chat_template_kwargs", "draft_model", "adapters",
-    "num_draft_tokens", "drafts", "proposals", "n", "echo", "best_of",
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "repetition_context_size",
+    "presence_penalty",
+    "presence_context_size",
+    "frequency_penalty",
+    "frequency_context_size",
+    "xtc_probability",
+    "xtc_threshold",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "stop",
+    "tools",
+    "tool_choice",
+    "role_mapping",
+    "chat_template_kwargs",
+    "draft_model",
+    "adapters",
+    "num_draft_tokens",
+    "drafts",
+    "proposals",
+    "n",
+    "echo",
+    "best_of",
 )
 
 
@@ -264,8 +310,11 @@ class RequestFields:
         self.requested_model = get("model", "default_model")
         for name in ("draft_model", "adapters", "num_draft_tokens"):
             if body.get(name) is not None:
-                raise RequestError(f"{name} is not accepted: speculative decoding and adapters do "
-                                   "not apply to this server's diffusion models", param=name)
+                raise RequestError(
+                    f"{name} is not accepted: speculative decoding and adapters do "
+                    "not apply to this server's diffusion models",
+                    param=name,
+                )
         self.requested_draft_model = "default_model"
         self.num_draft_tokens = cli.num_draft_tokens
         self.adapter = None
@@ -293,8 +342,10 @@ class RequestFields:
         if self.path == "/v1/completions" and isinstance(self.logprobs, int) and self.logprobs is not False:
             legacy = 0 if self.logprobs is True else self.logprobs  # (true: the tokens' own log-probs)
             if not 0 <= legacy <= MAX_LEGACY_LOGPROBS:
-                raise RequestError(f"logprobs must be an integer in [0, {MAX_LEGACY_LOGPROBS}] for completions, "
-                                   f"got {self.logprobs!r}", param="logprobs")
+                raise RequestError(
+                    f"logprobs must be an integer in [0, {MAX_LEGACY_LOGPROBS}] for completions, got {self.logprobs!r}",
+                    param="logprobs",
+                )
             self.legacy_logprobs, self.logprobs = legacy, True
             self.top_logprobs = legacy if legacy > 0 else -1
         if get("echo", False) is not False:
@@ -302,12 +353,12 @@ class RequestFields:
         n = get("n", 1)
         self.max_choices = most = getattr(cli, "max_choices", None) or DEFAULT_MAX_CHOICES
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
-            raise RequestError(f"n must be an integer in [1, {most}], got {n!r} (the server's --max-choices)",
-                               param="n")
+            raise RequestError(
+                f"n must be an integer in [1, {most}], got {n!r} (the server's --max-choices)", param="n"
+            )
         self.choice_count = n
         if get("best_of", n) != n:  # (no candidates beyond the n choices are decoded)
-            raise RequestError(f"best_of must equal n ({n}): this server decodes no extra candidates",
-                               param="best_of")
+            raise RequestError(f"best_of must equal n ({n}): this server decodes no extra candidates", param="best_of")
         self.seed = get("seed")
         self.chat_template_kwargs = get("chat_template_kwargs")
 
@@ -332,8 +383,7 @@ class RequestFields:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise RequestError(f"{name} must be a number", param=name)
             if not math.isfinite(value) or not low <= value <= high:
-                raise RequestError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value!r}",
-                                   param=name)
+                raise RequestError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value!r}", param=name)
             setattr(self, name, float(value))  # mlx_lm.server wants floats for xtc_*
         for name, (low, high) in _INTEGER_RANGES.items():
             value = getattr(self, name)
@@ -345,8 +395,10 @@ class RequestFields:
         if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
             raise RequestError("top_logprobs must be an integer", param="top_logprobs")
         if self.top_logprobs != -1 and not 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
-            raise RequestError(f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}",
-                               param="top_logprobs")
+            raise RequestError(
+                f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}",
+                param="top_logprobs",
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX
         ):
@@ -365,9 +417,11 @@ class RequestFields:
         if (self.chat_template_kwargs or {}).get("chat_template") is not None and not getattr(
             self.response_generator.cli_args, "allow_client_chat_templates", False
         ):
-            raise RequestError("a client-supplied chat_template is refused (a template is code this "
-                               "server would run); start it with --allow-client-chat-templates",
-                               param="chat_template_kwargs")
+            raise RequestError(
+                "a client-supplied chat_template is refused (a template is code this "
+                "server would run); start it with --allow-client-chat-templates",
+                param="chat_template_kwargs",
+            )
         top_logprobs, self.top_logprobs = self.top_logprobs, -1  # (mlx_lm.server stops at 11; OpenAI at 20)
         super().validate_model_parameters()
         self.top_logprobs = top_logprobs

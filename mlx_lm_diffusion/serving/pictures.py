@@ -37,10 +37,17 @@ def render(body: Any) -> tuple:
         raise RequestError(f"at most {MAX_FRAMES} frames are drawn, got {len(frames)}", param="frames")
     for frame in frames:
         states, tokens = frame.get("states"), frame.get("tokens", [])
-        if not isinstance(states, str) or len(states) > MAX_POSITIONS or not isinstance(tokens, list) \
-                or len(tokens) > MAX_POSITIONS or not isinstance(frame.get("forwards"), int):
-            raise RequestError(f"a frame needs forwards (an integer), states (at most {MAX_POSITIONS} letters) "
-                               "and tokens", param="frames")
+        if (
+            not isinstance(states, str)
+            or len(states) > MAX_POSITIONS
+            or not isinstance(tokens, list)
+            or len(tokens) > MAX_POSITIONS
+            or not isinstance(frame.get("forwards"), int)
+        ):
+            raise RequestError(
+                f"a frame needs forwards (an integer), states (at most {MAX_POSITIONS} letters) and tokens",
+                param="frames",
+            )
     title = body.get("title", "")
     if not isinstance(title, str):
         raise RequestError("title must be a string", param="title")

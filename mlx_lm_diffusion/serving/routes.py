@@ -37,8 +37,9 @@ NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
 
 
 def _token_ids(value: Any) -> bool:
-    return (isinstance(value, list) and bool(value)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+    return (
+        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 class _Answered(BaseException):
@@ -151,8 +152,12 @@ class Routes:
             provider = self.response_generator.model_provider
             generator = self.response_generator
             demo = str(provider.cli_args.model) == str(DEMO_MODEL_PATH)
-            return self._send_json(200, studio.options_listing(provider.model, provider.tokenizer, generator.defaults,
-                                                               provider.cli_args.max_tokens, demo=demo))
+            return self._send_json(
+                200,
+                studio.options_listing(
+                    provider.model, provider.tokenizer, generator.defaults, provider.cli_args.max_tokens, demo=demo
+                ),
+            )
         if path in POST_PATHS or path in (PROTOCOL_PATH, pictures.RENDER_PATH):
             return self._method_not_allowed("POST")
         if not (self.path.startswith("/v1/models") or self.path == "/health"):
@@ -166,8 +171,11 @@ class Routes:
     def _method_not_allowed(self, allowed: str) -> None:
         """405 with Allow (RFC 9110), for a route that answers another method."""
         self._extra_headers = {"Allow": allowed}
-        self._send_error(405, f"{self.command} is not allowed on {self.path.split('?', 1)[0][:200]}; use {allowed}",
-                         code="method_not_allowed")
+        self._send_error(
+            405,
+            f"{self.command} is not allowed on {self.path.split('?', 1)[0][:200]}; use {allowed}",
+            code="method_not_allowed",
+        )
 
     # -- POST
 
@@ -226,13 +234,19 @@ class Routes:
             raise RequestError("messages must be a list of message objects", param="messages")
         generator = self.response_generator
         try:  # read in full here, before anything runs (mlx_lm_diffusion.media.images)
-            pictures = images.check_served_messages(messages, images.server_policy(generator.cli_args),
-                                                    takes_images=lambda: generator.takes_images(self.requested_model))
+            pictures = images.check_served_messages(
+                messages,
+                images.server_policy(generator.cli_args),
+                takes_images=lambda: generator.takes_images(self.requested_model),
+            )
         except images.ImageError as e:
             raise RequestError(str(e), status=e.status, param="messages") from None
         if pictures and (self.chat_template_kwargs or {}).get("chat_template") is not None:
-            raise RequestError("a client chat template cannot be combined with images (the processor renders "
-                               "those prompts in the server)", param="chat_template_kwargs")
+            raise RequestError(
+                "a client chat template cannot be combined with images (the processor renders "
+                "those prompts in the server)",
+                param="chat_template_kwargs",
+            )
         if self.body.get("tool_choice") == "none":  # (the model is not told of the tools: it calls none)
             self.body = {**self.body, "tools": None}
         request = self._diffusion_request(super().handle_chat_completions())
@@ -251,13 +265,17 @@ class Routes:
         prompt = self.body.get("prompt")
         prompts = prompt if isinstance(prompt, list) and prompt and not _token_ids(prompt) else [prompt]
         if not all(isinstance(p, str) or _token_ids(p) for p in prompts):
-            raise RequestError("prompt must be a string, a list of token ids, or a non-empty list of those",
-                               param="prompt")
+            raise RequestError(
+                "prompt must be a string, a list of token ids, or a non-empty list of those", param="prompt"
+            )
         most = self.max_choices  # (RequestFields._read_fields, with n)
         if len(prompts) * self.choice_count > most:
-            raise RequestError(f"{len(prompts)} prompts x n = {self.choice_count} is "
-                               f"{len(prompts) * self.choice_count} choices; this server answers at most {most} "
-                               "(--max-choices)", param="prompt")
+            raise RequestError(
+                f"{len(prompts)} prompts x n = {self.choice_count} is "
+                f"{len(prompts) * self.choice_count} choices; this server answers at most {most} "
+                "(--max-choices)",
+                param="prompt",
+            )
         requests = []
         for one in prompts:
             self.body = {**self.body, "prompt": one}
@@ -388,7 +406,7 @@ class Routes:
         message = choice.get("delta") if self.stream else choice.get("message")
         if not isinstance(message, dict):
             return
-        self._tool_text += (message.pop("content", None) or "")
+        self._tool_text += message.pop("content", None) or ""
         if choice.get("finish_reason") is None:
             return
         calls = tool_choice.as_tool_calls(self._tool_text, self.stream) if choice["finish_reason"] == "stop" else None
@@ -414,8 +432,9 @@ class Routes:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} or {e["token"]: e["logprob"]}
-                             for e in entries],
+            "top_logprobs": [
+                {t["token"]: t["logprob"] for t in e["top_logprobs"]} or {e["token"]: e["logprob"]} for e in entries
+            ],
             "text_offset": offsets,
         }
 
@@ -456,8 +475,12 @@ class Routes:
         entries = []
         for gen, text in generated:
             top = sorted(gen.top_tokens or (), key=lambda t: -t["logprob"]) if self.top_logprobs > 0 else []
-            alternatives = [entry(gen.token, gen.logprob, text) if t["id"] == gen.token else
-                            entry(t["id"], t["logprob"], decode([t["id"]])) for t in top]
+            alternatives = [
+                entry(gen.token, gen.logprob, text)
+                if t["id"] == gen.token
+                else entry(t["id"], t["logprob"], decode([t["id"]]))
+                for t in top
+            ]
             entries.append({**entry(gen.token, gen.logprob, text), "top_logprobs": alternatives})
         return entries
 
@@ -505,8 +528,9 @@ class Routes:
             key = self.response_generator.served.get(wanted)
             found = [m for m in models if key is not None and m["id"] == self.response_generator.listed[key]]
             if not found:
-                return self._send_error(404, f"model {wanted[:200]!r} is not served here",
-                                        param="model", code="model_not_found")
+                return self._send_error(
+                    404, f"model {wanted[:200]!r} is not served here", param="model", code="model_not_found"
+                )
             return self._send_json(200, found[0])
         self._send_json(200, {"object": "list", "data": models})
 

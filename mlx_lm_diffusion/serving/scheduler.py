@@ -179,17 +179,34 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
             raise ValueError("images are not supported for diffusion models")
         decode = req.decode  # (built by _tokenize: options resolved once, with the sampler and processors)
         stop_sequences, text_sm = generator._make_state_machine(
-            generator.model_provider.model_key, tokenizer, args.stop_words)
-        ctx = GenerationContext(has_thinking=tokenizer.has_thinking, has_tool_calling=tokenizer.has_tool_calling,
-                                tool_parser=tokenizer.tool_parser, text_sm=text_sm, initial_state=initial_state,
-                                prompt=prompt)
+            generator.model_provider.model_key, tokenizer, args.stop_words
+        )
+        ctx = GenerationContext(
+            has_thinking=tokenizer.has_thinking,
+            has_tool_calling=tokenizer.has_tool_calling,
+            tool_parser=tokenizer.tool_parser,
+            text_sm=text_sm,
+            initial_state=initial_state,
+            prompt=prompt,
+        )
         ctx.prompt_cache_count = 0  # usage's cached_tokens: set when the row starts (the KV it reused)
         sender = ResponseSender(rqueue)  # (drafts and tokens keep their order through it)
         drafts = generator._draft_sender(sender, req) if getattr(req, "drafts", False) else None
-        job = Job(rqueue, ctx, decode, generator._canceller(req), drafts, stop_sequences.matcher(),
-                  args.top_logprobs, answer_detokenizer(tokenizer), cache_entry=_cache_writer(generator),
-                  cache_lookup=_cache_reader(generator), logprobs=bool(args.logprobs), sender=sender,
-                  proposals=getattr(req, "proposals", 0) if drafts is not None else 0)
+        job = Job(
+            rqueue,
+            ctx,
+            decode,
+            generator._canceller(req),
+            drafts,
+            stop_sequences.matcher(),
+            args.top_logprobs,
+            answer_detokenizer(tokenizer),
+            cache_entry=_cache_writer(generator),
+            cache_lookup=_cache_reader(generator),
+            logprobs=bool(args.logprobs),
+            sender=sender,
+            proposals=getattr(req, "proposals", 0) if drafts is not None else 0,
+        )
     except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
         rqueue.put(e)
         return None
@@ -197,17 +214,33 @@ def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
     return job
 
 
-def request_decode(model: Any, tokenizer: Any, prompt: list, args: Any, options: dict,
-                   max_forwards: Optional[int] = None, vision: Any = None) -> Decode:
+def request_decode(
+    model: Any,
+    tokenizer: Any,
+    prompt: list,
+    args: Any,
+    options: dict,
+    max_forwards: Optional[int] = None,
+    vision: Any = None,
+) -> Decode:
     """A served request's Decode: its decoding fields (`options`, the server's defaults
     under the request's) with mlx_lm.server's sampler, logits processors and seed from
     `args`. What they reveal (self_spec under a sampler, an id past the vocabulary) is
     the client's request too: a RequestError (400), not a 500."""
     try:
         processors = _make_logits_processors(args)
-        decode = compat.check_request(model, tokenizer, prompt, args.max_tokens, options, max_forwards=max_forwards,
-                                      sampler=request_sampler(args, tokenizer), logits_processors=processors,
-                                      seed=args.seed, vision=vision)
+        decode = compat.check_request(
+            model,
+            tokenizer,
+            prompt,
+            args.max_tokens,
+            options,
+            max_forwards=max_forwards,
+            sampler=request_sampler(args, tokenizer),
+            logits_processors=processors,
+            seed=args.seed,
+            vision=vision,
+        )
         check_sampling_against_vocabulary(args, decode.adapter.vocab_size)
         if options.get("self_spec"):  # (sampling is in mlx-lm's args, not the fields)
             check_greedy(args.sampling.temperature, bool(processors))
@@ -265,8 +298,14 @@ def _cache_reader(generator: Any) -> Callable[[list], Any]:
 class Scheduler:
     """Runs the server's diffusion requests in running batches on its own thread."""
 
-    def __init__(self, model: Any, tokenizer: Any, decode_lock: threading.Lock, max_rows: int = 32,
-                 long_forwards: Optional[int] = None):
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        decode_lock: threading.Lock,
+        max_rows: int = 32,
+        long_forwards: Optional[int] = None,
+    ):
         if max_rows < 1:
             raise ValueError(f"--decode-concurrency must be at least 1, got {max_rows}")
         self.model, self.tokenizer = model, tokenizer
@@ -304,8 +343,13 @@ class Scheduler:
         """Running rows and queued requests (what /v1/stats reports)."""
         with self._cond:
             running = sum(len(b) for b in self.batches.values())
-            return {"running_rows": running, "queued_requests": len(self.queued), "groups": len(self.batches),
-                    "max_rows": self.max_rows, "peak_rows": self.peak_rows}
+            return {
+                "running_rows": running,
+                "queued_requests": len(self.queued),
+                "groups": len(self.batches),
+                "max_rows": self.max_rows,
+                "peak_rows": self.peak_rows,
+            }
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cond:
@@ -373,13 +417,20 @@ class Scheduler:
                 continue
             batch = self.batches.get(lane)
             if batch is None:
-                batch = self.batches[lane] = RunningBatch(self.adapter(job),
-                                                          keep_logprobs=not isinstance(job, ProtocolJob))
+                batch = self.batches[lane] = RunningBatch(
+                    self.adapter(job), keep_logprobs=not isinstance(job, ProtocolJob)
+                )
             if isinstance(job, ProtocolJob):
                 job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
             else:
-                job.row = batch.add(job.prompt, job.options, payload=job, prefix=job.prefix,
-                                    keep_logprobs=job.keeps_logprobs, proposals=job.proposals)
+                job.row = batch.add(
+                    job.prompt,
+                    job.options,
+                    payload=job,
+                    prefix=job.prefix,
+                    keep_logprobs=job.keeps_logprobs,
+                    proposals=job.proposals,
+                )
                 job.prefix = None
                 job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
             if lane not in self.turns:
@@ -507,7 +558,9 @@ class Scheduler:
                     logprob = values.get(position, 0.0)
                 else:
                     logprob = logprobs[token].item() if logprobs is not None else 0.0
-                ranked = _format_top_logprobs(logprobs, job.top_logprobs, self.tokenizer) if logprobs is not None else ()
+                ranked = (
+                    _format_top_logprobs(logprobs, job.top_logprobs, self.tokenizer) if logprobs is not None else ()
+                )
                 job.tokens.append(token)
                 out.append(Response(job.detokenizer.last_segment, token, logprob, finish, ranked))
                 if finish is not None or job.ctx._should_stop:

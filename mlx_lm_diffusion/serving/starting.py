@@ -80,8 +80,7 @@ def cannot_import(error: BaseException) -> NoReturn:
     "Could not import module 'AutoTokenizer'"); a broken installation says which module."""
     if isinstance(error, MemoryError):
         out_of_memory(error)
-    _fail("cannot import the server's modules" + (" (out of memory?)" if memory.is_out_of_memory(error) else ""),
-          error)
+    _fail("cannot import the server's modules" + (" (out of memory?)" if memory.is_out_of_memory(error) else ""), error)
 
 
 def _fail(what: str, error: BaseException) -> NoReturn:

@@ -127,8 +127,11 @@ INAPPLICABLE_FLAGS = {
     "kv_group_size": ("--kv-group-size", compat.NO_KV_QUANTIZATION),
     "quantized_kv_start": ("--quantized-kv-start", compat.NO_KV_QUANTIZATION),
     "prefill_step_size": ("--prefill-step-size", "a diffusion model has no prefill"),
-    "pipeline": ("--pipeline", "pipeline parallelism is not supported for diffusion models; tensor "
-                 "parallelism is (mlx.launch without --pipeline)"),
+    "pipeline": (
+        "--pipeline",
+        "pipeline parallelism is not supported for diffusion models; tensor "
+        "parallelism is (mlx.launch without --pipeline)",
+    ),
 }
 
 
@@ -189,8 +192,9 @@ def _first_matmul() -> None:
     memory.first_matmul()
 
 
-def shutdown(httpd: DiffusionHTTPServer, generator: ResponseGenerator, grace: float,
-             hurry: Optional[threading.Event] = None) -> int:
+def shutdown(
+    httpd: DiffusionHTTPServer, generator: ResponseGenerator, grace: float, hurry: Optional[threading.Event] = None
+) -> int:
     """Graceful stop (see DiffusionHTTPServer.drain), then the generation thread is
     joined and the model released in it. Returns how many requests were cancelled."""
     cancelled = httpd.drain(grace, hurry=hurry)
@@ -277,48 +281,98 @@ class _FlagRecorder(argparse.ArgumentParser):
 
 def _server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("serving limits")
-    group.add_argument("--allowed-models", type=lambda x: [m for m in x.split(",") if m], default=[],
-                       help="Models a request may name besides --model (comma-separated paths or repo ids); "
-                            "any other model is a 404")
-    group.add_argument("--served-model-name", default=None,
-                       help="The id /v1/models lists for --model, which requests may name (default: the "
-                            "model directory's name, or the repo id as given); \"default_model\" and the "
-                            "path work too")
-    group.add_argument("--allowed-hosts", type=lambda x: [h for h in x.split(",") if h], default=[],
-                       help="Host names the server answers under besides IP addresses and localhost "
-                            "(comma-separated; DNS rebinding protection)")
-    group.add_argument("--max-body-bytes", type=_parse_size, default=DEFAULT_MAX_BODY_BYTES,
-                       help="Largest request body (default 10MB; e.g. 1MB, 50MB)")
-    group.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
-                       help="Seconds a client has to send its request line, headers and body (default 30)")
-    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                       help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})")
-    group.add_argument("--max-client-connections", type=int, default=DEFAULT_MAX_CLIENT_CONNECTIONS,
-                       help="Open connections one client address may hold; more get a 503 (default "
-                            f"{DEFAULT_MAX_CLIENT_CONNECTIONS}, so one address cannot take every connection; 0: no "
-                            "per-client cap, for a server behind a reverse proxy, where every client has the "
-                            "proxy's address)")
-    group.add_argument("--allow-client-chat-templates", action="store_true",
-                       help="Let requests replace the chat template (chat_template_kwargs.chat_template)")
-    group.add_argument("--no-batch", action="store_true",
-                       help="Serve one request at a time instead of continuous batching (the batch size "
-                            "is mlx_lm.server's --decode-concurrency)")
-    group.add_argument("--max-forwards", type=int, default=DEFAULT_MAX_FORWARDS,
-                       help="Model forwards a request may take at most, from its settings (steps x blocks, "
-                            f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})")
-    group.add_argument("--max-choices", type=int, default=DEFAULT_MAX_CHOICES,
-                       help="Choices one answer may hold (n times the prompts of a completion); more get a 400 "
-                            f"(default {DEFAULT_MAX_CHOICES})")
-    group.add_argument("--long-request-forwards", type=int, default=DEFAULT_LONG_FORWARDS,
-                       help="A request that could take more forwards than this is long: long requests hold at "
-                            f"most half of a batch's rows, the rest stay for short ones (default {DEFAULT_LONG_FORWARDS})")
-    group.add_argument("--kernel-cache-dir", default=None,
-                       help="Where MLX compiles its kernels (default: ~/.cache/mlx_lm_diffusion/kernels, 0700, kept "
-                            "across starts; never the shared temporary directory; a directory others can write is "
-                            "refused)")
-    group.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE,
-                       help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them "
-                            "(default 30)")
+    group.add_argument(
+        "--allowed-models",
+        type=lambda x: [m for m in x.split(",") if m],
+        default=[],
+        help="Models a request may name besides --model (comma-separated paths or repo ids); any other model is a 404",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="The id /v1/models lists for --model, which requests may name (default: the "
+        'model directory\'s name, or the repo id as given); "default_model" and the '
+        "path work too",
+    )
+    group.add_argument(
+        "--allowed-hosts",
+        type=lambda x: [h for h in x.split(",") if h],
+        default=[],
+        help="Host names the server answers under besides IP addresses and localhost "
+        "(comma-separated; DNS rebinding protection)",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=_parse_size,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="Largest request body (default 10MB; e.g. 1MB, 50MB)",
+    )
+    group.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT,
+        help="Seconds a client has to send its request line, headers and body (default 30)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"Open connections at most; more get a 503 (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    group.add_argument(
+        "--max-client-connections",
+        type=int,
+        default=DEFAULT_MAX_CLIENT_CONNECTIONS,
+        help="Open connections one client address may hold; more get a 503 (default "
+        f"{DEFAULT_MAX_CLIENT_CONNECTIONS}, so one address cannot take every connection; 0: no "
+        "per-client cap, for a server behind a reverse proxy, where every client has the "
+        "proxy's address)",
+    )
+    group.add_argument(
+        "--allow-client-chat-templates",
+        action="store_true",
+        help="Let requests replace the chat template (chat_template_kwargs.chat_template)",
+    )
+    group.add_argument(
+        "--no-batch",
+        action="store_true",
+        help="Serve one request at a time instead of continuous batching (the batch size "
+        "is mlx_lm.server's --decode-concurrency)",
+    )
+    group.add_argument(
+        "--max-forwards",
+        type=int,
+        default=DEFAULT_MAX_FORWARDS,
+        help="Model forwards a request may take at most, from its settings (steps x blocks, "
+        f"plus editing passes); a request over it gets a 400 (default {DEFAULT_MAX_FORWARDS})",
+    )
+    group.add_argument(
+        "--max-choices",
+        type=int,
+        default=DEFAULT_MAX_CHOICES,
+        help="Choices one answer may hold (n times the prompts of a completion); more get a 400 "
+        f"(default {DEFAULT_MAX_CHOICES})",
+    )
+    group.add_argument(
+        "--long-request-forwards",
+        type=int,
+        default=DEFAULT_LONG_FORWARDS,
+        help="A request that could take more forwards than this is long: long requests hold at "
+        f"most half of a batch's rows, the rest stay for short ones (default {DEFAULT_LONG_FORWARDS})",
+    )
+    group.add_argument(
+        "--kernel-cache-dir",
+        default=None,
+        help="Where MLX compiles its kernels (default: ~/.cache/mlx_lm_diffusion/kernels, 0700, kept "
+        "across starts; never the shared temporary directory; a directory others can write is "
+        "refused)",
+    )
+    group.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE,
+        help="Seconds SIGTERM/SIGINT let requests in flight finish before cancelling them (default 30)",
+    )
     return parser
 
 
@@ -343,12 +397,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         print()
     captured: List[argparse.Namespace] = []
     recorder = SimpleNamespace(**{**vars(argparse), "ArgumentParser": _FlagRecorder})
-    with _patched(
-        mlx_server,
-        argparse=recorder,
-        run=lambda host, port, provider: captured.append(provider.cli_args),
-        ModelProvider=lambda cli_args: SimpleNamespace(cli_args=cli_args),
-    ), _patched(sys, argv=[PROG, *rest]):
+    with (
+        _patched(
+            mlx_server,
+            argparse=recorder,
+            run=lambda host, port, provider: captured.append(provider.cli_args),
+            ModelProvider=lambda cli_args: SimpleNamespace(cli_args=cli_args),
+        ),
+        _patched(sys, argv=[PROG, *rest]),
+    ):
         mlx_server.main()
     args = captured[0]
     given = set(_FlagRecorder.given)
@@ -463,8 +520,10 @@ def _serve(args, stop: threading.Event, serving: threading.Event, signals: List[
         if not accepting.is_alive():
             break
         if generator.group is not None and not generator.generation_available():
-            distributed.fail(generator.group, "the generation loop ended: the distributed group failed "
-                                              "(a peer rank died or lost its connection)")
+            distributed.fail(
+                generator.group,
+                "the generation loop ended: the distributed group failed (a peer rank died or lost its connection)",
+            )
     name = signal.Signals(signals[0]).name if signals else "stop"
     logging.info(f"{name}: no new connections; waiting up to {args.shutdown_grace:g} s for requests in flight")
     hurry = threading.Event()  # a second signal cancels what is left at once
@@ -486,8 +545,10 @@ def _leave_if_stuck(stop: threading.Event, seconds: float) -> None:
     def watch() -> None:
         stop.wait()
         time.sleep(seconds)
-        logging.error(f"the server did not stop within {seconds:g} s of the signal (a decode stuck in native "
-                      "code, as running out of memory leaves one); exiting without it")
+        logging.error(
+            f"the server did not stop within {seconds:g} s of the signal (a decode stuck in native "
+            "code, as running out of memory leaves one); exiting without it"
+        )
         logging.shutdown()
         os._exit(1)
 

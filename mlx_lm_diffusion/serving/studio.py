@@ -26,8 +26,10 @@ FILES = {  # route -> (file in studio_page/, content type)
 }
 # Scripts and styles from this server only, no inline code, no plugins, no framing; the
 # page's fetches go to its own origin; pictures it draws are blob:/data: URLs it makes.
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
-       "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+    "connect-src 'self'; form-action 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
 STATIC_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
@@ -37,12 +39,18 @@ STATIC_HEADERS = {
 # Example prompts the page offers: the demo's own problems on the demo, else prompts any chat
 # model can take
 DEMO_EXAMPLES = ("357+468=", "1234+4321=", "9999+1=", "80+7=")
-GENERIC_EXAMPLES = ("Explain diffusion language models in two sentences.", "Write a haiku about the sea.",
-                    "What is 17 x 23? Think step by step.", "List three uses of a paperclip.")
+GENERIC_EXAMPLES = (
+    "Explain diffusion language models in two sentences.",
+    "Write a haiku about the sea.",
+    "What is 17 x 23? Think step by step.",
+    "List three uses of a paperclip.",
+)
 # Python-only options of the schema that the OpenAI bodies carry as their own fields
 OPENAI_FIELDS = ("max_tokens", "seed", "top_p")
-ROOT_PAGE = (b'<!doctype html><meta charset="utf-8"><title>mlx-lm-diffusion</title>'
-             b'<p>This is an OpenAI-compatible server. <a href="/studio">Open the studio</a>.</p>')
+ROOT_PAGE = (
+    b'<!doctype html><meta charset="utf-8"><title>mlx-lm-diffusion</title>'
+    b'<p>This is an OpenAI-compatible server. <a href="/studio">Open the studio</a>.</p>'
+)
 
 
 @lru_cache(maxsize=None)
@@ -64,8 +72,13 @@ def effective_defaults(adapter: Any, server_defaults: dict, max_tokens: Optional
         resolved = resolve(DecodeOptions(**values), adapter, prompt_len=1)
     except (TypeError, ValueError):  # (a family that needs more than an empty prompt to resolve)
         return {"max_tokens": values["max_tokens"]}
-    out = {"max_tokens": resolved.max_tokens, "block_length": resolved.block_length, "steps": resolved.steps,
-           "strategy": resolved.rule.name, **resolved.family}
+    out = {
+        "max_tokens": resolved.max_tokens,
+        "block_length": resolved.block_length,
+        "steps": resolved.steps,
+        "strategy": resolved.rule.name,
+        **resolved.family,
+    }
     for name in ("threshold", "factor", "entropy_bound", "alg_temp"):  # (the rule's own setting)
         if getattr(resolved.rule, name, None) is not None:
             out[name] = getattr(resolved.rule, name)
@@ -75,8 +88,13 @@ def effective_defaults(adapter: Any, server_defaults: dict, max_tokens: Optional
     return out
 
 
-def options_listing(model: Any, tokenizer: Any, server_defaults: Optional[dict] = None,
-                    max_tokens: Optional[int] = None, demo: bool = False) -> dict:
+def options_listing(
+    model: Any,
+    tokenizer: Any,
+    server_defaults: Optional[dict] = None,
+    max_tokens: Optional[int] = None,
+    demo: bool = False,
+) -> dict:
     """The named decoding options that a request to the served model may set: the
     generic ones, then its family's own (with the family's presets as the choices of
     `preset`). Each: name, type (integer, number, boolean, string, array), help, default
@@ -93,13 +111,25 @@ def options_listing(model: Any, tokenizer: Any, server_defaults: Optional[dict] 
     own = {o.name for o in getattr(adapter, "options", ())}
     effective = {} if adapter is None else effective_defaults(adapter, server_defaults or {}, max_tokens)
     kinds = {int: "integer", float: "number", bool: "boolean", str: "string", tuple: "array"}
-    listing = [{"name": "temperature", "type": "number", "help": "Sampling temperature (0: greedy)",
-                "family": None, "minimum": 0.0, "maximum": MAX_TEMPERATURE}]
+    listing = [
+        {
+            "name": "temperature",
+            "type": "number",
+            "help": "Sampling temperature (0: greedy)",
+            "family": None,
+            "minimum": 0.0,
+            "maximum": MAX_TEMPERATURE,
+        }
+    ]
     for name, option in schema().items():
         if not (option.named or name in OPENAI_FIELDS) or (name not in GENERIC_NAMES and name not in own):
             continue
-        entry = {"name": name, "type": kinds.get(option.kind, "string"), "help": option.help,
-                 "family": None if name in GENERIC_NAMES else adapter.family}
+        entry = {
+            "name": name,
+            "type": kinds.get(option.kind, "string"),
+            "help": option.help,
+            "family": None if name in GENERIC_NAMES else adapter.family,
+        }
         default = effective.get(name, option.default)
         if default is not None:
             entry["default"] = list(default) if isinstance(default, tuple) else default
@@ -117,7 +147,11 @@ def options_listing(model: Any, tokenizer: Any, server_defaults: Optional[dict] 
         if choices is not None:
             entry["enum"] = list(choices)
         listing.append(entry)
-    return {"object": "list", "family": None if adapter is None else adapter.family,
-            "decoder": None if adapter is None else adapter.decoder,
-            "vision": bool(getattr(model, "has_vision", False)),
-            "examples": list(DEMO_EXAMPLES if demo else GENERIC_EXAMPLES), "data": listing}
+    return {
+        "object": "list",
+        "family": None if adapter is None else adapter.family,
+        "decoder": None if adapter is None else adapter.decoder,
+        "vision": bool(getattr(model, "has_vision", False)),
+        "examples": list(DEMO_EXAMPLES if demo else GENERIC_EXAMPLES),
+        "data": listing,
+    }

@@ -41,8 +41,7 @@ class RenderersBusy(TemplateError):
 def render(template: str, messages: list, tools: Optional[list], kwargs: dict, specials: dict) -> str:
     """The prompt text `template` renders for `messages` (as tokenizer.apply_chat_template
     with add_generation_prompt=True: the tokenizer's special tokens are variables)."""
-    request = json.dumps({"template": template, "messages": messages, "tools": tools,
-                          "kwargs": {**specials, **kwargs}})
+    request = json.dumps({"template": template, "messages": messages, "tools": tools, "kwargs": {**specials, **kwargs}})
     if not _renderers.acquire(timeout=RENDER_SECONDS):
         raise RenderersBusy(f"{MAX_RENDERERS} client chat templates are rendering already; try again")
     try:
@@ -53,8 +52,9 @@ def render(template: str, messages: list, tools: Optional[list], kwargs: dict, s
 
 def _render(request: str) -> str:
     try:
-        done = subprocess.run([sys.executable, "-m", __name__], input=request.encode(), capture_output=True,
-                              timeout=RENDER_SECONDS)
+        done = subprocess.run(
+            [sys.executable, "-m", __name__], input=request.encode(), capture_output=True, timeout=RENDER_SECONDS
+        )
     except subprocess.TimeoutExpired:
         raise TemplateError(f"the chat template did not finish rendering within {RENDER_SECONDS} s") from None
     if done.returncode != 0:
@@ -77,8 +77,10 @@ def _limit() -> None:
     RLIMIT_DATA on large allocations: there the time limits bound a template.)"""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     spent = math.ceil(usage.ru_utime + usage.ru_stime)
-    for kind, cap in ((resource.RLIMIT_DATA, _data_bytes() + RENDER_MEMORY_BYTES),
-                      (resource.RLIMIT_CPU, spent + RENDER_CPU_SECONDS)):
+    for kind, cap in (
+        (resource.RLIMIT_DATA, _data_bytes() + RENDER_MEMORY_BYTES),
+        (resource.RLIMIT_CPU, spent + RENDER_CPU_SECONDS),
+    ):
         _, hard = resource.getrlimit(kind)
         try:
             resource.setrlimit(kind, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
@@ -102,9 +104,13 @@ def main() -> int:
 
     request: Any = json.loads(sys.stdin.buffer.read())
     _limit()
-    rendered, _ = render_jinja_template([request["messages"]], tools=request["tools"],
-                                        chat_template=request["template"], add_generation_prompt=True,
-                                        **request["kwargs"])
+    rendered, _ = render_jinja_template(
+        [request["messages"]],
+        tools=request["tools"],
+        chat_template=request["template"],
+        add_generation_prompt=True,
+        **request["kwargs"],
+    )
     text = rendered[0]
     out = json.dumps({"text": text}).encode()
     if len(out) > MAX_RENDERED_BYTES:

@@ -24,17 +24,23 @@ CHOICES = ("none", "auto", "required")
 def _tool_names(tools: Any) -> dict:
     """name -> parameters schema of the request's function tools (RequestError otherwise)."""
     if not isinstance(tools, list) or not tools:
-        raise RequestError("tool_choice \"required\" or a named function needs a non-empty `tools` list",
-                           param="tool_choice")
+        raise RequestError(
+            'tool_choice "required" or a named function needs a non-empty `tools` list', param="tool_choice"
+        )
     named = {}
     for tool in tools:
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or tool.get("type") != "function":
-            raise RequestError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}", param="tools")
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or tool.get("type") != "function"
+        ):
+            raise RequestError('each tool must be {"type": "function", "function": {"name": ...}}', param="tools")
         parameters = function.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
-            raise RequestError(f"the parameters of tool {function['name']!r} must be a JSON schema object",
-                               param="tools")
+            raise RequestError(
+                f"the parameters of tool {function['name']!r} must be a JSON schema object", param="tools"
+            )
         named[function["name"]] = parameters or {"type": "object"}
     return named
 
@@ -50,8 +56,10 @@ def forced_call_format(body: dict) -> Optional[dict]:
         function = choice.get("function")
         name = function.get("name") if isinstance(function, dict) else None
         if choice.get("type") != "function" or not isinstance(name, str):
-            raise RequestError("tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
-                               "\"function\": {\"name\": ...}}", param="tool_choice")
+            raise RequestError(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
+            )
         tools = _tool_names(body.get("tools"))
         if name not in tools:
             raise RequestError(f"tool_choice names {name[:60]!r}, which is not in `tools`", param="tool_choice")
@@ -59,15 +67,24 @@ def forced_call_format(body: dict) -> Optional[dict]:
     elif choice == "required":
         tools = _tool_names(body.get("tools"))
     else:
-        raise RequestError(f"tool_choice must be one of {', '.join(CHOICES)} or a named function; got {choice!r}"[:200],
-                           param="tool_choice")
+        raise RequestError(
+            f"tool_choice must be one of {', '.join(CHOICES)} or a named function; got {choice!r}"[:200],
+            param="tool_choice",
+        )
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
-        raise RequestError("a required tool call and a response_format each set the answer's format: send one",
-                           param="tool_choice")
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-              "required": ["name", "arguments"], "additionalProperties": False}
-             for name, parameters in tools.items()]
+        raise RequestError(
+            "a required tool call and a response_format each set the answer's format: send one", param="tool_choice"
+        )
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "arguments": parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for name, parameters in tools.items()
+    ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema}}
 
@@ -81,8 +98,11 @@ def as_tool_calls(text: str, streaming: bool) -> Optional[list]:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
         return None
-    out = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-           "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+    out = {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)},
+    }
     return [{"index": 0, **out} if streaming else out]
 
 

@@ -37,13 +37,21 @@ def writers() -> Dict[str, Callable[[Path], Path]]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     families = list(writers())
-    parser = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.testing",
-                                                     description=__doc__))
+    parser = one_line_errors(argparse.ArgumentParser(prog="python -m mlx_lm_diffusion.testing", description=__doc__))
     parser.add_argument("out", type=Path, help="the directory to write them under (one subdirectory per family)")
-    parser.add_argument("--families", nargs="+", choices=families, default=families, metavar="FAMILY",
-                        help=f"which to write (default: all of {', '.join(families)})")
-    parser.add_argument("--skip-existing", action="store_true",
-                        help="leave a family's directory that exists as it is (its path is printed all the same)")
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        choices=families,
+        default=families,
+        metavar="FAMILY",
+        help=f"which to write (default: all of {', '.join(families)})",
+    )
+    parser.add_argument(
+        "--skip-existing",
+        action="store_true",
+        help="leave a family's directory that exists as it is (its path is printed all the same)",
+    )
     args = parser.parse_args(argv)
     chosen = writers()
     for family in args.families:
@@ -57,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             chosen[family](path)
         except ImportError as e:
-            print(f"error: {family} needs {e.name} (pip install -e \".[test]\" in a clone)", file=sys.stderr)
+            print(f'error: {family} needs {e.name} (pip install -e ".[test]" in a clone)', file=sys.stderr)
             return 2
         print(path)
     return 0

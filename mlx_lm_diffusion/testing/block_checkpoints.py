@@ -56,8 +56,18 @@ def write_tokenizer(path: Path, specials, eos: str, mask: str, chat_template: st
     fast.save_pretrained(str(path))
 
 
-def write_sdar(path: Path, seed: int = 2, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
-               head_dim=32, inter=128, block_size=4, max_len=1024) -> Path:
+def write_sdar(
+    path: Path,
+    seed: int = 2,
+    hidden=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    inter=128,
+    block_size=4,
+    max_len=1024,
+) -> Path:
     """SDAR layout: Qwen3 names with q/k RMSNorm weights and an untied lm_head."""
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -149,9 +159,23 @@ def idlm_as_qwen3(path: Path, to: Path) -> Path:
     return to
 
 
-def write_llada2(path: Path, seed: int = 3, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                 inter=128, moe_inter=32, n_experts=8, top_k=2, n_group=2, topk_group=1,
-                 max_len=1024, extra_config: Optional[dict] = None, head_scales: Optional[dict] = None) -> Path:
+def write_llada2(
+    path: Path,
+    seed: int = 3,
+    hidden=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    inter=128,
+    moe_inter=32,
+    n_experts=8,
+    top_k=2,
+    n_group=2,
+    topk_group=1,
+    max_len=1024,
+    extra_config: Optional[dict] = None,
+    head_scales: Optional[dict] = None,
+) -> Path:
     """LLaDA2 (llada2_moe) layout: layer 0 dense, later layers MoE with a shared expert.
     `extra_config`: keys added to config.json; `head_scales`: {token id: factor} applied to
     those lm_head rows (a token proposed more or less often)."""
@@ -235,8 +259,15 @@ LLADA2_2_DELETE, LLADA2_2_SPLIT = 300, 301
 LLADA2_2_EOS = [LLADA2_EOS, 259]  # <|endoftext|> and <|role_end|>, as generation_config.json lists them
 
 
-def write_llada2_2(path: Path, seed: int = 5, block_size: int = 8, expert_capacity: int = 3,
-                   edit_scale: float = 1.6, head_scales: Optional[dict] = None, **sizes) -> Path:
+def write_llada2_2(
+    path: Path,
+    seed: int = 5,
+    block_size: int = 8,
+    expert_capacity: int = 3,
+    edit_scale: float = 1.6,
+    head_scales: Optional[dict] = None,
+    **sizes,
+) -> Path:
     """LLaDA2.2 layout (inclusionAI/LLaDA2.2-flash's config.json and generation_config.json):
     LLaDA2's tensors, plus `expert_capacity` and `block_size` (block routing: each window of
     `block_size` positions keeps `expert_capacity` of the experts; released 48 of 256 over 32),
@@ -245,13 +276,19 @@ def write_llada2_2(path: Path, seed: int = 5, block_size: int = 8, expert_capaci
     weights propose them often (the edit scan then has work to do); `head_scales` scales other
     rows (an EOS proposed more often)."""
     extra = {
-        "block_size": block_size, "expert_capacity": expert_capacity,
-        "delete_token_id": LLADA2_2_DELETE, "split_token_id": LLADA2_2_SPLIT,
+        "block_size": block_size,
+        "expert_capacity": expert_capacity,
+        "delete_token_id": LLADA2_2_DELETE,
+        "split_token_id": LLADA2_2_SPLIT,
         "rope_theta": 3000000,
     }
-    write_llada2(path, seed=seed, extra_config=extra,
-                 head_scales={LLADA2_2_DELETE: edit_scale, LLADA2_2_SPLIT: edit_scale, **(head_scales or {})},
-                 **sizes)
+    write_llada2(
+        path,
+        seed=seed,
+        extra_config=extra,
+        head_scales={LLADA2_2_DELETE: edit_scale, LLADA2_2_SPLIT: edit_scale, **(head_scales or {})},
+        **sizes,
+    )
     generation = {"eos_token_id": LLADA2_2_EOS, "pad_token_id": LLADA2_EOS}
     (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path
@@ -279,8 +316,15 @@ def write_idlm_lora(path: Path, base: Path, rank: int = 4, alpha: float = 8.0, s
         adapter[f"{prefix}.lora_A.weight"] = (rng.standard_normal((rank, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
         adapter[f"{prefix}.lora_B.weight"] = (rng.standard_normal((out_dim, rank)) * 0.5).astype(np.float32)
     save_file(adapter, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-              "target_modules": list(IDLM_LORA_TARGETS), "lora_dropout": 0.0, "bias": "none",
-              "base_model_name_or_path": str(base)}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": list(IDLM_LORA_TARGETS),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "base_model_name_or_path": str(base),
+    }
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -13,14 +13,30 @@ from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB, write_tokenizer
 
 CONFIGS = {
     "llama": dict(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB,
-        tie_word_embeddings=False, max_position_embeddings=512,
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
     ),
     "qwen3": dict(
-        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB,
-        head_dim=16, tie_word_embeddings=True, max_position_embeddings=512, rope_theta=10000.0,
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
     ),
 }
 

@@ -73,8 +73,9 @@ def _norm(rng, dim):
     return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
 
 
-def write_llada(path: Path, seed: int = 0, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                mlp=128, max_len=512, vocab=VOCAB) -> Path:
+def write_llada(
+    path: Path, seed: int = 0, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp=128, max_len=512, vocab=VOCAB
+) -> Path:
     """LLaDA 1.x layout: model.transformer.{wte, blocks.N.*, ln_f, ff_out}. (`vocab` >
     VOCAB: benchmarks at a realistic vocabulary; the tokenizer still uses ids < 261.)"""
     path.mkdir(parents=True, exist_ok=True)
@@ -123,8 +124,9 @@ def write_llada(path: Path, seed: int = 0, d_model=64, n_layers=2, n_heads=4, n_
     return path
 
 
-def write_dream(path: Path, seed: int = 1, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                inter=128, max_len=512, vocab=VOCAB) -> Path:
+def write_dream(
+    path: Path, seed: int = 1, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, inter=128, max_len=512, vocab=VOCAB
+) -> Path:
     """Dream layout: Qwen2 names with q/k/v biases and an untied lm_head."""
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)

@@ -15,7 +15,7 @@ def engine_decode(model, tokenizer, prompt, **options):
     last = None
     for last in Engine(adapter, resolved).run(mx.array([prompt])):
         pass
-    return last.canvas[0, len(prompt):].tolist(), last.forwards
+    return last.canvas[0, len(prompt) :].tolist(), last.forwards
 
 
 def record_batch_sizes(monkeypatch, owner, name: str) -> list:

@@ -15,9 +15,40 @@ from typing import Any, Optional
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/diffusion/generate")
 
-WEIRD = [None, True, False, 0, -1, 1, 2**31, 2**64, -(2**64), 10**30, 0.5, -0.5, 1e-38, 1e30, -1e30,
-         math.inf, -math.inf, math.nan, "", "x", "0.5", "\u0000", "\u00ff\u00ff", [], [1], {}, {"a": 1},
-         [[[[[]]]]], "default_model", "/etc", "..", "data:image/png;base64,AAAA"]
+WEIRD = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2**31,
+    2**64,
+    -(2**64),
+    10**30,
+    0.5,
+    -0.5,
+    1e-38,
+    1e30,
+    -1e30,
+    math.inf,
+    -math.inf,
+    math.nan,
+    "",
+    "x",
+    "0.5",
+    "\u0000",
+    "\u00ff\u00ff",
+    [],
+    [1],
+    {},
+    {"a": 1},
+    [[[[[]]]]],
+    "default_model",
+    "/etc",
+    "..",
+    "data:image/png;base64,AAAA",
+]
 
 SANE = {
     "max_tokens": [1, 4, 8, 12, -1, 100_000],
@@ -87,10 +118,22 @@ def _messages(rng: random.Random, hostile: float) -> Any:
         role = "user" if rng.random() >= hostile else rng.choice(["system", "assistant", "tool", "nope"])
         messages = [{"role": role, "content": text}]
         if rng.random() < hostile / 2:
-            messages.append({"role": "user", "content": [{"type": "text", "text": "hi"},
-                                                         {"type": "image_url", "image_url": {"url": rng.choice(
-                                                             ["http://127.0.0.1:9/x.png", "data:image/png;base64,AAAA",
-                                                              "/etc/passwd"])}}]})
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "hi"},
+                        {
+                            "type": "image_url",
+                            "image_url": {
+                                "url": rng.choice(
+                                    ["http://127.0.0.1:9/x.png", "data:image/png;base64,AAAA", "/etc/passwd"]
+                                )
+                            },
+                        },
+                    ],
+                }
+            )
         return messages
     return _value(rng, [[], [{"role": "user"}], "Hello"])
 
@@ -105,8 +148,11 @@ def random_body(rng: random.Random, route: str) -> Any:
     protocol = route.endswith("/generate")
     fields = PROTOCOL if protocol else SANE
     # (a careful protocol body keeps to each field's first two values, which are valid)
-    body = {name: _value(rng, values[:2] if protocol and careful else values, hostile)
-            for name, values in fields.items() if rng.random() < share}
+    body = {
+        name: _value(rng, values[:2] if protocol and careful else values, hostile)
+        for name, values in fields.items()
+        if rng.random() < share
+    }
     if protocol:
         for name in ("prompt_tokens", "target_length", "num_steps", "mask_schedule", "top_p"):
             if name not in body and rng.random() >= hostile / 4:
@@ -150,15 +196,16 @@ def check_answer(status: int, content_type: str, body: bytes) -> Optional[str]:
         return f"status {status}"
     try:
         if content_type.startswith("text/event-stream"):
-            events = [line[len("data: "):] for line in body.decode().split("\n") if line.startswith("data: ")]
+            events = [line[len("data: ") :] for line in body.decode().split("\n") if line.startswith("data: ")]
             if not events or events[-1].strip() != "[DONE]":
                 return "a stream that does not end with [DONE]"
             for event in events[:-1]:
                 _strict(event)
         else:
             data = _strict(body.decode())
-            if status >= 400 and not (isinstance(data, dict) and isinstance(data.get("error"), dict)
-                                      and data["error"].get("message")):
+            if status >= 400 and not (
+                isinstance(data, dict) and isinstance(data.get("error"), dict) and data["error"].get("message")
+            ):
                 return "an error without an OpenAI-shaped body"
     except (ValueError, UnicodeDecodeError) as e:
         return f"not JSON: {e}"

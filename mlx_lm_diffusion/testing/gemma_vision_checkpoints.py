@@ -22,7 +22,10 @@ PATCH, POOL, MAX_SOFT_TOKENS = 4, 2, 16
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}" + IMAGE + "{% elif p['type'] == 'video' %}" + VIDEO
+    "{% if p['type'] == 'image' %}"
+    + IMAGE
+    + "{% elif p['type'] == 'video' %}"
+    + VIDEO
     + "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
@@ -44,7 +47,9 @@ def image_tokenizer():
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
         extra_special_tokens={"boi_token": BOI, "image_token": IMAGE, "eoi_token": EOI, "video_token": VIDEO},
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -90,8 +95,12 @@ def write_gemma_with_vision(path: Path, seed: int = 4, vocab_size: int = VOCAB, 
     sizes = dict(patch_size=PATCH, pooling_kernel_size=POOL, max_soft_tokens=MAX_SOFT_TOKENS)
     processor = DiffusionGemma4Processor(
         image_processor=Gemma4ImageProcessor(**sizes),
-        video_processor=Gemma4VideoProcessor(patch_size=PATCH, pooling_kernel_size=POOL, max_soft_tokens=70, num_frames=2),
-        tokenizer=image_tokenizer(), chat_template=CHAT_TEMPLATE, image_seq_length=MAX_SOFT_TOKENS,
+        video_processor=Gemma4VideoProcessor(
+            patch_size=PATCH, pooling_kernel_size=POOL, max_soft_tokens=70, num_frames=2
+        ),
+        tokenizer=image_tokenizer(),
+        chat_template=CHAT_TEMPLATE,
+        image_seq_length=MAX_SOFT_TOKENS,
     )
     processor.save_pretrained(str(path))
     return path
@@ -104,11 +113,21 @@ def make_image(width: int = 20, height: int = 12, seed: int = 0):
 
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
-    pixels = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1),
-                       rng.integers(0, 256, (height, width))], axis=-1).astype(np.uint8)
-    pixels[height // 4: height // 2, width // 4: width // 2] = (255, 255, 0)
+    pixels = np.stack(
+        [x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), rng.integers(0, 256, (height, width))], axis=-1
+    ).astype(np.uint8)
+    pixels[height // 4 : height // 2, width // 4 : width // 2] = (255, 255, 0)
     return Image.fromarray(pixels, "RGB")
 
 
-__all__ = ["write_gemma_with_vision", "make_image", "image_tokenizer", "BOI_ID", "IMAGE_ID", "EOI_ID",
-           "VIDEO_ID", "VOCAB", "EOS_ID"]
+__all__ = [
+    "write_gemma_with_vision",
+    "make_image",
+    "image_tokenizer",
+    "BOI_ID",
+    "IMAGE_ID",
+    "EOI_ID",
+    "VIDEO_ID",
+    "VOCAB",
+    "EOS_ID",
+]

@@ -30,10 +30,25 @@ HYBRID_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 HYBRID_EOS, HYBRID_MASK = SDAR_EOS, 259
 
 
-def write_trida(path: Path, seed: int = 7, hidden: int = 64, n_layers: int = 4, n_heads: int = 4,
-                n_kv_heads: int = 2, head_dim: int = 16, inter: int = 128, linear_k_heads: int = 2,
-                linear_v_heads: int = 4, linear_k_dim: int = 32, linear_v_dim: int = 16, conv_kernel: int = 4,
-                bd_size: int = 8, tied: bool = True, layout: str = "trida", sidecar: bool = True) -> Path:
+def write_trida(
+    path: Path,
+    seed: int = 7,
+    hidden: int = 64,
+    n_layers: int = 4,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    head_dim: int = 16,
+    inter: int = 128,
+    linear_k_heads: int = 2,
+    linear_v_heads: int = 4,
+    linear_k_dim: int = 32,
+    linear_v_dim: int = 16,
+    conv_kernel: int = 4,
+    bd_size: int = 8,
+    tied: bool = True,
+    layout: str = "trida",
+    sidecar: bool = True,
+) -> Path:
     """A Qwen3.5 hybrid (layers 0-2 gated delta, 3 attention when n_layers = 4) in Trida's raw
     layout, or FLARE's (`layout="flare"`); `sidecar` False: the same weights as an ordinary
     Qwen3.5 checkpoint (what stock mlx-lm loads as its own qwen3_5)."""
@@ -75,28 +90,46 @@ def write_trida(path: Path, seed: int = 7, hidden: int = 64, n_layers: int = 4, 
     w["lm_head.weight"] = head.copy()
     text = {
         "model_type": "qwen3_5_text",
-        "vocab_size": VOCAB, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": n_layers,
-        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads, "head_dim": head_dim,
-        "linear_num_key_heads": linear_k_heads, "linear_num_value_heads": linear_v_heads,
-        "linear_key_head_dim": linear_k_dim, "linear_value_head_dim": linear_v_dim,
-        "linear_conv_kernel_dim": conv_kernel, "full_attention_interval": 4, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 2048, "tie_word_embeddings": tied, "hidden_act": "silu",
+        "vocab_size": VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "linear_num_key_heads": linear_k_heads,
+        "linear_num_value_heads": linear_v_heads,
+        "linear_key_head_dim": linear_k_dim,
+        "linear_value_head_dim": linear_v_dim,
+        "linear_conv_kernel_dim": conv_kernel,
+        "full_attention_interval": 4,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
         "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n_layers)],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         "eos_token_id": HYBRID_EOS,
     }
     if layout == "flare":
         w = {k.replace("model.", "model.language_model.", 1): v for k, v in w.items() if k != "lm_head.weight"} | (
-            {} if tied else {"lm_head.weight": w["lm_head.weight"]})
-        config = {"model_type": "qwen3_5", "architectures": ["Qwen3_5DLLMForConditionalGeneration"],
-                  "text_config": text, "tie_word_embeddings": tied, "eos_token_id": HYBRID_EOS}
+            {} if tied else {"lm_head.weight": w["lm_head.weight"]}
+        )
+        config = {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5DLLMForConditionalGeneration"],
+            "text_config": text,
+            "tie_word_embeddings": tied,
+            "eos_token_id": HYBRID_EOS,
+        }
     else:
         config = dict(text, architectures=["Qwen3_5ForCausalLM"])
     save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2))
     if sidecar:
-        (path / "block_diffusion.json").write_text(json.dumps({"bd_size": bd_size, "mask_id": HYBRID_MASK,
-                                                               "ar_loss_weight": 1.0}))
+        (path / "block_diffusion.json").write_text(
+            json.dumps({"bd_size": bd_size, "mask_id": HYBRID_MASK, "ar_loss_weight": 1.0})
+        )
     write_tokenizer(path, HYBRID_SPECIALS, "<|im_end|>", "<|mask|>", SDAR_TEMPLATE)
     return path
 
@@ -155,9 +188,19 @@ def force_bigram(path: Path, scale: float = 1.0, forced: Optional[int] = None) -
 LFM2_REAL_VOCAB = 300  # (the table's last 20 rows are padding, as LFM2.5's 64,400 of 65,536)
 
 
-def write_lfm2_diffusion(path: Path, seed: int = 11, hidden: int = 64, n_heads: int = 4, n_kv_heads: int = 2,
-                         inter: int = 128, layer_types: tuple = ("conv", "full_attention", "conv", "conv"),
-                         conv_cache: int = 3, cond: int = 32, frequencies: int = 16, block: int = 32) -> Path:
+def write_lfm2_diffusion(
+    path: Path,
+    seed: int = 11,
+    hidden: int = 64,
+    n_heads: int = 4,
+    n_kv_heads: int = 2,
+    inter: int = 128,
+    layer_types: tuple = ("conv", "full_attention", "conv", "conv"),
+    conv_cache: int = 3,
+    cond: int = 32,
+    frequencies: int = 16,
+    block: int = 32,
+) -> Path:
     """LFM2.5-350M-Diffusion's layout (Liquid4All/sglang-diffusion-lfm python/sglang/srt/models/
     lfm2_diffusion.py): transformers' LFM2 names (`conv.conv.weight` as (C, 1, L), tied head),
     plus `model.sigma_embed.mlp.{0,2}`, `model.adaln_proj.1`, `model.adaln_block_emb`,
@@ -166,8 +209,10 @@ def write_lfm2_diffusion(path: Path, seed: int = 11, hidden: int = 64, n_heads: 
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     hd = hidden // n_heads
-    w = {"model.embed_tokens.weight": (rng.standard_normal((VOCAB, hidden)) * 0.5).astype(np.float32),
-         "model.embedding_norm.weight": _ones_jitter(rng, hidden)}
+    w = {
+        "model.embed_tokens.weight": (rng.standard_normal((VOCAB, hidden)) * 0.5).astype(np.float32),
+        "model.embedding_norm.weight": _ones_jitter(rng, hidden),
+    }
     for i, kind in enumerate(layer_types):
         b = f"model.layers.{i}."
         if kind == "conv":
@@ -199,15 +244,35 @@ def write_lfm2_diffusion(path: Path, seed: int = 11, hidden: int = 64, n_heads: 
     w["model.selfcond_ffn.2.weight"] = _linear(rng, hidden, hidden)
     save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
     config = {
-        "architectures": ["Lfm2ForBlockDiffusion"], "model_type": "lfm2_diffusion",
-        "vocab_size": VOCAB, "real_vocab_size": LFM2_REAL_VOCAB, "hidden_size": hidden, "intermediate_size": inter,
-        "num_hidden_layers": len(layer_types), "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
-        "max_position_embeddings": 2048, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": conv_cache,
-        "block_dim": hidden, "block_ff_dim": inter, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
-        "block_auto_adjust_ff_dim": False, "layer_types": list(layer_types), "rope_theta": 1000000.0,
-        "tie_embedding": True, "eos_token_id": HYBRID_EOS, "pad_token_id": HYBRID_EOS,
-        "sigma_cond_dim": cond, "sigma_freq_embedding_size": frequencies, "selfcond_ffn_bias": True,
-        "self_conditioning": True, "adaln_conditioning": True, "diffusion_block_size": block,
+        "architectures": ["Lfm2ForBlockDiffusion"],
+        "model_type": "lfm2_diffusion",
+        "vocab_size": VOCAB,
+        "real_vocab_size": LFM2_REAL_VOCAB,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": len(layer_types),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "max_position_embeddings": 2048,
+        "norm_eps": 1e-5,
+        "conv_bias": False,
+        "conv_L_cache": conv_cache,
+        "block_dim": hidden,
+        "block_ff_dim": inter,
+        "block_multiple_of": 256,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "layer_types": list(layer_types),
+        "rope_theta": 1000000.0,
+        "tie_embedding": True,
+        "eos_token_id": HYBRID_EOS,
+        "pad_token_id": HYBRID_EOS,
+        "sigma_cond_dim": cond,
+        "sigma_freq_embedding_size": frequencies,
+        "selfcond_ffn_bias": True,
+        "self_conditioning": True,
+        "adaln_conditioning": True,
+        "diffusion_block_size": block,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(path, HYBRID_SPECIALS, "<|endoftext|>", "<|mask|>", SDAR_TEMPLATE)

@@ -23,8 +23,9 @@ from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB, _linear, _norm, 
 NEMOTRON_MASK_ID = 260  # <|mdm_mask|> in the test tokenizer (100 in the released checkpoints)
 
 
-def write_nemotron(path: Path, seed: int = 3, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                   head_dim=16, inter=128, max_len=512) -> Path:
+def write_nemotron(
+    path: Path, seed: int = 3, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, inter=128, max_len=512
+) -> Path:
     """Nemotron-Labs Diffusion layout: encoder.{embed_tokens, layers.N.*, norm}, diffusion_head."""
     path.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -89,18 +90,39 @@ def diffusion_gemma_config(canvas_length=16, sliding_window=8, **text):
     from transformers import DiffusionGemmaConfig
 
     text_config = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-        num_global_key_value_heads=1, sliding_window=sliding_window,
-        layer_types=["sliding_attention", "full_attention"], num_experts=4, top_k_experts=2,
-        moe_intermediate_size=32, max_position_embeddings=512, eos_token_id=EOS_ID,
-        pad_token_id=EOS_ID, bos_token_id=2, use_bidirectional_attention="vision",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=1,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention", "full_attention"],
+        num_experts=4,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        max_position_embeddings=512,
+        eos_token_id=EOS_ID,
+        pad_token_id=EOS_ID,
+        bos_token_id=2,
+        use_bidirectional_attention="vision",
     )
     text_config.update(text)
-    vision_config = dict(model_type="gemma4_vision", hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16)
-    return DiffusionGemmaConfig(text_config=text_config, vision_config=vision_config,
-                                canvas_length=canvas_length, eos_token_id=EOS_ID)
+    vision_config = dict(
+        model_type="gemma4_vision",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    return DiffusionGemmaConfig(
+        text_config=text_config, vision_config=vision_config, canvas_length=canvas_length, eos_token_id=EOS_ID
+    )
 
 
 def random_diffusion_gemma(config, seed: int = 4):
@@ -148,8 +170,7 @@ def write_diffusion_gemma(path: Path, seed: int = 4, **config_kwargs) -> Path:
 ATTRACTORS = (40, 41, 42)
 
 
-def write_speculable_nemotron(path: Path, attractors=ATTRACTORS, strength: float = 1.0, seed: int = 0,
-                              **dims) -> Path:
+def write_speculable_nemotron(path: Path, attractors=ATTRACTORS, strength: float = 1.0, seed: int = 0, **dims) -> Path:
     """write_nemotron's checkpoint (dims: its sizes), made partly predictable; one attractor
     and a strength of 3 give a model whose drafts are accepted whole."""
     write_nemotron(path, **dims)

@@ -30,8 +30,15 @@ def ours(model, tokenizer, ids: list, tokens: int, **options) -> Callable:
     return run
 
 
-def race(checkpoints: Sequence[tuple], as_stock: Callable, label: str, prompt: str, tokens: int = 128,
-         pairs: int = 5, strides: Sequence[int] = (2, 4, 8)) -> None:
+def race(
+    checkpoints: Sequence[tuple],
+    as_stock: Callable,
+    label: str,
+    prompt: str,
+    tokens: int = 128,
+    pairs: int = 5,
+    strides: Sequence[int] = (2, 4, 8),
+) -> None:
     """Print the table: `checkpoints` are (name, writer(path) -> path), `as_stock(path, to)` the
     same weights as a checkpoint of mlx-lm's own (its greedy decode is the reference)."""
     import mlx_lm
@@ -39,17 +46,22 @@ def race(checkpoints: Sequence[tuple], as_stock: Callable, label: str, prompt: s
 
     import mlx_lm_diffusion as mld
 
-    print(f"{'weights':8} {'N':>2} {'mlx-lm tok/s':>13} {label + ' tok/s':>12} {'forwards':>9} {'tok/fwd':>8} "
-          f"{'time ratio':>10} identical")
+    print(
+        f"{'weights':8} {'N':>2} {'mlx-lm tok/s':>13} {label + ' tok/s':>12} {'forwards':>9} {'tok/fwd':>8} "
+        f"{'time ratio':>10} identical"
+    )
     for name, write in checkpoints:
         with tempfile.TemporaryDirectory() as tmp:
             path = write(Path(tmp) / name)
             model, tok = mld.load(str(path))
             stock, stock_tok = mlx_lm.load(str(as_stock(path, Path(tmp) / "stock")))
             ids = tok.encode(prompt)
+
             def ref(stock=stock, stock_tok=stock_tok, ids=ids):
-                return [r.token for r in mlx_lm.stream_generate(stock, stock_tok, ids, max_tokens=tokens,
-                                                                sampler=make_sampler(0.0))]
+                return [
+                    r.token
+                    for r in mlx_lm.stream_generate(stock, stock_tok, ids, max_tokens=tokens, sampler=make_sampler(0.0))
+                ]
 
             for n in strides:
                 mine = ours(model, tok, ids, tokens, block_length=n)
@@ -60,5 +72,8 @@ def race(checkpoints: Sequence[tuple], as_stock: Callable, label: str, prompt: s
                 decoded, forwards = runs[0][1][1]
                 same = all(r[1] == o[1][0] for r, o in runs)
                 k = len(decoded)
-                print(f"{name:8} {n:2} {k / t_ref:13.1f} {k / t_ours:12.1f} {forwards:9} "
-                      f"{k / forwards:8.2f} {ratio:10.2f} {same}", flush=True)
+                print(
+                    f"{name:8} {n:2} {k / t_ref:13.1f} {k / t_ours:12.1f} {forwards:9} "
+                    f"{k / forwards:8.2f} {ratio:10.2f} {same}",
+                    flush=True,
+                )

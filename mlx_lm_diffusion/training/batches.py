@@ -17,11 +17,11 @@ from mlx_lm.tuner.trainer import iterate_batches as mlx_lm_iterate_batches
 VALIDATION_ORDER_SEED = 0
 
 
-def iterate_batches(dataset: Any, batch_size: int, max_seq_length: int, loop: bool = False, seed: Any = None,
-                    comm_group: Any = None) -> Iterator:
+def iterate_batches(
+    dataset: Any, batch_size: int, max_seq_length: int, loop: bool = False, seed: Any = None, comm_group: Any = None
+) -> Iterator:
     """mlx_lm.tuner.trainer.iterate_batches; one pass (loop=False) in a fixed order."""
-    batches = mlx_lm_iterate_batches(dataset, batch_size, max_seq_length, loop=loop, seed=seed,
-                                     comm_group=comm_group)
+    batches = mlx_lm_iterate_batches(dataset, batch_size, max_seq_length, loop=loop, seed=seed, comm_group=comm_group)
     if loop or seed is not None:
         yield from batches
         return

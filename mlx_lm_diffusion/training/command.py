@@ -48,7 +48,7 @@ PROG = "mlx_lm_diffusion.lora"
 # Model types this command refuses, with the reason.
 UNTRAINABLE = {
     "diffusion_gemma": "DiffusionGemma is not supported: its uniform-noise training objective has no published "
-                       "reference to reproduce",
+    "reference to reproduce",
 }
 
 
@@ -57,11 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = mlx_lm_parser()
     parser.prog = PROG
-    parser.description = ("LoRA, DoRA or full fine-tuning of a diffusion language model with its family's own "
-                          "training objective (mlx_lm.lora's flags, config file and data formats).")
-    parser.add_argument("--objective", choices=OBJECTIVES, default=None,
-                        help="diffusion: the family's masked-diffusion objective (default); ar: next-token "
-                             "cross-entropy, for Nemotron-Labs Diffusion's autoregressive mode")
+    parser.description = (
+        "LoRA, DoRA or full fine-tuning of a diffusion language model with its family's own "
+        "training objective (mlx_lm.lora's flags, config file and data formats)."
+    )
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default=None,
+        help="diffusion: the family's masked-diffusion objective (default); ar: next-token "
+        "cross-entropy, for Nemotron-Labs Diffusion's autoregressive mode",
+    )
     return one_line_errors(parser)
 
 
@@ -78,8 +84,9 @@ def resolve_args(args: argparse.Namespace) -> types.SimpleNamespace:
             except yaml.YAMLError as e:  # (a syntax error, or a tag such as !!python/... that it never runs)
                 where = getattr(e, "problem_mark", None)
                 at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
-                raise ValueError(f"--config {args.config} is not valid YAML{at}: "
-                                 f"{getattr(e, 'problem', None) or e}") from None
+                raise ValueError(
+                    f"--config {args.config} is not valid YAML{at}: {getattr(e, 'problem', None) or e}"
+                ) from None
         if not isinstance(config, dict):
             raise ValueError(f"--config {args.config} must hold a YAML mapping of options")
         for key, value in config.items():
@@ -99,13 +106,17 @@ def check_data(args: types.SimpleNamespace) -> None:
     data = str(args.data)
     hf_dataset = getattr(args, "hf_dataset", None)
     if hf_dataset is not None and not isinstance(hf_dataset, (dict, list)):
-        raise ValueError(f"hf_dataset must be a mapping (path, train_split, valid_split, ...) or a list of them, "
-                         f"as mlx_lm.lora's config takes it, not {hf_dataset!r}")
+        raise ValueError(
+            f"hf_dataset must be a mapping (path, train_split, valid_split, ...) or a list of them, "
+            f"as mlx_lm.lora's config takes it, not {hf_dataset!r}"
+        )
     if hf_dataset or Path(data).exists():
         return
     if data.startswith((".", "/", "~")) or data.count("/") != 1:
-        raise ValueError(f"no data at {data}: give a directory with train.jsonl and valid.jsonl "
-                         "(a Hugging Face dataset is named 'namespace/name')")
+        raise ValueError(
+            f"no data at {data}: give a directory with train.jsonl and valid.jsonl "
+            "(a Hugging Face dataset is named 'namespace/name')"
+        )
 
 
 def check_trainable(model: str) -> None:
@@ -117,8 +128,7 @@ def check_trainable(model: str) -> None:
     if model_type in UNTRAINABLE:
         raise ValueError(UNTRAINABLE[model_type])
     if model_type not in FAMILIES:
-        raise ValueError(f"{model} is not a diffusion model (model_type {model_type!r}): fine-tune it with "
-                         "mlx_lm.lora")
+        raise ValueError(f"{model} is not a diffusion model (model_type {model_type!r}): fine-tune it with mlx_lm.lora")
 
 
 def read_local_data(args: types.SimpleNamespace, tokenizer: Any) -> None:
@@ -132,12 +142,18 @@ def read_local_data(args: types.SimpleNamespace, tokenizer: Any) -> None:
     splits = tuple(s for s, on in (("train", args.train), ("valid", args.train), ("test", args.test)) if on)
     data = read_data(args.data, tokenizer, splits)
     if data.unknown_characters:
-        print(f"warning: {data.unknown_characters} characters of {args.data} are outside the model's vocabulary "
-              "and train as its unknown token", file=sys.stderr)
+        print(
+            f"warning: {data.unknown_characters} characters of {args.data} are outside the model's vocabulary "
+            "and train as its unknown token",
+            file=sys.stderr,
+        )
     if data.supervised and not args.mask_prompt:
         args.mask_prompt = True
-        print(f"{data.format} data: trained as supervised fine-tuning (the prompt never masked, the answers "
-              "padded with EOS), as --mask-prompt does", file=sys.stderr)
+        print(
+            f"{data.format} data: trained as supervised fine-tuning (the prompt never masked, the answers "
+            "padded with EOS), as --mask-prompt does",
+            file=sys.stderr,
+        )
 
 
 def objective_of(model: Any, tokenizer: Any, args: Any) -> Objective:
@@ -158,8 +174,10 @@ def _eos_id(adapter: Any, tokenizer: Any) -> int:
         return eos
     if adapter.eos_ids:
         return min(adapter.eos_ids)
-    raise ValueError("the checkpoint names no EOS token (config.json's eos_token_id or the tokenizer's): "
-                     "supervised fine-tuning pads answers with it")
+    raise ValueError(
+        "the checkpoint names no EOS token (config.json's eos_token_id or the tokenizer's): "
+        "supervised fine-tuning pads answers with it"
+    )
 
 
 @contextmanager
@@ -191,11 +209,13 @@ def run(args: types.SimpleNamespace) -> None:
     check_trainable(args.model)
     resume = getattr(args, "resume_adapter_file", None)
     if resume and not Path(resume).is_file():
-        raise ValueError(f"--resume-adapter-file {resume}: no such file (an adapters.safetensors written by "
-                         "an earlier run)")
+        raise ValueError(
+            f"--resume-adapter-file {resume}: no such file (an adapters.safetensors written by an earlier run)"
+        )
     np.random.seed(args.seed)
-    callback = reporting_callbacks(args.report_to, project_name=args.project_name, log_dir=args.adapter_path,
-                                       config=vars(args))
+    callback = reporting_callbacks(
+        args.report_to, project_name=args.project_name, log_dir=args.adapter_path, config=vars(args)
+    )
     print("Loading pretrained model", file=sys.stderr)
     model, tokenizer = load(args.model, trust_remote_code=args.trust_remote_code)
     read_local_data(args, tokenizer)

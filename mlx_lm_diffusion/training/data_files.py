@@ -59,8 +59,10 @@ def read_data(data: Any, tokenizer: Any, splits: tuple = SPLITS) -> DataFiles:
                 if found is None:
                     found = (kind, path, number)
                 elif kind != found[0]:
-                    raise ValueError(f"{path} line {number}: a {kind} record, but {found[1].name} line {found[2]} "
-                                     f"is {found[0]}: use one format for all the data")
+                    raise ValueError(
+                        f"{path} line {number}: a {kind} record, but {found[1].name} line {found[2]} "
+                        f"is {found[0]}: use one format for all the data"
+                    )
                 unknown += _unknown_characters(tokenizer, text)
                 records += 1
         if records == 0 and split == "train":
@@ -79,8 +81,10 @@ def _record(path: Path, number: int, line: str) -> tuple[str, str]:
     for kind, keys in FORMATS:
         if all(k in record for k in keys):
             return kind, _text(path, number, kind, record)
-    raise ValueError(f"{path} line {number}: a record needs 'text', 'prompt' and 'completion', or 'messages' "
-                     f"(it has {sorted(record)[:6]})")
+    raise ValueError(
+        f"{path} line {number}: a record needs 'text', 'prompt' and 'completion', or 'messages' "
+        f"(it has {sorted(record)[:6]})"
+    )
 
 
 def _text(path: Path, number: int, kind: str, record: dict) -> str:

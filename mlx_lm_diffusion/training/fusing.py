@@ -35,16 +35,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Fuse fine-tuned adapters into a diffusion model.")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--save-path", default="fused_model", help="The path to save the fused model.")
-    p.add_argument("--adapter-path", type=str, default="adapters",
-                   help="Path to the trained adapter weights and config.")
+    p.add_argument(
+        "--adapter-path", type=str, default="adapters", help="Path to the trained adapter weights and config."
+    )
     p.add_argument("--dequantize", action="store_true", help="Generate a dequantized model.")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="Enable trusting remote code for tokenizer/model loading.")
+    p.add_argument(
+        "--trust-remote-code", action="store_true", help="Enable trusting remote code for tokenizer/model loading."
+    )
     return one_line_errors(p)
 
 
-def fuse(model_path: str, adapter_path: str, save_path: str, dequantize: bool = False,
-         trust_remote_code: bool = False) -> Path:
+def fuse(
+    model_path: str, adapter_path: str, save_path: str, dequantize: bool = False, trust_remote_code: bool = False
+) -> Path:
     """Merge the adapters at `adapter_path` into the model at `model_path`; the fused
     checkpoint is written to `save_path` (returned)."""
     from mlx.utils import tree_unflatten
@@ -56,8 +59,9 @@ def fuse(model_path: str, adapter_path: str, save_path: str, dequantize: bool = 
     source = _download(model_path)
     model, tokenizer = load(str(source), adapter_path=adapter_path, trust_remote_code=trust_remote_code)
     config = read_config(source)
-    fused = [(name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules()
-             if hasattr(module, "fuse")]
+    fused = [
+        (name, module.fuse(dequantize=dequantize)) for name, module in model.named_modules() if hasattr(module, "fuse")
+    ]
     if fused:
         model.update_modules(tree_unflatten(fused))
     if dequantize:
@@ -75,8 +79,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
 
     def work() -> None:
-        path = fuse(model_or_demo(args.model), args.adapter_path, args.save_path, args.dequantize,
-                    args.trust_remote_code)
+        path = fuse(
+            model_or_demo(args.model), args.adapter_path, args.save_path, args.dequantize, args.trust_remote_code
+        )
         print(f"fused model saved to {path}", file=sys.stderr)
 
     return exit_status(work)

@@ -90,8 +90,16 @@ class Objective:
     evaluation mode instead (training.validation.ElboValidation), or None to use the
     training loss there too."""
 
-    def __init__(self, mask_id: int, layout: BoundLayout, normalize: str = "tokens", autoregressive: bool = False,
-                 shift: int = 0, validation: Any = None, pad_id: Optional[int] = None):
+    def __init__(
+        self,
+        mask_id: int,
+        layout: BoundLayout,
+        normalize: str = "tokens",
+        autoregressive: bool = False,
+        shift: int = 0,
+        validation: Any = None,
+        pad_id: Optional[int] = None,
+    ):
         if normalize not in ("answer", "tokens"):
             raise ValueError(f"normalize must be 'answer' or 'tokens', got {normalize!r}")
         self.mask_id = int(mask_id)
@@ -105,8 +113,7 @@ class Objective:
         self.validation = validation
         self.pad_id = pad_id  # None: padding stays out of the loss and the attention
 
-    def __call__(self, model: nn.Module, batch: mx.array, lengths: mx.array,
-                 noise: Optional[Noise] = None) -> tuple:
+    def __call__(self, model: nn.Module, batch: mx.array, lengths: mx.array, noise: Optional[Noise] = None) -> tuple:
         if self.pad_id is not None:
             batch, lengths = self.padded(batch, lengths)
         if not model.training and noise is None and self.validation is not None:
@@ -190,8 +197,13 @@ class Objective:
         return per_row.sum() / mx.maximum(total, 1), total
 
 
-def objective_for(adapter: Any, objective: str = "diffusion", normalize: str = "tokens",
-                  validation: Any = None, pad_id: Optional[int] = None) -> Objective:
+def objective_for(
+    adapter: Any,
+    objective: str = "diffusion",
+    normalize: str = "tokens",
+    validation: Any = None,
+    pad_id: Optional[int] = None,
+) -> Objective:
     """The family's objective from its adapter (ValueError: one it cannot train with);
     `pad_id` (EOS, for supervised fine-tuning): LLaDA's SFT padding, trained."""
     if objective not in OBJECTIVES:
@@ -199,10 +211,17 @@ def objective_for(adapter: Any, objective: str = "diffusion", normalize: str = "
     layout = bound_layout(adapter)  # (refuses uniform-noise and autoregressive adapters)
     if objective == "ar":
         if layout.kind != "prefix":
-            raise ValueError(f"{adapter.family} has no autoregressive mode to train: --objective ar is "
-                             "Nemotron-Labs Diffusion's")
+            raise ValueError(
+                f"{adapter.family} has no autoregressive mode to train: --objective ar is Nemotron-Labs Diffusion's"
+            )
         return Objective(adapter.mask_id, layout, normalize, autoregressive=True)
     if layout.kind == "prefix":  # Nemotron: the block size it was trained with, over the decoding default
         layout = BoundLayout("prefix", int(getattr(adapter.model.args, "block_size", layout.block)), True)
-    return Objective(adapter.mask_id, layout, normalize, shift=int(getattr(adapter, "shift", 0)),
-                     validation=validation, pad_id=pad_id)
+    return Objective(
+        adapter.mask_id,
+        layout,
+        normalize,
+        shift=int(getattr(adapter, "shift", 0)),
+        validation=validation,
+        pad_id=pad_id,
+    )

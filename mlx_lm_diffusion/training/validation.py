@@ -39,8 +39,14 @@ class ElboValidation:
             if length <= start:
                 continue
             sequence = row[:length].tolist()
-            estimate = estimate_log_likelihood(self.adapter, sequence[:start], sequence[start:], samples=self.samples,
-                                               batch_size=self.samples, seed=[self.seed, *sequence])
+            estimate = estimate_log_likelihood(
+                self.adapter,
+                sequence[:start],
+                sequence[start:],
+                samples=self.samples,
+                batch_size=self.samples,
+                seed=[self.seed, *sequence],
+            )
             total -= estimate.log_likelihood
             count += int(length) - start
         return mx.array(total / max(count, 1), dtype=mx.float32), mx.array(count)

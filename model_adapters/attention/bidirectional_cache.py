@@ -74,7 +74,8 @@ from model_adapters.runtime.batched import (
 CACHE_MODES = ("prefix", "dual")
 
 CACHE_OPTION = Option(
-    "cache", str,
+    "cache",
+    str,
     "LLaDA / Dream: Fast-dLLM's approximate KV cache: prefix (keep the keys and values before the "
     "block) or dual (keep every position outside the block); default none, exact",
     choices=CACHE_MODES,
@@ -119,8 +120,9 @@ class BatchWindowCache:
         return self.keys, self.values
 
 
-def batch_window_forward(backbone: Callable, tokens: mx.array, offset: mx.array, positions: mx.array,
-                         mask: mx.array, *kept: mx.array) -> mx.array:
+def batch_window_forward(
+    backbone: Callable, tokens: mx.array, offset: mx.array, positions: mx.array, mask: mx.array, *kept: mx.array
+) -> mx.array:
     """The backbone over the rows' windows `tokens` (B, W) over their stacked kept keys and
     values (k0, v0, k1, v1, ...: (B, H, K, D) per layer); `mask` (B, 1, 1, K): the keys a
     row has (its canvas's positions). The hidden states (B, W, hidden)."""
@@ -221,8 +223,9 @@ class BidirectionalCacheAdapter(_BaseAdapter):
     def _open_blocks(self, requests: list) -> list:
         """Several rows' block-first steps: full-canvas forwards batched as without a cache
         (bidirectional_batch), each row keeping its own keys and values as `_open_block` does."""
-        return bidirectional_batch(self, requests, self.shift,
-                                   keep=lambda r, hidden, kept: self._keep(r.state, r.start, hidden, kept))
+        return bidirectional_batch(
+            self, requests, self.shift, keep=lambda r, hidden, kept: self._keep(r.state, r.start, hidden, kept)
+        )
 
     def _open_block(self, state: CacheState, canvas: mx.array, start: int, end: int) -> mx.array:
         """The block's first step: the whole canvas, keeping every layer's keys and values
@@ -271,8 +274,15 @@ def cached_window_batch(adapter: BidirectionalCacheAdapter, requests: list) -> l
     positions = mx.array((starts[:, None] + np.arange(width)[None, :]).astype(np.int32))[:, None, :, None]
     mask = mx.array(np.arange(keys_width)[None, :] < lengths[:, None])[:, None, None, :]
     kept = stacked_kept(adapter, [r.state for r in requests], keys_width)
-    forward = _compiled(adapter, ("fast-dllm window",), lambda: partial(batch_window_forward, adapter.model.backbone),
-                        tokens, positions, mask, *kept)
+    forward = _compiled(
+        adapter,
+        ("fast-dllm window",),
+        lambda: partial(batch_window_forward, adapter.model.backbone),
+        tokens,
+        positions,
+        mask,
+        *kept,
+    )
     hidden = forward(tokens, mx.array(starts.astype(np.int32)), positions, mask, *kept)
     if adapter.shift:  # position `start` from the block's first forward, start + i from window row i - 1
         first = mx.concatenate([r.state.first_hidden for r in requests], axis=0).astype(hidden.dtype)
@@ -290,8 +300,12 @@ def stacked_kept(adapter: Any, states: list, width: int) -> list:
     memo = getattr(adapter, "_stacked_kept", None)
     # (the memo holds the states, so `is` compares live objects, never reused ids; not
     # their kept arrays, whose in-place window writes a second holder would turn into copies)
-    if memo is not None and memo[0] == width and len(memo[1]) == len(blocks) and all(
-            a is b and start == begun for (a, start), (b, begun) in zip(memo[1], blocks)):
+    if (
+        memo is not None
+        and memo[0] == width
+        and len(memo[1]) == len(blocks)
+        and all(a is b and start == begun for (a, start), (b, begun) in zip(memo[1], blocks))
+    ):
         return memo[2]
 
     def padded(a: mx.array) -> mx.array:
@@ -304,4 +318,16 @@ def stacked_kept(adapter: Any, states: list, width: int) -> list:
     return stacked
 
 
-__all__ = ["BatchWindowCache", "batch_window_forward", "cached_window_batch", "stacked_kept", "BidirectionalCacheAdapter", "CACHE_MODES", "CACHE_OPTION", "CaptureCache", "WindowCache", "window_forward", "FAST_PRESET"]
+__all__ = [
+    "BatchWindowCache",
+    "batch_window_forward",
+    "cached_window_batch",
+    "stacked_kept",
+    "BidirectionalCacheAdapter",
+    "CACHE_MODES",
+    "CACHE_OPTION",
+    "CaptureCache",
+    "WindowCache",
+    "window_forward",
+    "FAST_PRESET",
+]

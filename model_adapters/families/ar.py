@@ -47,8 +47,10 @@ class ArAdapter(Adapter):
         distribution): an edit of a committed one would write filler tokens; refuse it
         before anything runs (a rule committing other positions: `predicts_next_only`)."""
         if options.editing_threshold is not None:
-            raise ValueError("editing_threshold does not apply to the autoregressive adapter: it predicts "
-                             "only the next token, never a committed one; drop it")
+            raise ValueError(
+                "editing_threshold does not apply to the autoregressive adapter: it predicts "
+                "only the next token, never a committed one; drop it"
+            )
 
     # Only the next position has a prediction: the decoding layer refuses, before
     # anything runs, a rule that would commit any other (commit_rules.commits_next_only).
@@ -122,11 +124,13 @@ class ArAdapter(Adapter):
         if len(batchable) < 2:
             return super().predict_batch(requests)
 
-        out = [None if i in batchable else self.predict(r.state, r.canvas, r.start, r.end)
-               for i, r in enumerate(requests)]
+        out = [
+            None if i in batchable else self.predict(r.state, r.canvas, r.start, r.end) for i, r in enumerate(requests)
+        ]
         rows = [requests[i] for i in batchable]
-        logits = batched.causal_feed_batch(self.model, [r.state["cache"] for r in rows],
-                                   [r.canvas[:, r.state["fed"] : r.start] for r in rows])
+        logits = batched.causal_feed_batch(
+            self.model, [r.state["cache"] for r in rows], [r.canvas[:, r.state["fed"] : r.start] for r in rows]
+        )
         for i, r, row_logits in zip(batchable, rows, logits):
             r.state["fed"], r.state["block"], r.state["next"] = r.start, r.start, row_logits
             out[i] = row_logits
@@ -137,9 +141,13 @@ class ArAdapter(Adapter):
 
     def _next_token_step(self, request: Any) -> bool:
         state = request.state
-        return (request.end - request.start == 1 and state["block"] != request.start
-                and not getattr(self, "editing", False) and request.start > state["fed"]
-                and all(type(c) is KVCache for c in state["cache"]))
+        return (
+            request.end - request.start == 1
+            and state["block"] != request.start
+            and not getattr(self, "editing", False)
+            and request.start > state["fed"]
+            and all(type(c) is KVCache for c in state["cache"])
+        )
 
     def _feed(self, state: dict, tokens: mx.array) -> None:
         out = self.model(tokens, cache=state["cache"])[:, -1:]  # (1, 1, V)

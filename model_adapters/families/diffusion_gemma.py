@@ -59,11 +59,17 @@ class ModelArgs(BaseModelArgs):
         if t.get("use_bidirectional_attention") == "all":
             raise ValueError("DiffusionGemma with use_bidirectional_attention='all' is not supported")
         n = t.get("num_hidden_layers", 30)
-        layer_types = t.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+        layer_types = t.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)
+        ]
         layer_types[-1] = "full_attention"  # as transformers forces
         # transformers writes the full-attention layers' head size and KV heads into
         # per_layer_config (keyed by layer index); the released configs have them top-level
-        full = [dict((t.get("per_layer_config") or {}).get(str(i), {})) for i, k in enumerate(layer_types) if k == "full_attention"]
+        full = [
+            dict((t.get("per_layer_config") or {}).get(str(i), {}))
+            for i, k in enumerate(layer_types)
+            if k == "full_attention"
+        ]
         if any(f != full[0] for f in full):
             raise ValueError("DiffusionGemma full-attention layers with different shapes are not supported")
         global_head_dim = t.get("global_head_dim") or full[0].get("head_dim") or 512
@@ -108,9 +114,15 @@ class Layer(nn.Module):
         self.mlp = gemma4_text.MLP(args, idx)
         self.router = gemma4_text.Router(args)
         self.experts = gemma4_text.Experts(args)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm", "post_feedforward_layernorm_1",
-                     "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+            "post_feedforward_layernorm_1",
+            "post_feedforward_layernorm_2",
+            "pre_feedforward_layernorm_2",
+        ):
             setattr(self, name, nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps))
         self.layer_scalar = mx.ones((1,))
 
@@ -238,8 +250,9 @@ class Model(DiffusionModel):
             h = layer(h, masks[layer.layer_type], c, s.layer_scalar)
         return d.norm(h)
 
-    def _with_images(self, inputs: mx.array, h: mx.array, offset: int, vision: gemma_vision.VisionInputs,
-                     masks: dict) -> tuple:
+    def _with_images(
+        self, inputs: mx.array, h: mx.array, offset: int, vision: gemma_vision.VisionInputs, masks: dict
+    ) -> tuple:
         if not self.has_vision:
             raise ValueError("this DiffusionGemma checkpoint has no vision tower; it takes text only")
         a, enc = self.args, self.model.encoder
@@ -301,11 +314,14 @@ class Model(DiffusionModel):
         d = self.model.decoder
         d.embed_tokens = VocabShardedEmbedding(d.embed_tokens, group)
 
-    def decode(self, canvas: mx.array, cache: list, self_conditioning: Optional[mx.array] = None,
-               top_k: int = 0) -> mx.array:
+    def decode(
+        self, canvas: mx.array, cache: list, self_conditioning: Optional[mx.array] = None, top_k: int = 0
+    ) -> mx.array:
         """Softcapped logits (B, C, V) of the decoder over `canvas`, on top of the cached
         prefix (`top_k`: the cheaper self-conditioning, see `_soft_embeddings`)."""
-        return self.head(self.decoder_hidden(canvas, self.prefix_views(cache), self.soft_input(self_conditioning, top_k)))
+        return self.head(
+            self.decoder_hidden(canvas, self.prefix_views(cache), self.soft_input(self_conditioning, top_k))
+        )
 
     def decode_top_k(self, canvas: mx.array, cache: list, self_conditioning: Optional[tuple], k: int) -> tuple:
         """The cheaper step's forward: the k largest logits of every position, softcapped
@@ -313,7 +329,9 @@ class Model(DiffusionModel):
         ones, so the softcap runs on k values, not the vocabulary), as (values (B, C, k)
         float32, token ids (B, C, k)). `self_conditioning`: the previous step's
         (scaled values, ids), whose k embedding rows make the soft embeddings."""
-        return self.top_k_head(self.decoder_hidden(canvas, self.prefix_views(cache), self.soft_input(self_conditioning)), k)
+        return self.top_k_head(
+            self.decoder_hidden(canvas, self.prefix_views(cache), self.soft_input(self_conditioning)), k
+        )
 
     def top_k_head(self, hidden: mx.array, k: int) -> tuple:
         """`decode_top_k`'s (values, ids) of the decoder's hidden states."""
@@ -345,8 +363,9 @@ class Model(DiffusionModel):
             return _soft_from_top_k(self.model.decoder.embed_tokens, *self_conditioning) * self.embed_scale
         return self._soft_embeddings(self_conditioning, top_k)
 
-    def decoder_hidden(self, canvas: mx.array, views: list, soft: Optional[mx.array],
-                       masks: Optional[list] = None) -> mx.array:
+    def decoder_hidden(
+        self, canvas: mx.array, views: list, soft: Optional[mx.array], masks: Optional[list] = None
+    ) -> mx.array:
         """The decoder's final hidden states over `canvas` (B, C), each layer attending to
         its view's cached prefix and the canvas (`masks`: per layer, None: every key)."""
         d = self.model.decoder
@@ -356,9 +375,14 @@ class Model(DiffusionModel):
             h = layer(h, mask, view, layer.layer_scalar)
         return d.norm(h)
 
-    def __call__(self, inputs: mx.array, cache=None, canvas: Optional[mx.array] = None,
-                 self_conditioning: Optional[mx.array] = None,
-                 vision: Optional[gemma_vision.VisionInputs] = None) -> mx.array:
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache=None,
+        canvas: Optional[mx.array] = None,
+        self_conditioning: Optional[mx.array] = None,
+        vision: Optional[gemma_vision.VisionInputs] = None,
+    ) -> mx.array:
         """Encode `inputs` (with its images' features when `vision` is given) causally into
         `cache` (a fresh one if None); return the decoder's logits over `canvas` when
         given, else the encoder's own (causal) logits."""
@@ -399,8 +423,9 @@ def _materialize_buffers(model: nn.Module) -> None:
     frequencies as `_freqs`), which loading never evaluates: left lazy, they stay tied to
     the loading thread's stream, and the first forward on another thread (the server's
     protocol route runs on its handler thread) fails with "There is no Stream(cpu, 0)"."""
-    buffers = [v for _, m in model.named_modules() for k, v in m.items()
-               if k.startswith("_") and isinstance(v, mx.array)]
+    buffers = [
+        v for _, m in model.named_modules() for k, v in m.items() if k.startswith("_") and isinstance(v, mx.array)
+    ]
     mx.eval(buffers)
 
 
@@ -423,21 +448,43 @@ class Adapter(_BaseAdapter):
     defaults = FamilyDefaults(block_length=256, strategy="entropy_bound", steps=48, entropy_bound=0.1)
     decoder = "uniform_canvas"
     options = (
-        Option("t_min", float, "DiffusionGemma: temperature at a canvas's last step", default=0.4,
-               low=0.0, low_open=True),
-        Option("t_max", float, "DiffusionGemma: temperature at a canvas's first step", default=0.8,
-               low=0.0, low_open=True),
-        Option("stability_threshold", int, "DiffusionGemma: stop a row once its argmax canvas "
-               "repeats this many times (and is confident)", default=1, low=1),
-        Option("confidence_threshold", float, "DiffusionGemma: ... and its mean entropy is below this",
-               default=0.005, low=0.0),
-        Option("fast_self_conditioning", bool, "DiffusionGemma: self-condition from the top-k scaled logits "
-               "only (renormalised; k embedding rows per position) instead of the whole vocabulary: a "
-               "cheaper step, not the reference's (off: exact)", default=False),
+        Option(
+            "t_min", float, "DiffusionGemma: temperature at a canvas's last step", default=0.4, low=0.0, low_open=True
+        ),
+        Option(
+            "t_max", float, "DiffusionGemma: temperature at a canvas's first step", default=0.8, low=0.0, low_open=True
+        ),
+        Option(
+            "stability_threshold",
+            int,
+            "DiffusionGemma: stop a row once its argmax canvas repeats this many times (and is confident)",
+            default=1,
+            low=1,
+        ),
+        Option(
+            "confidence_threshold",
+            float,
+            "DiffusionGemma: ... and its mean entropy is below this",
+            default=0.005,
+            low=0.0,
+        ),
+        Option(
+            "fast_self_conditioning",
+            bool,
+            "DiffusionGemma: self-condition from the top-k scaled logits "
+            "only (renormalised; k embedding rows per position) instead of the whole vocabulary: a "
+            "cheaper step, not the reference's (off: exact)",
+            default=False,
+        ),
         Option("self_conditioning_k", int, "DiffusionGemma: k of --fast-self-conditioning", default=256, low=1),
-        Option("fast_step", bool, "DiffusionGemma: the whole step on the top-k logits (k: self_conditioning_k): "
-               "softcap, temperature, sampling (top-k sampling), entropy and self-conditioning over the k "
-               "largest only; a cheaper step, not the reference's (off: exact)", default=False),
+        Option(
+            "fast_step",
+            bool,
+            "DiffusionGemma: the whole step on the top-k logits (k: self_conditioning_k): "
+            "softcap, temperature, sampling (top-k sampling), entropy and self-conditioning over the k "
+            "largest only; a cheaper step, not the reference's (off: exact)",
+            default=False,
+        ),
     )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
@@ -462,14 +509,16 @@ class Adapter(_BaseAdapter):
         if family.get("fast_step"):
             for name in ("allowed_tokens", "sampler"):
                 if values.get(name) is not None:
-                    raise ValueError(f"{name} does not combine with fast_step (its step sees only the "
-                                     "top-k logits); drop one")
+                    raise ValueError(
+                        f"{name} does not combine with fast_step (its step sees only the top-k logits); drop one"
+                    )
 
     def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
         if self.vision is not None:  # image tokens' KV depend on the pixels, not on the ids
             reuse = None
-        state = _State(reuse.caches() if reuse is not None else self.model.make_kv_cache(),
-                       vision=self.vision is not None)
+        state = _State(
+            reuse.caches() if reuse is not None else self.model.make_kv_cache(), vision=self.vision is not None
+        )
         rest = prompt[:, state.cache[0].offset :]
         if self.vision is None:
             self.model.encode(rest, state.cache)
@@ -527,7 +576,9 @@ class Adapter(_BaseAdapter):
         model, width = self.model, requests[0].end - requests[0].start
         views, masks = stacked_prefix_views([r.state.cache for r in requests], model.layer_windows(), width)
         canvas = token_matrix([(r, r.start, r.end, 0, 0) for r in requests])
-        hidden = model.decoder_hidden(canvas, views, self._stacked_soft([r.state.self_conditioning for r in requests]), masks)
+        hidden = model.decoder_hidden(
+            canvas, views, self._stacked_soft([r.state.self_conditioning for r in requests]), masks
+        )
         if self.top_k_step:
             values, ids = model.top_k_head(hidden, self.top_k_step)
             return [(values[i : i + 1], ids[i : i + 1]) for i in range(len(requests))]

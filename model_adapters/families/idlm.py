@@ -45,8 +45,10 @@ class ModelArgs(DiffusionArgs):
         if self.attention_bias:
             raise ValueError("I-DLM checkpoints with attention biases are not supported")
         if not self.use_regular_causal:
-            raise ValueError("an I-DLM checkpoint with use_regular_causal false (a block-causal prompt) is not "
-                             "supported: introspective strided decoding reads a strictly causal model")
+            raise ValueError(
+                "an I-DLM checkpoint with use_regular_causal false (a block-causal prompt) is not "
+                "supported: introspective strided decoding reads a strictly causal model"
+            )
         if self.block_size < 1:
             raise ValueError(f"I-DLM's block_size (the masks per round) must be at least 1, got {self.block_size}")
 

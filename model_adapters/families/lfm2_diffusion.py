@@ -70,8 +70,9 @@ class ModelArgs(BaseModelArgs):
         if not args.adaln_conditioning:
             raise ValueError("an LFM2 diffusion checkpoint without adaLN conditioning is not supported")
         if args.real_vocab_size is not None and not 0 < args.real_vocab_size <= args.text.vocab_size:
-            raise ValueError(f"config.json's real_vocab_size must be in [1, {args.text.vocab_size}], "
-                             f"got {args.real_vocab_size}")
+            raise ValueError(
+                f"config.json's real_vocab_size must be in [1, {args.text.vocab_size}], got {args.real_vocab_size}"
+            )
         return args
 
 
@@ -152,8 +153,9 @@ class Model(nn.Module):
     def make_state(self) -> list:
         return [KVCache() if layer.is_attention_layer else ArraysCache(size=1) for layer in self.layers]
 
-    def forward(self, tokens: mx.array, sigma: mx.array, caches: Optional[list], mask: Any,
-                soft: Optional[mx.array] = None) -> mx.array:
+    def forward(
+        self, tokens: mx.array, sigma: mx.array, caches: Optional[list], mask: Any, soft: Optional[mx.array] = None
+    ) -> mx.array:
         """Final hidden states (B, L, H) of `tokens` at noise levels `sigma` ((B, L) or
         broadcastable), over `caches` (stored into), with `soft` (B, S, H) the self-conditioning
         input of the last S positions (the block; the context before it gets nothing)."""
@@ -190,9 +192,14 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict) -> dict:
         """HF names (nn.Sequential indices) to this model's, the convolutions to MLX's layout."""
-        renames = (("sigma_embed.mlp.0.", "sigma_embed.fc1."), ("sigma_embed.mlp.2.", "sigma_embed.fc2."),
-                   ("adaln_proj.1.", "adaln_proj."), ("selfcond_norm.", "selfcond.norm."),
-                   ("selfcond_ffn.0.", "selfcond.fc1."), ("selfcond_ffn.2.", "selfcond.fc2."))
+        renames = (
+            ("sigma_embed.mlp.0.", "sigma_embed.fc1."),
+            ("sigma_embed.mlp.2.", "sigma_embed.fc2."),
+            ("adaln_proj.1.", "adaln_proj."),
+            ("selfcond_norm.", "selfcond.norm."),
+            ("selfcond_ffn.0.", "selfcond.fc1."),
+            ("selfcond_ffn.2.", "selfcond.fc2."),
+        )
         out = {}
         for key, value in weights.items():
             if key.startswith("lm_head."):
@@ -218,14 +225,40 @@ class Adapter(_BaseAdapter):
         "nfe32": {"steps": 32, "duo_rho": 0.3, "duo_temperature_end": 0.4},
     }
     options = (
-        Option("duo_rho", float, "LFM2.5: the time grid's warp t = u**rho (< 1 spends more steps at low noise)",
-               default=0.3, low=0.0, low_open=True, high=10.0),
-        Option("duo_temperature_start", float, "LFM2.5: the temperature at a block's first step (annealed "
-               "linearly to duo_temperature_end)", default=0.8, low=0.0, low_open=True, high=100.0),
-        Option("duo_temperature_end", float, "LFM2.5: the temperature at a block's last step and its readout",
-               default=0.4, low=0.0, low_open=True, high=100.0),
-        Option("duo_float64", bool, "LFM2.5: the posterior and its draws in float64 on the CPU, as the "
-               "reference (false: float32 on the default device)", default=True),
+        Option(
+            "duo_rho",
+            float,
+            "LFM2.5: the time grid's warp t = u**rho (< 1 spends more steps at low noise)",
+            default=0.3,
+            low=0.0,
+            low_open=True,
+            high=10.0,
+        ),
+        Option(
+            "duo_temperature_start",
+            float,
+            "LFM2.5: the temperature at a block's first step (annealed linearly to duo_temperature_end)",
+            default=0.8,
+            low=0.0,
+            low_open=True,
+            high=100.0,
+        ),
+        Option(
+            "duo_temperature_end",
+            float,
+            "LFM2.5: the temperature at a block's last step and its readout",
+            default=0.4,
+            low=0.0,
+            low_open=True,
+            high=100.0,
+        ),
+        Option(
+            "duo_float64",
+            bool,
+            "LFM2.5: the posterior and its draws in float64 on the CPU, as the "
+            "reference (false: float32 on the default device)",
+            default=True,
+        ),
     )
     suffix_refusal = "its blocks read only the text before them"
 
@@ -233,8 +266,9 @@ class Adapter(_BaseAdapter):
         super().__init__(model, tokenizer)
         self.vocab_size = model.real_vocab_size  # (the logits' last axis: the real tokens)
         if model.args.diffusion_block_size != self.defaults.block_length:
-            self.defaults = FamilyDefaults(block_length=model.args.diffusion_block_size, strategy="low_confidence",
-                                           steps=8)
+            self.defaults = FamilyDefaults(
+                block_length=model.args.diffusion_block_size, strategy="low_confidence", steps=8
+            )
         self.fill_id = min(self.eos_ids) if self.eos_ids else 0
 
     def start(self, prompt: mx.array, reuse: Any = None) -> "_State":
@@ -294,8 +328,10 @@ class _Attending:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple:
         if self.cache.keys is None:
             return keys, values
-        return (mx.concatenate([self.cache.keys[..., : self.offset, :], keys], axis=2),
-                mx.concatenate([self.cache.values[..., : self.offset, :], values], axis=2))
+        return (
+            mx.concatenate([self.cache.keys[..., : self.offset, :], keys], axis=2),
+            mx.concatenate([self.cache.values[..., : self.offset, :], values], axis=2),
+        )
 
 
 class _Convolving(ArraysCache):

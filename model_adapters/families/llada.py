@@ -87,7 +87,7 @@ def _rename(key: str) -> str:
         return f"model.layers.{m.group(1)}.{_BLOCK_RENAMES[m.group(2)]}.{m.group(3)}"
     for old, new in _TOP_RENAMES.items():
         if key.startswith(old):
-            return new + key[len(old):]
+            return new + key[len(old) :]
     return key
 
 

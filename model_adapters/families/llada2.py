@@ -35,10 +35,18 @@ class ModelArgs(DiffusionArgs):
     text_module = bailing_moe
     # LLaDA2's configuration defaults where bailing_moe has none or others
     text_defaults = {
-        "max_position_embeddings": 32768, "num_shared_experts": 1, "first_k_dense_replace": 1,
-        "topk_group": 1, "norm_topk_prob": True, "score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True, "rms_norm_eps": 1e-6, "rope_theta": 600000.0,
-        "partial_rotary_factor": 0.5, "use_qk_norm": True, "tie_word_embeddings": False,
+        "max_position_embeddings": 32768,
+        "num_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 600000.0,
+        "partial_rotary_factor": 0.5,
+        "use_qk_norm": True,
+        "tie_word_embeddings": False,
     }
     norm_head: bool = False
     block_size: int = BLOCK_SIZE  # the attention block, and LLaDA2.2's routing window
@@ -54,14 +62,12 @@ class ModelArgs(DiffusionArgs):
         config = super().text_config(params)
         if config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
             raise ValueError(
-                f"LLaDA2 with head_dim {config['head_dim']} != hidden_size / num_attention_heads "
-                "is not supported"
+                f"LLaDA2 with head_dim {config['head_dim']} != hidden_size / num_attention_heads is not supported"
             )
         top_k = config.get("num_experts_per_tok") or 1
         if self.expert_capacity > 0 and not top_k <= self.expert_capacity:
             raise ValueError(
-                f"config.json's expert_capacity ({self.expert_capacity}) must be at least "
-                f"num_experts_per_tok ({top_k})"
+                f"config.json's expert_capacity ({self.expert_capacity}) must be at least num_experts_per_tok ({top_k})"
             )
         if self.block_size < 1:
             raise ValueError(f"config.json's block_size must be positive, got {self.block_size}")
@@ -288,10 +294,21 @@ class Adapter(BlockCausalAdapter):
         "quality": {"threshold": 0.7, "editing_threshold": 0.5},
     }
     options = (
-        Option("edit_ops", tuple, f"Token edits: {', '.join(EDIT_OPS)} (insert and delete: LLaDA2.2's DELETE / "
-               "SPLIT tokens, on by default on a LLaDA2.2 checkpoint; none (or []) turns every edit off)", item=str),
-        Option("max_steps_per_block", int, "LLaDA2.2's edit decoding: the most steps a block may take "
-               f"(default {MAX_STEPS_PER_BLOCK}, the reference's cap)", low=1, high=100000),
+        Option(
+            "edit_ops",
+            tuple,
+            f"Token edits: {', '.join(EDIT_OPS)} (insert and delete: LLaDA2.2's DELETE / "
+            "SPLIT tokens, on by default on a LLaDA2.2 checkpoint; none (or []) turns every edit off)",
+            item=str,
+        ),
+        Option(
+            "max_steps_per_block",
+            int,
+            "LLaDA2.2's edit decoding: the most steps a block may take "
+            f"(default {MAX_STEPS_PER_BLOCK}, the reference's cap)",
+            low=1,
+            high=100000,
+        ),
     )
 
     def __init__(self, model: Any, tokenizer: Any = None, use_cache: bool = True):
@@ -308,8 +325,10 @@ class Adapter(BlockCausalAdapter):
             )
         else:  # (editing_threshold stays unset: the edit decoder's own default is the reference's 0.0)
             self.defaults = FamilyDefaults(
-                block_length=model.block_size, strategy="low_confidence_dynamic",
-                threshold=LLADA2_2_DEFAULTS["threshold"], max_post_steps=LLADA2_2_DEFAULTS["max_post_steps"],
+                block_length=model.block_size,
+                strategy="low_confidence_dynamic",
+                threshold=LLADA2_2_DEFAULTS["threshold"],
+                max_post_steps=LLADA2_2_DEFAULTS["max_post_steps"],
             )
             self.eos_ids = self.eos_ids - set(self.edit_ids)
 
@@ -332,8 +351,9 @@ class Adapter(BlockCausalAdapter):
         a DELETE's gap padded: the block keeps its length)."""
         given = set(family.get("edit_ops") or ())
         if given - {*EDIT_OPS, "none"}:
-            raise ValueError(f"Unknown edit_ops {sorted(given - {*EDIT_OPS, 'none'})}; choose from {EDIT_OPS} "
-                             "(or none)")
+            raise ValueError(
+                f"Unknown edit_ops {sorted(given - {*EDIT_OPS, 'none'})}; choose from {EDIT_OPS} (or none)"
+            )
         if "none" in given and len(given) > 1:
             raise ValueError("edit_ops 'none' turns every edit off; give it alone")
         ops = edit_ops(family)
@@ -345,12 +365,19 @@ class Adapter(BlockCausalAdapter):
                 "edit_ops=('substitute',) with editing_threshold"
             )
         if structural and structural != {"insert", "delete"}:
-            raise ValueError("insert and delete edits come together (LLaDA2.2's decoder writes both); "
-                             "give edit_ops=['substitute', 'insert', 'delete'] or neither")
+            raise ValueError(
+                "insert and delete edits come together (LLaDA2.2's decoder writes both); "
+                "give edit_ops=['substitute', 'insert', 'delete'] or neither"
+            )
         if structural and "substitute" not in ops:
-            raise ValueError("LLaDA2.2's insert and delete edits are written by its token edits; "
-                             "add 'substitute' to edit_ops")
-        if ops == {"substitute"} and values.get("editing_threshold") is None and self.defaults.editing_threshold is None:
+            raise ValueError(
+                "LLaDA2.2's insert and delete edits are written by its token edits; add 'substitute' to edit_ops"
+            )
+        if (
+            ops == {"substitute"}
+            and values.get("editing_threshold") is None
+            and self.defaults.editing_threshold is None
+        ):
             raise ValueError("substitution edits need an editing_threshold (or a preset that sets one)")
 
     def check_resolved(self, options: Any) -> None:
@@ -365,5 +392,7 @@ class Adapter(BlockCausalAdapter):
                 f"config.json's block_size: LLaDA2.2 routes experts per window); got {options.block_length}"
             )
         if options.family.get("max_steps_per_block") is not None and self.decoder_for(options.family) != "block_edits":
-            raise ValueError("max_steps_per_block bounds LLaDA2.2's edit decoding (a LLaDA2.2 checkpoint with "
-                             "insert and delete edits on); drop it")
+            raise ValueError(
+                "max_steps_per_block bounds LLaDA2.2's edit decoding (a LLaDA2.2 checkpoint with "
+                "insert and delete edits on); drop it"
+            )

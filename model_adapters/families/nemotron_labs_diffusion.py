@@ -34,7 +34,9 @@ from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, keep_first, usabl
 class ModelArgs(DiffusionArgs):
     text_module = ministral3
     text_defaults = {
-        "rms_norm_eps": 1e-5, "max_position_embeddings": 262144, "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 262144,
+        "rope_theta": 1000000.0,
         "tie_word_embeddings": False,
     }
     attention_bias: bool = False
@@ -49,8 +51,7 @@ class ModelArgs(DiffusionArgs):
             raise ValueError("Nemotron-Labs Diffusion checkpoints with biases or a non-SiLU MLP are not supported")
         if self.dlm_paradigm not in ("bidirectional", "autoregressive"):
             raise ValueError(
-                f"dlm_paradigm {self.dlm_paradigm!r} is not supported; "
-                "supported: 'bidirectional', 'autoregressive'"
+                f"dlm_paradigm {self.dlm_paradigm!r} is not supported; supported: 'bidirectional', 'autoregressive'"
             )
 
     def text_config(self, params: dict) -> dict:
@@ -103,9 +104,9 @@ class Model(DiffusionModel):
         if key.endswith((".k_scale", ".v_scale")):
             return None
         if key.startswith("language_model.model."):  # mlx-vlm's layout
-            return "encoder." + key[len("language_model.model."):]
+            return "encoder." + key[len("language_model.model.") :]
         if key.startswith("language_model."):
-            return key[len("language_model."):]
+            return key[len("language_model.") :]
         return key
 
 
@@ -129,11 +130,21 @@ class Adapter(_BaseAdapter):
     defaults = FamilyDefaults(block_length=32, strategy="threshold", threshold=0.9)
     suffix_refusal = "a block attends to its causal prefix and to itself, never to text after it"
     options = (
-        Option("causal_context", bool, "Nemotron-Labs Diffusion: encode the prefix causally and seed "
-               "each block's first token from it (default on)", default=True),
-        Option("self_spec", bool, "Nemotron-Labs Diffusion: self-speculative greedy decoding (a bidirectional "
-               "draft and a causal verify pass per window, block_length the longest window): the tokens of "
-               "autoregressive greedy decoding (mlx_lm_diffusion.decoding.decoders.speculative)", default=False),
+        Option(
+            "causal_context",
+            bool,
+            "Nemotron-Labs Diffusion: encode the prefix causally and seed "
+            "each block's first token from it (default on)",
+            default=True,
+        ),
+        Option(
+            "self_spec",
+            bool,
+            "Nemotron-Labs Diffusion: self-speculative greedy decoding (a bidirectional "
+            "draft and a causal verify pass per window, block_length the longest window): the tokens of "
+            "autoregressive greedy decoding (mlx_lm_diffusion.decoding.decoders.speculative)",
+            default=False,
+        ),
     )
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
@@ -146,8 +157,10 @@ class Adapter(_BaseAdapter):
 
     def check_options(self, family: dict, values: dict) -> None:
         if family.get("self_spec") and not family.get("causal_context", True):
-            raise ValueError("self_spec verifies with the causal pass over a causally encoded prefix: "
-                             "drop causal_context=False or self_spec")
+            raise ValueError(
+                "self_spec verifies with the causal pass over a causally encoded prefix: "
+                "drop causal_context=False or self_spec"
+            )
 
     def configure(self, options: Any) -> None:
         """Read the decode's causal_context (the engine calls this once per decode)."""

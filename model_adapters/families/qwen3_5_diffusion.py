@@ -104,7 +104,9 @@ class Model(qwen3_5.Model):
     def shard(self, group: Any = None) -> None:
         """Refused: the window forward reads the gated-delta layers' projections itself, without
         the all-sums mlx-lm's sharded layer adds (untested across processes, so not offered)."""
-        raise ValueError("tensor parallelism is not supported for Trida2.0 / FLARE checkpoints; run them on one process")
+        raise ValueError(
+            "tensor parallelism is not supported for Trida2.0 / FLARE checkpoints; run them on one process"
+        )
 
     def make_state(self) -> list:
         """One decode's cache: per layer a KVCache (attention) or a Recurrent (gated delta)."""
@@ -177,8 +179,17 @@ class WindowRows:
             ssm = self.after_clean
         else:
             lin = self.layer
-            _, ssm = gated_delta_update(self.q[:, :n], self.k[:, :n], self.v[:, :n], self.a[:, :n], self.b[:, :n],
-                                        lin.A_log, lin.dt_bias, self.before.ssm, use_kernel=not lin.training)
+            _, ssm = gated_delta_update(
+                self.q[:, :n],
+                self.k[:, :n],
+                self.v[:, :n],
+                self.a[:, :n],
+                self.b[:, :n],
+                lin.A_log,
+                lin.dt_bias,
+                self.before.ssm,
+                use_kernel=not lin.training,
+            )
         return Recurrent(conv, ssm)
 
 
@@ -192,22 +203,46 @@ def recurrent_window(lin: nn.Module, x: mx.array, state: Recurrent, clean: int) 
     before = state.conv if state.conv is not None else mx.zeros((B, lin.conv_kernel_size - 1, lin.conv_dim), qkv.dtype)
     conv_input = mx.concatenate([before, qkv], axis=1)
     conv_out = nn.silu(lin.conv1d(conv_input))
-    q, k, v = [t.reshape(B, L, h, d) for t, h, d in zip(
-        mx.split(conv_out, [lin.key_dim, 2 * lin.key_dim], -1),
-        [lin.num_k_heads, lin.num_k_heads, lin.num_v_heads], [lin.head_k_dim, lin.head_k_dim, lin.head_v_dim])]
+    q, k, v = [
+        t.reshape(B, L, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [lin.key_dim, 2 * lin.key_dim], -1),
+            [lin.num_k_heads, lin.num_k_heads, lin.num_v_heads],
+            [lin.head_k_dim, lin.head_k_dim, lin.head_v_dim],
+        )
+    ]
     q, k = normalize_qk(q, k, inv_scale=lin.head_k_dim**-0.5, eps=1e-6)
     use_kernel = not lin.training
-    y, after_clean = gated_delta_update(q[:, :clean], k[:, :clean], v[:, :clean], a[:, :clean], b[:, :clean],
-                                        lin.A_log, lin.dt_bias, state.ssm, use_kernel=use_kernel)
+    y, after_clean = gated_delta_update(
+        q[:, :clean],
+        k[:, :clean],
+        v[:, :clean],
+        a[:, :clean],
+        b[:, :clean],
+        lin.A_log,
+        lin.dt_bias,
+        state.ssm,
+        use_kernel=use_kernel,
+    )
     if clean < L:  # the mask rows: the state after the whole window, read by each row's query
-        _, at_end = gated_delta_update(q[:, clean:], k[:, clean:], v[:, clean:], a[:, clean:], b[:, clean:],
-                                       lin.A_log, lin.dt_bias, after_clean, use_kernel=use_kernel)
+        _, at_end = gated_delta_update(
+            q[:, clean:],
+            k[:, clean:],
+            v[:, clean:],
+            a[:, clean:],
+            b[:, clean:],
+            lin.A_log,
+            lin.dt_bias,
+            after_clean,
+            use_kernel=use_kernel,
+        )
         queries = mx.repeat(q[:, clean:], lin.num_v_heads // lin.num_k_heads, axis=2)
         read = mx.einsum("bhvk,bthk->bthv", at_end, queries.astype(at_end.dtype)).astype(y.dtype)
         y = mx.concatenate([y, read], axis=1)
     out = lin.out_proj(lin.norm(y, z).reshape(B, L, -1))
-    return out, WindowRows(state, conv_input, q[:, :clean], k[:, :clean], v[:, :clean], a[:, :clean],
-                           b[:, :clean], after_clean, lin)
+    return out, WindowRows(
+        state, conv_input, q[:, :clean], k[:, :clean], v[:, :clean], a[:, :clean], b[:, :clean], after_clean, lin
+    )
 
 
 def attention_mask(L: int, offset: int, clean: int) -> Any:

@@ -48,6 +48,4 @@ class Adapter(BlockCausalAdapter):
     def __init__(self, model: Any, tokenizer: Any = None, use_cache: bool = True):
         super().__init__(model, tokenizer, use_cache)
         self.attention_block = model.block_size
-        self.defaults = FamilyDefaults(
-            block_length=model.block_size, strategy="low_confidence_dynamic", threshold=0.9
-        )
+        self.defaults = FamilyDefaults(block_length=model.block_size, strategy="low_confidence_dynamic", threshold=0.9)

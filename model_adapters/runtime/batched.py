@@ -68,8 +68,9 @@ def width_groups(widths: Sequence[int], spread: Optional[float] = None) -> list:
     return groups
 
 
-def bidirectional_batch(adapter: Any, requests: Sequence[Any], shift: int,
-                        keep: Optional[Callable[[Any, mx.array, list], None]] = None) -> list:
+def bidirectional_batch(
+    adapter: Any, requests: Sequence[Any], shift: int, keep: Optional[Callable[[Any, mx.array, list], None]] = None
+) -> list:
     """Full-canvas bidirectional forwards: one model call per group of similar widths.
     `keep(request, hidden, kept)`: with it, every layer's keys and values are captured too
     (Fast-dLLM's block-first forward keeps them), and each row's are handed to it: the row's
@@ -229,8 +230,11 @@ def token_matrix(spans: Sequence[tuple]) -> mx.array:
             rows.append(mx.array(np.pad(host[:, lo:hi], ((0, 0), (left, right))).astype(np.int32)))
             continue
         row = r.canvas if (lo, hi) == (0, r.canvas.shape[1]) else r.canvas[:, lo:hi]
-        parts = ([mx.zeros((1, left), row.dtype)] if left else []) + [row] + (
-            [mx.zeros((1, right), row.dtype)] if right else [])
+        parts = (
+            ([mx.zeros((1, left), row.dtype)] if left else [])
+            + [row]
+            + ([mx.zeros((1, right), row.dtype)] if right else [])
+        )
         rows.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1))
     return rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0)
 
@@ -304,8 +308,14 @@ def window_backbone(adapter: Any, tokens: mx.array, mask: mx.array, first: mx.ar
         return adapter.model.backbone(tokens, mask, views), views
     with_prefix = prefixes[0] is not None
     flat = [a for prefix in prefixes for a in prefix] if with_prefix else []
-    window = _compiled(adapter, ("window", with_prefix),
-                       lambda: _pure_window(adapter.model, len(prefixes), with_prefix), tokens, mask, *flat)
+    window = _compiled(
+        adapter,
+        ("window", with_prefix),
+        lambda: _pure_window(adapter.model, len(prefixes), with_prefix),
+        tokens,
+        mask,
+        *flat,
+    )
     hidden, *kv = window(tokens, mask, first, *flat)
     views = []
     for layer, prefix in enumerate(prefixes):
@@ -320,8 +330,7 @@ def _pure_window(model: Any, layers: int, with_prefix: bool):
     keys and values, which the views capture, are returned instead."""
 
     def forward(tokens, mask, first, *flat):
-        views = [_BatchLayerView(first, (flat[2 * i], flat[2 * i + 1]) if with_prefix else None)
-                 for i in range(layers)]
+        views = [_BatchLayerView(first, (flat[2 * i], flat[2 * i + 1]) if with_prefix else None) for i in range(layers)]
         hidden = model.backbone(tokens, mask, views)
         return (hidden, *[a for view in views for a in (view.keys, view.values)])
 
@@ -335,6 +344,7 @@ def causal_prefix_batch(adapter: Any, requests: Sequence[Any], caches: Sequence[
     its cached prefix (left-padded to a common length, the padding masked out) then the
     block. Nothing is stored: the rows' caches are left as they are (predict trims the
     block away again). `caches[i]`: row i's per-layer KVCaches, holding [0, start)."""
+
     def call(rows: list) -> list:  # (rows: (request, its caches) pairs of one block width)
         group = [r for r, _ in rows]
         return _causal_prefix_call(adapter, group, [c for _, c in rows], group[0].end - group[0].start)
@@ -381,7 +391,9 @@ def stacked_prefix_views(layer_caches: Sequence[list], windows: Sequence[Optiona
     for layer, window in enumerate(windows):
         lengths = np.minimum(offsets, window - 1) if window else offsets
         stored = bucketed(int(lengths.max())) if lengths.max() else 0
-        views.append(_BatchLayerView(mx.array(offsets), _stacked_caches([c[layer] for c in layer_caches], stored, window)))
+        views.append(
+            _BatchLayerView(mx.array(offsets), _stacked_caches([c[layer] for c in layer_caches], stored, window))
+        )
         if window not in by_window:
             real = np.arange(stored + width)[None, :] >= (stored - lengths)[:, None]  # (B, stored + width)
             by_window[window] = mx.array(real)[:, None, None, :] if stored else None
@@ -442,8 +454,13 @@ def causal_feed(call: Callable, caches: Sequence[list], feeds: Sequence[mx.array
     fed = np.array([c[0].offset for c in caches])
     lengths = np.array([f.shape[1] for f in feeds])
     stored = bucketed(int(fed.max())) if fed.max() else 0
-    tokens = mx.concatenate([f if f.shape[1] == width else mx.concatenate(
-        [f, mx.zeros((1, width - f.shape[1]), f.dtype)], axis=1) for f in feeds], axis=0)
+    tokens = mx.concatenate(
+        [
+            f if f.shape[1] == width else mx.concatenate([f, mx.zeros((1, width - f.shape[1]), f.dtype)], axis=1)
+            for f in feeds
+        ],
+        axis=0,
+    )
     query_pos = fed[:, None] + np.arange(width)[None, :]
     cached_pos = fed[:, None] - stored + np.arange(stored)[None, :]
     key_pos = np.concatenate([cached_pos, query_pos], axis=1)
@@ -451,8 +468,10 @@ def causal_feed(call: Callable, caches: Sequence[list], feeds: Sequence[mx.array
     key_real = np.concatenate([cached_pos >= 0, np.arange(width)[None, :] < lengths[:, None]], axis=1)
     allowed = key_real[:, None, :] & (key_pos[:, None, :] <= query_pos[:, :, None])
     mask = mx.array(allowed)[:, None]
-    views = [_CausalFeedView(mx.array(fed), _stacked_caches([c[layer] for c in caches], stored), mask)
-             for layer in range(len(caches[0]))]
+    views = [
+        _CausalFeedView(mx.array(fed), _stacked_caches([c[layer] for c in caches], stored), mask)
+        for layer in range(len(caches[0]))
+    ]
     out = call(tokens, mask, views)
     for row, (row_caches, n) in enumerate(zip(caches, lengths)):
         for cache, view in zip(row_caches, views):

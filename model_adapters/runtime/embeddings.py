@@ -12,7 +12,13 @@ def weighted_rows(table: nn.Module, weights: mx.array) -> mx.array:
     quantized table is read through quantized_matmul, never dequantized whole."""
     if isinstance(table, nn.QuantizedEmbedding):
         return mx.quantized_matmul(
-            weights, table.weight, table.scales, table.biases, transpose=False,
-            group_size=table.group_size, bits=table.bits, mode=getattr(table, "mode", "affine"),
+            weights,
+            table.weight,
+            table.scales,
+            table.biases,
+            transpose=False,
+            group_size=table.group_size,
+            bits=table.bits,
+            mode=getattr(table, "mode", "affine"),
         )
     return weights.astype(table.weight.dtype) @ table.weight

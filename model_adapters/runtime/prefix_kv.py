@@ -110,4 +110,3 @@ def keep_first(cache: list, length: int) -> None:
         raise RuntimeError(f"cache holds {cache[0].offset} positions, cannot keep {length}")
     for c in cache:
         c.trim(excess)
-

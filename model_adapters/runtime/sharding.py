@@ -40,9 +40,7 @@ def check_divisible(sizes: Iterable[tuple], group_size: int) -> None:
     """ValueError naming the first size that `group_size` does not divide."""
     for what, value in sizes:
         if value is not None and value % group_size:
-            raise ValueError(
-                f"cannot shard over {group_size} ranks: {what} ({value}) is not divisible by {group_size}"
-            )
+            raise ValueError(f"cannot shard over {group_size} ranks: {what} ({value}) is not divisible by {group_size}")
 
 
 def all_gather_last(x: mx.array, group: mx.distributed.Group) -> mx.array:
@@ -182,8 +180,11 @@ def quantization_groups(model: nn.Module) -> list:
     """(what, groups per row) of every quantized weight: a layer split by its inputs
     splits its quantization groups too (checked for every layer, which is stricter than
     needed for the ones split by their outputs)."""
-    return [(f"the quantization groups per row of {path[: -len('.scales')]}", value.shape[-1])
-            for path, value in tree_flatten(model.parameters()) if path.endswith(".scales")]
+    return [
+        (f"the quantization groups per row of {path[: -len('.scales')]}", value.shape[-1])
+        for path, value in tree_flatten(model.parameters())
+        if path.endswith(".scales")
+    ]
 
 
 def shard_model(model: Any, group: Optional[mx.distributed.Group] = None) -> None:

@@ -13,8 +13,15 @@ from mlx_lm_diffusion.decoding.decoders.speculative import SpeculativeDecoder
 from mlx_lm_diffusion.decoding.decoders.uniform_canvas import UniformCanvasDecoder
 
 DECODERS: dict[str, type[Decoder]] = {
-    d.name: d for d in (MaskedBlockDecoder, UniformCanvasDecoder, SpeculativeDecoder, BlockEditsDecoder,
-                        IntrospectiveDecoder, DuoBlockDecoder)
+    d.name: d
+    for d in (
+        MaskedBlockDecoder,
+        UniformCanvasDecoder,
+        SpeculativeDecoder,
+        BlockEditsDecoder,
+        IntrospectiveDecoder,
+        DuoBlockDecoder,
+    )
 }
 
 

@@ -175,10 +175,17 @@ def aligned_canvas_length(adapter: Any, options: Any, prompt_len: int) -> int:
     return max(options.max_tokens, min(whole, adapter.max_length or whole) - prompt_len)
 
 
-def queue(canvas: Canvas, block: BlockState, kept: Any, block_over: bool,
-          ran_forward: bool = True) -> Queued:
-    return Queued(canvas.tokens, kept, block.confidence, canvas.forwards, (block.start, block.end),
-                  block.step, block_over, ran_forward)
+def queue(canvas: Canvas, block: BlockState, kept: Any, block_over: bool, ran_forward: bool = True) -> Queued:
+    return Queued(
+        canvas.tokens,
+        kept,
+        block.confidence,
+        canvas.forwards,
+        (block.start, block.end),
+        block.step,
+        block_over,
+        ran_forward,
+    )
 
 
 def normalized_stats(logprobs: mx.array) -> TokenStats:

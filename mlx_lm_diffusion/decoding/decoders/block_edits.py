@@ -117,8 +117,10 @@ class BlockEditsDecoder(Decoder):
 
     def decode_block(self, state: Any, canvas: Canvas, start: int, end: int) -> Iterator[Queued]:
         if canvas.pinned is not None:
-            raise ValueError("LLaDA2.2's edit decoding moves tokens inside a block, so it cannot keep pinned "
-                             "positions (a seeded canvas or a suffix): pass edit_ops=[]")
+            raise ValueError(
+                "LLaDA2.2's edit decoding moves tokens inside a block, so it cannot keep pinned "
+                "positions (a seeded canvas or a suffix): pass edit_ops=[]"
+            )
         mask, W = self.adapter.mask_id, end - start
         held = max(canvas.prompt_len - start, 0)  # the prompt's tail at the start of the block
         generated = np.arange(W) >= held
@@ -126,8 +128,14 @@ class BlockEditsDecoder(Decoder):
         canvas.sync()
         original = (canvas.host[:, start:end] == mask) & generated
         B = canvas.rows
-        rows = EditRows(original, original.sum(axis=1), np.zeros(B, np.int64), np.zeros(B, np.int64),
-                        ~canvas.done & original.any(axis=1), [set() for _ in range(B)])
+        rows = EditRows(
+            original,
+            original.sum(axis=1),
+            np.zeros(B, np.int64),
+            np.zeros(B, np.int64),
+            ~canvas.done & original.any(axis=1),
+            [set() for _ in range(B)],
+        )
         confidence = np.zeros((B, W), np.float32)
         last_logprobs: list = [None] * B  # per row: the log-probs of the forward that ended its block
         step = 0
@@ -145,8 +153,13 @@ class BlockEditsDecoder(Decoder):
             live = rows.live.copy()
             written, final = self._writes(rows, before, generated, *map(np.array, (proposal, prob, runner_up, clean)))
             tokens, tracked = apply_block_edits(
-                mx.array(before), mx.array(written), mx.array(rows.original), prompt_len=held,
-                mask_id=mask, delete_id=self.delete_id, split_id=self.split_id,
+                mx.array(before),
+                mx.array(written),
+                mx.array(rows.original),
+                prompt_len=held,
+                mask_id=mask,
+                delete_id=self.delete_id,
+                split_id=self.split_id,
             )
             canvas.write(mx.where(mx.array(live)[:, None], tokens, mx.array(before)), start)
             yield ReadBack((canvas.tokens, tracked))
@@ -163,21 +176,31 @@ class BlockEditsDecoder(Decoder):
             over = not rows.live.any()
             kept = self._kept(last_logprobs, W) if over and self.keep_logprobs else None
             edits = self._marks(written, generated)
-            yield Queued(canvas.tokens, kept, mx.array(confidence), canvas.forwards, (start, end), step, over, True,
-                         edits)
+            yield Queued(
+                canvas.tokens, kept, mx.array(confidence), canvas.forwards, (start, end), step, over, True, edits
+            )
             step += 1
         if step == 0:  # (no row decoded this block: an event releases it)
             yield Queued(canvas.tokens, None, mx.array(confidence), canvas.forwards, (start, end), 0, True, False)
 
-    def _writes(self, rows: EditRows, before: np.ndarray, generated: np.ndarray, proposal: np.ndarray,
-                prob: np.ndarray, runner_up: np.ndarray, clean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _writes(
+        self,
+        rows: EditRows,
+        before: np.ndarray,
+        generated: np.ndarray,
+        proposal: np.ndarray,
+        prob: np.ndarray,
+        runner_up: np.ndarray,
+        clean: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The block after this step's writes (before the scan) and which rows took their
         final round; updates the post-mask counters and the states seen."""
         masks = (before == self.adapter.mask_id) & generated & rows.live[:, None]
         m2t = self._mask_commits(rows, masks, prob)
         editable = mx.array(~masks & generated & rows.live[:, None])
-        t2t = np.array(edit_transfer(mx.array(proposal), mx.array(prob), mx.array(before), editable,
-                                     self.editing_threshold))
+        t2t = np.array(
+            edit_transfer(mx.array(proposal), mx.array(prob), mx.array(before), editable, self.editing_threshold)
+        )
         written, final = before.copy(), np.zeros(len(before), dtype=bool)
         for b in np.flatnonzero(rows.live):
             left = masks[b] & rows.original[b]  # original masks still open
@@ -225,8 +248,15 @@ class BlockEditsDecoder(Decoder):
         chosen = np.array(mx.where(enough, passing, best))
         return np.where((rows.step >= S)[:, None], masks, chosen)
 
-    def _escape(self, row: np.ndarray, before: np.ndarray, proposal: np.ndarray, runner_up: np.ndarray,
-                prob: np.ndarray, seen: set) -> np.ndarray:
+    def _escape(
+        self,
+        row: np.ndarray,
+        before: np.ndarray,
+        proposal: np.ndarray,
+        runner_up: np.ndarray,
+        prob: np.ndarray,
+        seen: set,
+    ) -> np.ndarray:
         """A state seen before in this block: the changed position of lowest confidence
         (the first on ties) takes its next-best token, until the state is new (bounded)."""
         for _ in range(ESCAPE_TRIES):
@@ -244,8 +274,12 @@ class BlockEditsDecoder(Decoder):
         """(B, W, V): each row's log-probs from the forward that ended its block (a final
         block's tokens sit where that forward saw them: the last step moved none)."""
         V = self.adapter.vocab_size
-        return mx.stack([logprobs[b] if logprobs is not None else mx.zeros((width, V))
-                         for logprobs, b in (item or (None, 0) for item in last_logprobs)])
+        return mx.stack(
+            [
+                logprobs[b] if logprobs is not None else mx.zeros((width, V))
+                for logprobs, b in (item or (None, 0) for item in last_logprobs)
+            ]
+        )
 
 
 def _minus_inf_at(size: int, ids: list) -> mx.array:

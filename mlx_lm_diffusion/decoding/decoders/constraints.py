@@ -66,12 +66,22 @@ class LeftToRight:
         """(B, 1, V) processed logits for `position` in the rows that commit it (`live`):
         a block's first token proposed by an earlier causal pass (Adapter.block_seed)."""
         host = canvas.sync()
-        rows = [self.apply(host[r, :position], logits[r, :1]) if live[r] else logits[r, :1]
-                for r in range(logits.shape[0])]
+        rows = [
+            self.apply(host[r, :position], logits[r, :1]) if live[r] else logits[r, :1] for r in range(logits.shape[0])
+        ]
         return mx.stack(rows)
 
-    def verify(self, canvas: Canvas, start: int, commit: mx.array, x0: mx.array, logits: mx.array,
-               logprobs: mx.array, propose: Callable[[mx.array], mx.array], mask_id: int):
+    def verify(
+        self,
+        canvas: Canvas,
+        start: int,
+        commit: mx.array,
+        x0: mx.array,
+        logits: mx.array,
+        logprobs: mx.array,
+        propose: Callable[[mx.array], mx.array],
+        mask_id: int,
+    ):
         """The step's commits under the processors: (commit, tokens, logprobs) with the
         accepted proposals and corrections (their log-probs the processed ones)."""
         host = canvas.sync()

@@ -68,14 +68,14 @@ def duo_posterior(x0: mx.array, xt: mx.array, alpha_s: float, alpha_t: float) ->
     V = x0.shape[-1]
     ratio, gap = alpha_t / alpha_s, alpha_s - alpha_t
     current = (mx.arange(V) == xt[..., None]).astype(x0.dtype)
-    numer = (alpha_t * V * x0 * current + (ratio - alpha_t) * current + gap * x0
-             + (1.0 - ratio) * (1.0 - alpha_s) / V)
+    numer = alpha_t * V * x0 * current + (ratio - alpha_t) * current + gap * x0 + (1.0 - ratio) * (1.0 - alpha_s) / V
     denom = alpha_t * V * mx.take_along_axis(x0, xt[..., None], axis=-1) + (1.0 - alpha_t)
     return numer / denom
 
 
-def reverse_step(logits: mx.array, xt: mx.array, alpha_t: float, alpha_s: float, temperature: float,
-                 float64: bool) -> tuple:
+def reverse_step(
+    logits: mx.array, xt: mx.array, alpha_t: float, alpha_s: float, temperature: float, float64: bool
+) -> tuple:
     """One ancestral step: (the block's new tokens (B, L), the scaled log-probs (B, L, V))."""
     logprobs = log_softmax(logits.astype(mx.float32) / temperature)
     noise = mx.random.uniform(shape=logprobs.shape)

@@ -103,8 +103,13 @@ class Committed:
 def fusable(decoder: Any) -> bool:
     """Whether the decoder's steps are plain enough to be committed by the batch."""
     o = decoder.options
-    return (o.sampler is None and o.temperature_schedule is None and decoder.ordered is None
-            and not decoder.editing and deterministic_rule(o.rule))
+    return (
+        o.sampler is None
+        and o.temperature_schedule is None
+        and decoder.ordered is None
+        and not decoder.editing
+        and deterministic_rule(o.rule)
+    )
 
 
 def deterministic_rule(rule: Any) -> bool:
@@ -127,8 +132,20 @@ def row_step(decoder: Any, state: Any, canvas: Any, b: Any):
         block = host[:, b.start : b.end]
     else:
         candidates, block = decoder._candidates(canvas, b), canvas.tokens[:, b.start : b.end]
-    plan = RowCommit(rule, b.rule_state, b.step, o.steps, b.masked, candidates, block, b.kept, b.confidence,
-                     takes_all, _bias(decoder), committed)
+    plan = RowCommit(
+        rule,
+        b.rule_state,
+        b.step,
+        o.steps,
+        b.masked,
+        candidates,
+        block,
+        b.kept,
+        b.confidence,
+        takes_all,
+        _bias(decoder),
+        committed,
+    )
     result = yield FusedForward(state, canvas.tokens, b.start, b.end, commit=plan, host=host)
     canvas.forwards += 1
     canvas.write(result.block, b.start)
@@ -193,10 +210,16 @@ def _commit_group(plans: list, stacked: mx.array) -> list:
     else:
         block, confidence, commit, logprobs = _commit_ops(plans, stacked)
     records = _shared_records(plans, commit, logprobs) if keep else [None] * len(plans)
-    return [Committed(block[i : i + 1], confidence[i : i + 1], commit[i : i + 1],
-                      partial(_row_logprobs, logprobs, i) if p.kept is not None else None,  # (rows whose caller reads log-probs)
-                      records[i])
-            for i, p in enumerate(plans)]
+    return [
+        Committed(
+            block[i : i + 1],
+            confidence[i : i + 1],
+            commit[i : i + 1],
+            partial(_row_logprobs, logprobs, i) if p.kept is not None else None,  # (rows whose caller reads log-probs)
+            records[i],
+        )
+        for i, p in enumerate(plans)
+    ]
 
 
 def _commit_ops(plans: list, stacked: mx.array) -> tuple:
@@ -257,11 +280,21 @@ def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tup
     key = (_rule_key(rule), quota, bias is not None, keep, steps)
     if key not in _commit_functions and len(_commit_functions) >= MAX_COMMIT_FUNCTIONS:
         _commit_functions.clear()
-    function = bounded_compile(_commit_functions, key, lambda: _pure_commit(rule, quota, steps, keep),
-                               (tuple(stacked.shape), stacked.dtype), MAX_COMMIT_TRACES)
+    function = bounded_compile(
+        _commit_functions,
+        key,
+        lambda: _pure_commit(rule, quota, steps, keep),
+        (tuple(stacked.shape), stacked.dtype),
+        MAX_COMMIT_TRACES,
+    )
     takes_all = mx.array(np.array([p.takes_all for p in plans]))
-    inputs = [stacked, _stack([p.candidates for p in plans]), _stack([p.block for p in plans]),
-              _stack([p.confidence for p in plans]), takes_all]
+    inputs = [
+        stacked,
+        _stack([p.candidates for p in plans]),
+        _stack([p.block for p in plans]),
+        _stack([p.confidence for p in plans]),
+        takes_all,
+    ]
     return function(*inputs, *([bias] if bias is not None else []))
 
 
@@ -321,8 +354,9 @@ class SharedRecord:
             return dict.fromkeys(self.rows)
         slots = read_positions(commit, bucket(most, commit.shape[1]))
         stacked = (slots, mx.take_along_axis(commit, slots, axis=1), take_rows(_pick_rows(self.logprobs, take), slots))
-        return {row: KeptRows(*stacked, row_offset=j, rows=1) if counts[j] > 0 else None
-                for j, row in enumerate(self.rows)}
+        return {
+            row: KeptRows(*stacked, row_offset=j, rows=1) if counts[j] > 0 else None for j, row in enumerate(self.rows)
+        }
 
 
 def _shared_records(plans: list, commit: mx.array, logprobs: mx.array) -> list:
@@ -376,8 +410,9 @@ def _select(plans: list, x0, prob, logprobs, candidates) -> mx.array:
         first = plans[rows[0]]
         state, step = _joint_state([plans[i] for i in rows]) if _joint(first.rule) else (first.rule_state, first.step)
         masked = np.concatenate([plans[i].masked for i in rows])
-        inputs = StepInputs(pick(x0), pick(prob), pick(entropy), pick(logprobs), pick(candidates), step,
-                            first.steps, masked)
+        inputs = StepInputs(
+            pick(x0), pick(prob), pick(entropy), pick(logprobs), pick(candidates), step, first.steps, masked
+        )
         selected = first.rule.select(inputs, state)
         for j, i in enumerate(rows):
             index[i] = (len(masks), j)

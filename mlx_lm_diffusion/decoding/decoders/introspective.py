@@ -85,8 +85,9 @@ class IntrospectiveDecoder(SpeculativeDecoder):
         K = drafts.size
         masks = min(strides - 1, end - position - 2 - K)
         pending = canvas.tokens[:, position : position + 1]
-        window = mx.concatenate([pending, mx.array(drafts[None]), mx.full((1, masks), a.mask_id, mx.int32)],
-                                axis=1).astype(mx.int32)
+        window = mx.concatenate(
+            [pending, mx.array(drafts[None]), mx.full((1, masks), a.mask_id, mx.int32)], axis=1
+        ).astype(mx.int32)
         width = window.shape[1]
         # (Adapter.verify; a batch's rows share one). The pending token and the drafts are the
         # causal rows; a cold round (no drafts) is causal in every row, as the references'
@@ -117,7 +118,9 @@ class IntrospectiveDecoder(SpeculativeDecoder):
 
     def _seed(self, state: Any, canvas: Canvas, start: int) -> Queued:
         """The first token: the prompt's last row proposes it (its argmax, or a draw)."""
-        logprobs, token, prob = self._propose(self._scores(self.adapter.block_seed(state, canvas.tokens, start)[:, None]))
+        logprobs, token, prob = self._propose(
+            self._scores(self.adapter.block_seed(state, canvas.tokens, start)[:, None])
+        )
         canvas.write(token, start)
         return Queued(canvas.tokens, logprobs, prob, canvas.forwards, (start, start + 1), 0, True, False)
 

@@ -38,8 +38,9 @@ class KeptRows:
 
     __slots__ = ("positions", "valid", "logprobs", "_index", "row_offset", "rows")
 
-    def __init__(self, positions: mx.array, valid: mx.array, logprobs: mx.array, row_offset: int = 0,
-                 rows: Optional[int] = None):
+    def __init__(
+        self, positions: mx.array, valid: mx.array, logprobs: mx.array, row_offset: int = 0, rows: Optional[int] = None
+    ):
         self.positions, self.valid, self.logprobs = positions, valid, logprobs
         self.row_offset, self.rows = row_offset, rows
         self._index: Optional[dict] = None  # {(row, position): slot}, built on the first lookup
@@ -130,8 +131,9 @@ class KeptLogprobs:
         return self._dense
 
 
-def committed_rows(commit: mx.array, rows: Optional[mx.array], count: int,
-                   take_logprobs: Callable[[mx.array], mx.array]) -> Optional[KeptRows]:
+def committed_rows(
+    commit: mx.array, rows: Optional[mx.array], count: int, take_logprobs: Callable[[mx.array], mx.array]
+) -> Optional[KeptRows]:
     """The record of a step that committed `commit` (B, W) (at most `count` per row,
     known on the host). `rows` (B, R): the block positions the step's log-probs cover
     (None: all W, in order); `take_logprobs(slots (B, k))` gives their log-probs at
@@ -144,8 +146,9 @@ def committed_rows(commit: mx.array, rows: Optional[mx.array], count: int,
     return KeptRows(positions, mx.take_along_axis(read, slots, axis=1), take_logprobs(slots))
 
 
-def committed_rows_read_back(commit: np.ndarray, rows: Optional[np.ndarray],
-                             take_logprobs: Callable[[mx.array], mx.array]) -> Optional[KeptRows]:
+def committed_rows_read_back(
+    commit: np.ndarray, rows: Optional[np.ndarray], take_logprobs: Callable[[mx.array], mx.array]
+) -> Optional[KeptRows]:
     """`committed_rows` for a step whose commits were read back (host arrays: `commit`
     (B, W), `rows` (B, R) or None): the same record, slot for slot, its positions and
     slots found on the host; the device gathers the log-probs only (a step of the
@@ -158,8 +161,11 @@ def committed_rows_read_back(commit: np.ndarray, rows: Optional[np.ndarray],
     # read_positions' order: each row's committed slots in order, then the others in order
     slots = np.argsort(~read, axis=1, kind="stable")[:, : bucket(count, read.shape[1])].astype(np.int32)
     positions = slots if rows is None else np.take_along_axis(rows, slots, axis=1)
-    return KeptRows(mx.array(positions.astype(np.int32)), mx.array(np.take_along_axis(read, slots, axis=1)),
-                    take_logprobs(mx.array(slots)))
+    return KeptRows(
+        mx.array(positions.astype(np.int32)),
+        mx.array(np.take_along_axis(read, slots, axis=1)),
+        take_logprobs(mx.array(slots)),
+    )
 
 
 def whole_block(logprobs: mx.array) -> KeptRows:

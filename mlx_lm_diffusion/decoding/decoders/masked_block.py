@@ -180,8 +180,9 @@ class MaskedBlockDecoder(Decoder):
                 inputs = StepInputs(x0, prob, entropy, logprobs, candidates, b.step, o.steps, b.masked, rows)
                 commit = rule.select(inputs, b.rule_state)
             if self.ordered is not None and has_mask:
-                commit, x0, logprobs = self.ordered.verify(canvas, b.start, commit, x0, logits, logprobs,
-                                                           self._correction(b), mask_id)
+                commit, x0, logprobs = self.ordered.verify(
+                    canvas, b.start, commit, x0, logits, logprobs, self._correction(b), mask_id
+                )
                 take = partial(take_rows, logprobs)  # (the processed log-probs are kept)
                 prob = mx.exp(mx.take_along_axis(logprobs, x0[..., None], axis=-1)[..., 0])
             if self.editing:
@@ -199,8 +200,14 @@ class MaskedBlockDecoder(Decoder):
             self._keep(b, commit, rows, None if committed is None or self.editing else committed, take)
         return edited
 
-    def _keep(self, b: BlockState, commit: mx.array, rows: Optional[mx.array], committed: Any,
-              take: Callable[[mx.array], mx.array]) -> None:
+    def _keep(
+        self,
+        b: BlockState,
+        commit: mx.array,
+        rows: Optional[mx.array],
+        committed: Any,
+        take: Callable[[mx.array], mx.array],
+    ) -> None:
         """Record the log-probs of the positions the step committed (kept_logprobs). The
         commit count per row is the rule's (`committed`, host) or, where edits or the
         processors decide (None), read from `commit` (evaluated by the step's read-back)."""
@@ -277,8 +284,9 @@ class MaskedBlockDecoder(Decoder):
         masks): a step's gathered rows past it are a bucket's padding."""
         return int(b.first_open.sum(axis=1).max() if b.step == 0 else b.masked.max())
 
-    def _predict(self, state: Any, canvas: Canvas, b: BlockState, rows: Optional[mx.array] = None,
-                 read: Optional[int] = None):
+    def _predict(
+        self, state: Any, canvas: Canvas, b: BlockState, rows: Optional[mx.array] = None, read: Optional[int] = None
+    ):
         """The step's (x0, prob) per block position, its log-probs and logits (per row of
         `rows` when given: the proposal of an unread position is its current token, at
         probability 0), for a greedy proposal the entropy per row (else None), and
@@ -322,8 +330,9 @@ class MaskedBlockDecoder(Decoder):
             return lambda logprobs: self._propose_tempered(logprobs, temperature)[0]
         return lambda logprobs: self._propose(logprobs)[0]
 
-    def _apply(self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob,
-               whole: Optional[KeptRows] = None) -> None:
+    def _apply(
+        self, canvas: Canvas, b: BlockState, commit: Optional[mx.array], x0, prob, whole: Optional[KeptRows] = None
+    ) -> None:
         """Write the committed proposals into the canvas (commit None: the whole block,
         whose log-probs `whole` records)."""
         if commit is None:

@@ -75,8 +75,10 @@ def check_greedy(temperature: float, logits_processors: bool) -> None:
     if temperature > 0:
         raise ValueError(f"self_spec decodes greedily: temperature must be 0, got {temperature:g}")
     if logits_processors:
-        raise ValueError("self_spec takes no logits processors (logit_bias, repetition, presence or "
-                         "frequency penalties): drop them or self_spec")
+        raise ValueError(
+            "self_spec takes no logits processors (logit_bias, repetition, presence or "
+            "frequency penalties): drop them or self_spec"
+        )
 
 
 class SpeculativeDecoder(Decoder):
@@ -85,8 +87,10 @@ class SpeculativeDecoder(Decoder):
     # option to drop instead
     refused = REFUSED
     decoding, or_drop = "self_spec decoding", " or self_spec"
-    one_token_refusal = ("self_spec drafts at least one token per window: give block_length >= 2 "
-                         "(block_length 1 without self_spec is autoregressive decoding)")
+    one_token_refusal = (
+        "self_spec drafts at least one token per window: give block_length >= 2 "
+        "(block_length 1 without self_spec is autoregressive decoding)"
+    )
     # (a checkpoint's own commit rule or steps belong to its diffusion decode)
     unread_defaults = frozenset(REFUSED)
 
@@ -102,8 +106,10 @@ class SpeculativeDecoder(Decoder):
     def check_options(cls, values: dict, adapter: Any) -> None:
         for name, why in cls.refused.items():
             if values.get(name) not in (None, ()):
-                raise ValueError(f"{name} does not apply to {cls.decoding.format(family=adapter.family)}: {why}; "
-                                 f"drop {name}{cls.or_drop}")
+                raise ValueError(
+                    f"{name} does not apply to {cls.decoding.format(family=adapter.family)}: {why}; "
+                    f"drop {name}{cls.or_drop}"
+                )
         if values.get("block_length") == 1:
             raise ValueError(cls.one_token_refusal.format(family=adapter.family))
 
@@ -156,8 +162,16 @@ class SpeculativeDecoder(Decoder):
         logprobs = log_softmax(self._scores(self.adapter.block_seed(state, canvas.tokens, start)[:, None]))
         token, prob = greedy_proposal(logprobs)
         canvas.write(token, start)
-        return Queued(canvas.tokens, logprobs if self.keep_logprobs else None, prob, canvas.forwards,
-                      (start, start + 1), 0, True, False)
+        return Queued(
+            canvas.tokens,
+            logprobs if self.keep_logprobs else None,
+            prob,
+            canvas.forwards,
+            (start, start + 1),
+            0,
+            True,
+            False,
+        )
 
     def _window(self, state: Any, canvas: Canvas, position: int, width: int):
         """Draft, verify and accept one window [position, position + width) (a generator:

@@ -138,8 +138,9 @@ class UniformCanvasDecoder(Decoder):
             noisy_canvas = mx.concatenate([canvas.tokens[:, :start], noisy, canvas.tokens[:, end:]], axis=1)
             reply = yield Forward(state, noisy_canvas, start, end)
             canvas.forwards += 1
-            temperature = linear_temperature(o.steps - b.step, o.steps, t_min=settings["t_min"],
-                                             t_max=settings["t_max"])
+            temperature = linear_temperature(
+                o.steps - b.step, o.steps, t_min=settings["t_min"], t_max=settings["t_max"]
+            )
             if isinstance(reply, tuple):  # the cheaper step: the top-k (values, ids)
                 stats, sample, prob, logprobs = self._top_k_step(state, reply, temperature)
             else:
@@ -154,8 +155,9 @@ class UniformCanvasDecoder(Decoder):
             entropy = stats.entropy
             if free is not None:  # (a pinned position is no candidate and is certain)
                 rows, entropy = rows & free, mx.where(free, entropy, 0.0)
-            accepted = o.rule.select(StepInputs(sample, prob, stats.entropy, logprobs, rows, b.step, o.steps),
-                                     b.rule_state)
+            accepted = o.rule.select(
+                StepInputs(sample, prob, stats.entropy, logprobs, rows, b.step, o.steps), b.rule_state
+            )
             fresh = keep(renoise(sample, accepted, uniform_canvas((B, L), a.vocab_size)))
             frozen = stopped[:, None]
             argmax = mx.where(frozen, argmax, keep(stats.x0))
@@ -218,8 +220,10 @@ class UniformCanvasDecoder(Decoder):
             logprobs = log_softmax(z)
             sample, prob = self._propose(logprobs, temperature)
             candidates = open_ & live
-            commit = o.rule.select(StepInputs(sample, prob, normalized_entropy(logprobs), logprobs, candidates,
-                                              b.step, o.steps), b.rule_state)
+            commit = o.rule.select(
+                StepInputs(sample, prob, normalized_entropy(logprobs), logprobs, candidates, b.step, o.steps),
+                b.rule_state,
+            )
             tokens = mx.where(commit, sample, tokens)
             b.confidence = mx.where(commit, prob, b.confidence)
             if self.keep_logprobs:
