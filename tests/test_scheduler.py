@@ -207,16 +207,16 @@ def test_no_batch_serves_one_at_a_time(llada_path, client):
 def test_error_after_a_batched_stream_began_is_an_sse_event(served, monkeypatch):
     """A request whose decode fails mid-stream ends with an SSE error event and [DONE];
     the scheduler goes on serving."""
-    from mlx_lm_diffusion.serving.scheduler import Scheduler
+    from mlx_lm_diffusion.serving.jobs import Job
 
-    emit = Scheduler._emit
+    take = Job.take
 
-    def failing(self, batch, job, step):
-        if job.emitted >= 2:
+    def failing(self, step, eos_ids, tokenizer):
+        if self.emitted >= 2:
             raise RuntimeError("the decode broke")
-        emit(self, batch, job, step)
+        return take(self, step, eos_ids, tokenizer)
 
-    monkeypatch.setattr(Scheduler, "_emit", failing)
+    monkeypatch.setattr(Job, "take", failing)
     port = served[0].server_address[1]
     sock = long_stream(port)
     data = b""
@@ -227,7 +227,7 @@ def test_error_after_a_batched_stream_began_is_an_sse_event(served, monkeypatch)
     sock.close()
     events = [line[len("data: ") :] for line in data.decode().split("\n") if line.startswith("data: ")]
     assert "the decode broke" in json.loads(events[-2])["error"]["message"]
-    monkeypatch.setattr(Scheduler, "_emit", emit)
+    monkeypatch.setattr(Job, "take", take)
     wait_for(lambda: served[1].scheduler.stats()["running_rows"] == 0)
 
 
@@ -375,5 +375,40 @@ def test_the_schedulers_adapters_are_bounded(llada):
         assert ("g", 0) not in scheduler.adapters
         last = scheduler.adapter(job(3 * MAX_ADAPTERS - 1))
         assert scheduler.adapter(job(3 * MAX_ADAPTERS - 1)) is last
+    finally:
+        scheduler.stop()
+
+
+def test_the_scheduler_driven_directly_decodes_each_request_as_alone(llada):
+    """No HTTP: Decodes built by build_decode, submitted as Jobs to a Scheduler over the
+    model; each row's tokens (the Responses on its queue) are those of its decode alone."""
+    import queue
+
+    import mlx_lm_diffusion as mld
+    from mlx_lm_diffusion.api.decode import build_decode
+    from mlx_lm_diffusion.serving.jobs import direct_job
+    from mlx_lm_diffusion.serving.scheduler import Scheduler
+    from mlx_lm_diffusion.serving.stream_batching import runs
+    from mlx_lm_diffusion.serving.turns import TurnLock
+
+    model, tokenizer = llada
+    cases = [
+        ([5, 17, 99], {"max_tokens": 12, "block_length": 4}),
+        ([72, 101], {"max_tokens": 8, "block_length": 8}),
+        ([33, 34, 35, 36], {"max_tokens": 10, "block_length": 4, "threshold": 0.3}),
+    ]
+    alone = [[r.token for r in mld.stream_generate(model, tokenizer, p, **o)] for p, o in cases]
+    scheduler = Scheduler(model, tokenizer, TurnLock())
+    try:
+        queues = [queue.Queue() for _ in cases]
+        for (prompt, options), q in zip(cases, queues):
+            max_tokens = options.pop("max_tokens")
+            scheduler.submit(direct_job(build_decode(model, tokenizer, prompt, max_tokens, **options), q))
+
+        def tokens(q):
+            items = iter(lambda: q.get(timeout=TIMEOUT), None)
+            return [r.token for run in runs(items) for r in run]
+
+        assert [tokens(q) for q in queues] == alone
     finally:
         scheduler.stop()

@@ -388,7 +388,7 @@ def test_a_batched_row_refused_only_by_its_sampler_is_a_400(models):
     refused there is the client's error, a 400 RequestError, not a 500."""
     import mlx_lm.server as mlx_server
 
-    from mlx_lm_diffusion.serving import scheduler
+    from mlx_lm_diffusion.serving import jobs
     from mlx_lm_diffusion.serving.errors import RequestError
 
     model, tokenizer = models["random"]
@@ -408,11 +408,11 @@ def test_a_batched_row_refused_only_by_its_sampler_is_a_400(models):
         )
 
     prompt = PROMPTS[0]
-    greedy = scheduler.request_decode(model, tokenizer, prompt, args(0.0), {"self_spec": True}).options
+    greedy = jobs.request_decode(model, tokenizer, prompt, args(0.0), {"self_spec": True}).options
     assert greedy.family["self_spec"] and greedy.sampler is None
     for refused in (args(0.7), args(0.0, {5: 1.0})):
         with pytest.raises(RequestError, match="self_spec") as error:
-            scheduler.request_decode(model, tokenizer, prompt, refused, {"self_spec": True})
+            jobs.request_decode(model, tokenizer, prompt, refused, {"self_spec": True})
         assert error.value.status == 400
 
 

@@ -21,8 +21,8 @@ from serving import console_server, running_server
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.serving import startup as dserver
+from mlx_lm_diffusion.serving.jobs import Job
 from mlx_lm_diffusion.serving.openai_requests import merge_options
-from mlx_lm_diffusion.serving.scheduler import Scheduler
 from mlx_lm_diffusion.testing.checkpoints import EOS_ID, EOT_ID
 
 TIMEOUT = 120  # seconds any single client call may take before the test fails
@@ -285,13 +285,14 @@ def test_disconnect_mid_stream_frees_the_server(client, port, monkeypatch):
 
     monkeypatch.setattr(mlx_lm.server, "stream_generate", counting)  # served one at a time
     emitted = {}  # batched (mlx_lm_diffusion.serving.scheduler): tokens sent per request
-    emit = Scheduler._emit
+    take = Job.take
 
-    def counting_emit(self, batch, job, step):
-        emit(self, batch, job, step)
-        emitted[id(job)] = job.emitted
+    def counting_take(self, step, eos_ids, tokenizer):
+        ended = take(self, step, eos_ids, tokenizer)
+        emitted[id(self)] = self.emitted
+        return ended
 
-    monkeypatch.setattr(Scheduler, "_emit", counting_emit)
+    monkeypatch.setattr(Job, "take", counting_take)
     max_tokens = 300
     body = {
         "messages": USER,

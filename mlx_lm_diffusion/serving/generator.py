@@ -29,13 +29,14 @@ from mlx_lm_diffusion.output import request_constraints
 from mlx_lm_diffusion.parallel import distributed
 from mlx_lm_diffusion.serving import distributed_server, memory, openai_requests, peers, template_sandbox
 from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone, RequestError, StartupError
+from mlx_lm_diffusion.serving.jobs import prepare_job, request_decode
 from mlx_lm_diffusion.serving.openai_requests import (
     DiffusionRequest,
     check_sampling_against_vocabulary,
     merge_options,
 )
 from mlx_lm_diffusion.serving.responses import draft_frame
-from mlx_lm_diffusion.serving.scheduler import Scheduler, prepare_job, request_decode
+from mlx_lm_diffusion.serving.scheduler import Scheduler
 from mlx_lm_diffusion.serving.turns import TurnLock
 from model_adapters import adapter_for, is_diffusion_model
 

@@ -44,26 +44,14 @@ import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from queue import Queue
 from typing import Any, Callable, Optional
 
-import mlx.core as mx
-from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _make_logits_processors, _make_sampler
-
-from mlx_lm_diffusion.api import compat
-from mlx_lm_diffusion.api.decode import Decode
-from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch, family_key
-from mlx_lm_diffusion.decoding.decoders.speculative import check_greedy
-from mlx_lm_diffusion.decoding.engine import Step
+from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch
 from mlx_lm_diffusion.decoding.interpreter_exit import thread_streams
-from mlx_lm_diffusion.decoding.options import ResolvedOptions, forward_bound
-from mlx_lm_diffusion.output.detokenize import answer_detokenizer
+from mlx_lm_diffusion.decoding.options import forward_bound
 from mlx_lm_diffusion.serving import peers
-from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone, RequestError
-from mlx_lm_diffusion.serving.openai_requests import check_sampling_against_vocabulary
-from mlx_lm_diffusion.serving.stream_batching import ResponseSender
-from model_adapters.runtime.prompt_cache import TokenCache
+from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone
+from mlx_lm_diffusion.serving.jobs import Job, ProtocolJob
 
 MAX_ADAPTERS = 16  # groups whose adapter (and the forwards it compiled) the scheduler keeps
 
@@ -73,226 +61,6 @@ def lane_of(job: Any) -> tuple:
     other share a lane (a batch); a short request never steps with canvases 100 times
     its own."""
     return job.group, max(0, (max(job.forwards, 1) - 1).bit_length() + 1) // 2
-
-
-@dataclass
-class Job:
-    """One request in the scheduler: where its responses go and how to make them."""
-
-    rqueue: Queue
-    ctx: GenerationContext
-    decode: Decode  # the request, resolved once (mlx_lm_diffusion.api.decode)
-    check: Callable[[], None]  # raises when the request was cancelled or its client left
-    drafts: Optional[Callable[[Step], None]]
-    stop_matcher: Any
-    top_logprobs: int
-    detokenizer: Any
-    cache_entry: Optional[Callable[..., None]] = None  # stores prompt + tokens (and their KV) in the prompt cache
-    cache_lookup: Optional[Callable[[list], Any]] = None  # the prompt cache's KV of a prompt's prefix
-    logprobs: bool = False  # the client asked for each token's log-prob
-    prefix: Any = None  # ... this prompt's (a PrefixKV, or None), once looked up
-    looked_up: bool = False
-    tokens: list = field(default_factory=list)  # the tokens sent
-    emitted: int = 0
-    ended: bool = False
-    row: Any = None
-    submitted: float = field(default_factory=time.monotonic)
-    sender: Optional[ResponseSender] = None  # the way to rqueue: tokens in mailboxes (stream_batching)
-    proposals: int = 0  # its draft frames carry the k most likely tokens per position (the studio's hover)
-
-    def __post_init__(self):
-        if self.sender is None:
-            self.sender = ResponseSender(self.rqueue)
-
-    @property
-    def prompt(self) -> list:
-        return self.decode.ids
-
-    @property
-    def options(self) -> ResolvedOptions:
-        return self.decode.options
-
-    @property
-    def forwards(self) -> int:
-        """The most forwards its decode can take (options.forward_bound)."""
-        return self.decode.forwards
-
-    @property
-    def group(self) -> tuple:
-        return family_key(self.options)
-
-    @property
-    def keeps_logprobs(self) -> bool:
-        """Whether its row keeps each token's log-probs (else none are written or read back)."""
-        return self.logprobs or self.top_logprobs > 0
-
-
-@dataclass
-class ProtocolJob:
-    """A step-schedule protocol request (mlx_lm_diffusion.api.protocol) in the scheduler: its
-    row decodes in a batch of protocol rows (their adapter ignores EOS), its steps are
-    kept, and `future` gets the InferenceResponse (or the error) once it ends."""
-
-    decode: Any  # protocol.ProtocolDecode
-    check: Callable[[], None]  # raises when the request was cancelled
-    future: Future = field(default_factory=Future)
-    steps: list = field(default_factory=list)
-    ended: bool = False
-    row: Any = None
-    looked_up: bool = True  # (no prompt cache: the protocol's requests neither read nor write it)
-    prefix: Any = None
-    submitted: float = field(default_factory=time.monotonic)
-    forwards: int = 0
-
-    @property
-    def prompt(self) -> list:
-        return self.decode.prompt
-
-    @property
-    def options(self) -> ResolvedOptions:
-        return self.decode.options
-
-    @property
-    def group(self) -> tuple:
-        return ("step-schedule protocol", family_key(self.options))
-
-    def end(self, error: Optional[BaseException]) -> None:
-        self.ended = True
-        if error is not None:
-            self.future.set_exception(error)
-            return
-        try:
-            self.future.set_result(self.decode.response(self.steps))
-        except Exception as e:  # noqa: BLE001 (the response could not be built: the request's error)
-            self.future.set_exception(e)
-
-
-def prepare_job(generator: Any, request: tuple) -> Optional[Job]:
-    """mlx_lm.server's `_serve_single` up to the decode: tokenize and build the request's
-    Decode (the generator's `_tokenize`), context (sent to the client's queue), stop
-    words. A request that cannot be served gets its error on its queue (None returned)."""
-    rqueue, req, args = request
-    try:
-        tokenizer = generator.model_provider.tokenizer
-        prompt, _, _, initial_state, vision = generator._tokenize(tokenizer, req, args)
-        if vision is not None:
-            raise ValueError("images are not supported for diffusion models")
-        decode = req.decode  # (built by _tokenize: options resolved once, with the sampler and processors)
-        stop_sequences, text_sm = generator._make_state_machine(
-            generator.model_provider.model_key, tokenizer, args.stop_words
-        )
-        ctx = GenerationContext(
-            has_thinking=tokenizer.has_thinking,
-            has_tool_calling=tokenizer.has_tool_calling,
-            tool_parser=tokenizer.tool_parser,
-            text_sm=text_sm,
-            initial_state=initial_state,
-            prompt=prompt,
-        )
-        ctx.prompt_cache_count = 0  # usage's cached_tokens: set when the row starts (the KV it reused)
-        sender = ResponseSender(rqueue)  # (drafts and tokens keep their order through it)
-        drafts = generator._draft_sender(sender, req) if getattr(req, "drafts", False) else None
-        job = Job(
-            rqueue,
-            ctx,
-            decode,
-            generator._canceller(req),
-            drafts,
-            stop_sequences.matcher(),
-            args.top_logprobs,
-            answer_detokenizer(tokenizer),
-            cache_entry=_cache_writer(generator),
-            cache_lookup=_cache_reader(generator),
-            logprobs=bool(args.logprobs),
-            sender=sender,
-            proposals=getattr(req, "proposals", 0) if drafts is not None else 0,
-        )
-    except Exception as e:  # noqa: BLE001 (answered on the request's queue, as mlx_lm.server does)
-        rqueue.put(e)
-        return None
-    rqueue.put(ctx)
-    return job
-
-
-def request_decode(
-    model: Any,
-    tokenizer: Any,
-    prompt: list,
-    args: Any,
-    options: dict,
-    max_forwards: Optional[int] = None,
-    vision: Any = None,
-) -> Decode:
-    """A served request's Decode: its decoding fields (`options`, the server's defaults
-    under the request's) with mlx_lm.server's sampler, logits processors and seed from
-    `args`. What they reveal (self_spec under a sampler, an id past the vocabulary) is
-    the client's request too: a RequestError (400), not a 500."""
-    try:
-        processors = _make_logits_processors(args)
-        decode = compat.check_request(
-            model,
-            tokenizer,
-            prompt,
-            args.max_tokens,
-            options,
-            max_forwards=max_forwards,
-            sampler=request_sampler(args, tokenizer),
-            logits_processors=processors,
-            seed=args.seed,
-            vision=vision,
-        )
-        check_sampling_against_vocabulary(args, decode.adapter.vocab_size)
-        if options.get("self_spec"):  # (sampling is in mlx-lm's args, not the fields)
-            check_greedy(args.sampling.temperature, bool(processors))
-    except (ValueError, TypeError) as e:
-        if isinstance(e, RequestError):
-            raise
-        raise RequestError(str(e)) from e
-    return decode
-
-
-def request_sampler(args: Any, tokenizer: Any) -> Optional[Callable]:
-    """mlx_lm.server's sampler; None (the decoder's own argmax) at temperature 0, where
-    mlx-lm's is an argmax too, so that a greedy row reads nothing back to check it."""
-    return None if args.sampling.temperature == 0 else _make_sampler(args, tokenizer)
-
-
-_cache_lock = threading.Lock()  # the prompt cache is read on the generation thread, written here
-
-
-def _cache_writer(generator: Any) -> Callable[..., None]:
-    key = generator.model_provider.model_key
-
-    def write(tokens: list, kv_source: Optional[Callable] = None) -> None:
-        """`kv_source(tokens)`: the KV of their leading positions (PromptReuse.export)."""
-        cache = TokenCache(tokens)
-        if kv_source is not None:
-            cache.hold_kv(kv_source)
-            kv = cache.kv  # (evaluated here: a lazy array would name this thread's stream, which the
-            if kv is not None:  # serial path's thread cannot run)
-                mx.eval(kv.keys, kv.values)
-        with _cache_lock:
-            generator.prompt_cache.insert_cache(key, list(tokens), [cache])
-
-    return write
-
-
-def _cache_reader(generator: Any) -> Callable[[list], Any]:
-    """`lookup(prompt)`: the KV of the longest cached prefix of `prompt` (mlx-lm's
-    fetch_nearest_cache, as the serial path fetches it), or None. Called on the
-    scheduler's thread under the decode lock: reading a cache's KV may run MLX work (an
-    export, a trim), which must run on the thread whose stream decodes the rows and not
-    overlap a serial decode."""
-    key = generator.model_provider.model_key
-
-    def lookup(prompt: list) -> Any:
-        with _cache_lock:
-            cache, _ = generator.prompt_cache.fetch_nearest_cache(key, list(prompt))
-            if not cache or not isinstance(cache[0], TokenCache):
-                return None
-            return cache[0].kv
-
-    return lookup
 
 
 class Scheduler:
@@ -416,23 +184,9 @@ class Scheduler:
                 waiting.append(job)
                 continue
             batch = self.batches.get(lane)
-            if batch is None:
-                batch = self.batches[lane] = RunningBatch(
-                    self.adapter(job), keep_logprobs=not isinstance(job, ProtocolJob)
-                )
-            if isinstance(job, ProtocolJob):
-                job.row = batch.add(job.prompt, job.options, payload=job, seed=job.decode.seed)
-            else:
-                job.row = batch.add(
-                    job.prompt,
-                    job.options,
-                    payload=job,
-                    prefix=job.prefix,
-                    keep_logprobs=job.keeps_logprobs,
-                    proposals=job.proposals,
-                )
-                job.prefix = None
-                job.ctx.prompt_cache_count = job.row.prompt_kv.reused  # (usage's cached_tokens)
+            if batch is None:  # (a lane's jobs are of one kind: its group says so)
+                batch = self.batches[lane] = RunningBatch(self.adapter(job), keep_logprobs=job.keeps_logprobs)
+            job.join(batch)
             if lane not in self.turns:
                 # one step ahead of the least served lane: no credit for the time it was idle
                 least = min((self.used.get(t, 0.0) for t in self.turns), default=0.0)
@@ -518,58 +272,11 @@ class Scheduler:
         if event.error is not None:
             self._end(batch, job, event.error)
             return
-        if isinstance(job, ProtocolJob):  # its steps make its response, at its end
-            if event.step is not None:
-                job.steps.append(event.step)
-                job.check()  # (a cancelled request stops at its next step, as alone)
-            if event.finished:
-                self._end(batch, job, None)
+        if event.step is not None and job.take(event.step, batch.adapter.eos_ids, self.tokenizer):
+            self._end(batch, job, None)
             return
-        step = event.step
-        if step is not None:
-            if job.drafts is not None and step.ran_forward:
-                job.drafts(step)
-            self._emit(batch, job, step)
         if event.finished and not job.ended:
             self._end(batch, job, None)
-
-    def _emit(self, batch: RunningBatch, job: Job, step: Step) -> None:
-        """The row's newly final tokens, one Response each (as stream_generate yields
-        them), handed to its client together (stream_batching)."""
-        P, eos = len(job.prompt), batch.adapter.eos_ids
-        top = job.top_logprobs > 0
-        values = step.token_logprobs(0, P + job.emitted, P + int(step.final[0])) if job.logprobs and not top else None
-        out = []
-        try:
-            while job.emitted < step.final[0]:
-                position = P + job.emitted
-                token = int(step.canvas[0, position])
-                logprobs = step.logprobs(0, position) if top else None
-                job.emitted += 1
-                stop = token in eos
-                finish = "stop" if stop else ("length" if job.emitted == job.options.max_tokens else None)
-                if not stop:
-                    job.detokenizer.add_token(token)
-                if finish is not None:
-                    job.detokenizer.finalize()
-                if job.stop_matcher.advance(token):
-                    finish = "stop"
-                if values is not None:
-                    logprob = values.get(position, 0.0)
-                else:
-                    logprob = logprobs[token].item() if logprobs is not None else 0.0
-                ranked = (
-                    _format_top_logprobs(logprobs, job.top_logprobs, self.tokenizer) if logprobs is not None else ()
-                )
-                job.tokens.append(token)
-                out.append(Response(job.detokenizer.last_segment, token, logprob, finish, ranked))
-                if finish is not None or job.ctx._should_stop:
-                    job.sender.send(out)
-                    out = []
-                    self._end(batch, job, None)
-                    return
-        finally:
-            job.sender.send(out)  # (the tokens made before an error too)
 
     def _end(self, batch: RunningBatch, job: Job, error: Optional[BaseException]) -> None:
         job.ended = True
@@ -577,12 +284,7 @@ class Scheduler:
             last = job.row.last if job.row is not None else None
             logging.info(f"a decode stopped: {error} (after {last.forwards if last is not None else 0} forwards)")
         batch.remove(job.row)
-        if isinstance(job, ProtocolJob):
-            job.end(error)
-            return
-        if error is None and job.cache_entry is not None:  # (before the client can send its next turn)
-            job.cache_entry(job.prompt + job.tokens, job.row.prompt_kv.export if job.row is not None else None)
-        job.sender.put(error)  # None: the end of the stream
+        job.finish(error)
 
     def _fail_group(self, group: tuple, error: BaseException) -> None:
         batch = self.batches.pop(group, None)
@@ -596,8 +298,4 @@ class Scheduler:
             self.queued.clear()
         for job in jobs:
             if not job.ended:
-                if isinstance(job, ProtocolJob):
-                    job.end(Cancelled())
-                    continue
-                job.ended = True
-                job.sender.put(Cancelled())
+                job.finish(Cancelled())
