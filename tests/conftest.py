@@ -1,6 +1,12 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# the tests' shared helpers (tests/helpers: oracles, server_runs, cli_run, ...) import by name
+# from every folder of tests/, which mirror the package's
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 
 from mlx_lm_diffusion.testing.checkpoints import write_dream, write_llada
 

@@ -77,9 +77,9 @@ def test_a_family_importing_another_breaks_independence(tree_copy):
 
 def test_a_new_family_is_one_module_and_one_line(tree_copy):
     """docs/architecture.md's recipe, followed literally: the toy family's module in
-    model_adapters/families/ (tests/toy_family.py, without its run-time registration) and one
+    model_adapters/families/ (tests/helpers/toy_family.py, without its run-time registration) and one
     line in FAMILIES. The contracts hold with no edit of .importlinter, and the family loads."""
-    module = (ROOT / "tests/toy_family.py").read_text()
+    module = (ROOT / "tests/helpers/toy_family.py").read_text()
     module = module.replace("from model_adapters import register_family\n", "")
     module = module.replace("register_family(MODEL_TYPE, __name__)\n", "")
     (tree_copy / "model_adapters/families/toy.py").write_text(module)

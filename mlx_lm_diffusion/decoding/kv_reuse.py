@@ -76,7 +76,7 @@ class PromptReuse:
 def cache_occupancy(prompt_cache: Any) -> dict:
     """Entries, bytes, tokens (what the entries stand for) and kv_tokens (the positions
     whose keys and values they hold) of mlx-lm's LRUPromptCache. Reads its LRU order and
-    trie (pinned by tests/test_kv_reuse.py's contract test)."""
+    trie (pinned by tests/decoding/test_kv_reuse.py's contract test)."""
     entries = tokens = kv_tokens = 0
     for lru in prompt_cache._lru._lrus.values():
         for model, key in lru:

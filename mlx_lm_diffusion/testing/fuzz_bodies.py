@@ -2,7 +2,7 @@
 
 `random_body(rng, route)` builds a body from the fields a route reads, each given a
 sane value, a value of the wrong type, or an extreme one, plus stray fields. It is
-shared by the fuzz test (tests/test_fuzz.py, hypothesis drawing the `rng`) and the
+shared by the fuzz test (tests/serving/test_fuzz.py, hypothesis drawing the `rng`) and the
 soak script (bench/soak_server.py, thousands of bodies). `check_answer` says whether
 one HTTP answer is clean: a 2xx or 4xx status whose body is strict JSON (a stream:
 SSE events each strict JSON, ending in [DONE]).

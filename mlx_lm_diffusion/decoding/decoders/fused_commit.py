@@ -262,7 +262,7 @@ def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tup
     quota at their steps (a plain int: the trace holds it). On MLX's CPU backend each op
     of a step is dispatched from the caller's thread: compiled, the commit's elementwise
     runs are fused and its graph is not rebuilt in Python each step (the same values bit
-    for bit: tests/test_batch_ops.py). MLX keeps one trace per input shape."""
+    for bit: tests/decoding/test_batch_ops.py). MLX keeps one trace per input shape."""
     selecting = [p for p in plans if not p.takes_all]
     rule = (selecting or plans)[0].rule
     if type(rule) not in COMPILED_RULES or any(_rule_key(p.rule) != _rule_key(rule) for p in selecting):
