@@ -62,6 +62,22 @@ class CommitRule:
     # True: the rule ends a block within `steps` (its last step commits the rest).
     # False: it commits at least one token per step, so it ends within the block length.
     fixed_steps: ClassVar[bool] = True
+    # The option that, given alone, selects this rule (threshold alone: Threshold), if any
+    selected_by: ClassVar[Optional[str]] = None
+    # How a running batch selects for several rows at once (decoders/fused_commit.py):
+    # "quota" (from each row's count at its step), "stateless" (from the step's inputs
+    # only), None (row by row: a rule that draws random numbers, reads a schedule, ...);
+    # `compiled`: that joint selection runs in one compiled function (it reads nothing on
+    # the host). Each rule declares its own (`__init_subclass__`): a subclass that selects
+    # otherwise must not batch as its parent does.
+    joint: ClassVar[Optional[str]] = None
+    compiled: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for trait, default in (("selected_by", None), ("joint", None), ("compiled", False)):
+            if trait not in cls.__dict__:
+                setattr(cls, trait, default)
 
     def start_block(self, masked: np.ndarray, steps: int) -> Any:
         """The block's rule state, from each row's mask count (host) and the step budget."""
@@ -111,6 +127,8 @@ class LowConfidence(CommitRule):
     proposals first. Deviation: the quota is per row (the reference is batch 1)."""
 
     name: ClassVar[str] = "low_confidence"
+    joint: ClassVar[Optional[str]] = "quota"
+    compiled: ClassVar[bool] = True
     # blocks with the same mask counts reuse their schedule (at block length 1, every
     # block), which keeps transfer_schedule's host check off the per-token path
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -152,6 +170,9 @@ class Threshold(CommitRule):
 
     threshold: float = THRESHOLD
     name: ClassVar[str] = "threshold"
+    selected_by: ClassVar[Optional[str]] = "threshold"
+    joint: ClassVar[Optional[str]] = "stateless"
+    compiled: ClassVar[bool] = True
     takes: ClassVar[dict[str, str]] = {"threshold": "threshold"}
     fixed_steps: ClassVar[bool] = False
 
@@ -166,6 +187,8 @@ class BlockLengthQuota(LowConfidence):
     block holds (a first block that also holds the prompt's tail, a last block cut at
     max_tokens), where LLaDA splits the masks left."""
 
+    joint: ClassVar[Optional[str]] = "quota"
+    compiled: ClassVar[bool] = True
     block_length: Optional[int] = None
 
     def quotas(self, masked: np.ndarray, steps: int) -> mx.array:
@@ -187,6 +210,8 @@ class LowConfidenceDynamic(BlockLengthQuota):
     threshold: float = THRESHOLD
     strict: bool = True
     name: ClassVar[str] = "low_confidence_dynamic"
+    joint: ClassVar[Optional[str]] = "quota"
+    compiled: ClassVar[bool] = True
     takes: ClassVar[dict[str, str]] = {"threshold": "threshold", "block_length": "block_length"}
 
     def known_commits(self, state: Quota, step: int, steps: int, masked: np.ndarray) -> Optional[np.ndarray]:
@@ -208,6 +233,8 @@ class LowConfidenceStatic(BlockLengthQuota):
     committed or prompt tokens)."""
 
     name: ClassVar[str] = "low_confidence_static"
+    joint: ClassVar[Optional[str]] = "quota"
+    compiled: ClassVar[bool] = True
     takes: ClassVar[dict[str, str]] = {"block_length": "block_length"}
 
 
@@ -225,6 +252,8 @@ class EntropyBounded(CommitRule):
 
     bound: float = ENTROPY_BOUND
     name: ClassVar[str] = "entropy_bounded"
+    # (not compiled: its per-row count goes to topk_transfer as an array, checked on the host)
+    joint: ClassVar[Optional[str]] = "stateless"
     takes: ClassVar[dict[str, str]] = {"entropy_bound": "bound"}
     fixed_steps: ClassVar[bool] = False
 
@@ -242,6 +271,9 @@ class Factor(CommitRule):
 
     factor: float = 1.0
     name: ClassVar[str] = "factor"
+    selected_by: ClassVar[Optional[str]] = "factor"
+    joint: ClassVar[Optional[str]] = "stateless"
+    compiled: ClassVar[bool] = True
     takes: ClassVar[dict[str, str]] = {"factor": "factor"}
     fixed_steps: ClassVar[bool] = False
 
@@ -256,6 +288,9 @@ class EntropyBound(CommitRule):
 
     bound: float = ENTROPY_BOUND
     name: ClassVar[str] = "entropy_bound"
+    selected_by: ClassVar[Optional[str]] = "entropy_bound"
+    joint: ClassVar[Optional[str]] = "stateless"
+    compiled: ClassVar[bool] = True
     takes: ClassVar[dict[str, str]] = {"entropy_bound": "bound"}
     fixed_steps: ClassVar[bool] = False
 
@@ -371,6 +406,13 @@ RULES: dict[str, type[CommitRule]] = {
         DreamOrigin,
     )
 }
+
+# The settings the rules read (beside block_length), in the order users see them, and
+# the rule each setting selects when given alone: from the rules' own declarations
+RULE_SETTINGS: tuple[str, ...] = tuple(
+    dict.fromkeys(name for rule in RULES.values() for name in rule.takes if name != "block_length")
+)
+IMPLIED_RULES: dict[str, str] = {rule.selected_by: name for name, rule in RULES.items() if rule.selected_by}
 
 # rules that read `threshold`
 THRESHOLD_RULES: tuple[str, ...] = tuple(name for name, rule in RULES.items() if "threshold" in rule.takes)

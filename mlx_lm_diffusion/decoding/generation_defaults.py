@@ -31,6 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from mlx_lm_diffusion.decoding.commit_rules import RULE_SETTINGS
 from mlx_lm_diffusion.decoding.option_schema import schema
 
 GENERATION_DEFAULTS_ATTR = "generation_defaults"  # where load() keeps them on the model
@@ -48,7 +49,7 @@ KEYS = {
     "editing_threshold": "editing_threshold",
     "max_post_steps": "max_post_steps",
 }
-RULE_OPTIONS = frozenset({"strategy", "threshold", "factor", "entropy_bound", "alg_temp", "schedule"})
+RULE_OPTIONS = frozenset({"strategy", "schedule", *RULE_SETTINGS})  # (the rules declare their settings)
 
 
 def read(model_path: Any) -> Mapping[str, Any]:

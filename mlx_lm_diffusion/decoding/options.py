@@ -16,7 +16,14 @@ from typing import Any, Mapping, Optional
 from mlx_lm.sample_utils import greedy_sampler
 
 from mlx_lm_diffusion.decoding import generation_defaults
-from mlx_lm_diffusion.decoding.commit_rules import RULES, CommitRule, commits_next_only, make_rule
+from mlx_lm_diffusion.decoding.commit_rules import (  # noqa: F401 (IMPLIED_RULES: the server's, as before)
+    IMPLIED_RULES,
+    RULE_SETTINGS,
+    RULES,
+    CommitRule,
+    commits_next_only,
+    make_rule,
+)
 from mlx_lm_diffusion.decoding.decoders import decoder_class
 from mlx_lm_diffusion.decoding.decoders.base import allowed_bias
 from mlx_lm_diffusion.decoding.option_schema import (  # noqa: F401 (the schema's names, as before)
@@ -183,10 +190,9 @@ def _with_preset(values: dict, adapter: Adapter) -> dict:
     return {**filled, **values}
 
 
-# a rule setting given without a strategy selects the rule that reads it, when the
-# family's own rule does not (alg_temp selects none: the rules of the families offering it read it)
-RULE_SETTINGS = ("threshold", "factor", "entropy_bound", "alg_temp")
-IMPLIED_RULES = {"threshold": "threshold", "factor": "factor", "entropy_bound": "entropy_bound"}
+# a rule setting given without a strategy selects the rule that reads it, when the family's
+# own rule does not (the rules declare it: CommitRule.selected_by; alg_temp selects none: the
+# rules of the families offering it read it)
 
 
 def _rule(values: dict, defaults: Any, block_length: int) -> CommitRule:

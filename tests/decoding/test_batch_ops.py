@@ -294,6 +294,72 @@ def test_a_compiled_commit_answers_only_groups_that_share_one_rule_and_quota():
     assert take([plan(EntropyBounded()), plan(EntropyBounded())], logits, False) is None
 
 
+def test_how_rows_are_selected_together_is_each_rules_own_declaration():
+    """The fused commit reads a rule's batching from the rule (CommitRule.joint / compiled,
+    issue 52.3): rows of a joint rule are selected in one call, others row by row; a subclass
+    that declares nothing selects row by row (it does not inherit its parent's), and one that
+    declares "stateless" joins the single call. The settings lists come from the rules too."""
+    from dataclasses import dataclass
+    from typing import ClassVar, Optional
+
+    from mlx_lm_diffusion.decoding import generation_defaults
+    from mlx_lm_diffusion.decoding.commit_rules import (
+        IMPLIED_RULES,
+        RULE_SETTINGS,
+        RULES,
+        Factor,
+        LowConfidence,
+        Quota,
+        RandomRemasking,
+        Threshold,
+    )
+    from mlx_lm_diffusion.serving import openai_requests
+
+    @dataclass
+    class Undeclared(Threshold):
+        pass
+
+    @dataclass
+    class Declared(Threshold):
+        joint: ClassVar[Optional[str]] = "stateless"
+
+    def select_calls(rule_type, rows=3, **fields):
+        calls = []
+
+        class Counting(rule_type):
+            def select(self, s, state):
+                calls.append(s.candidates.shape[0])
+                return super().select(s, state)
+
+        Counting.joint, Counting.compiled = rule_type.joint, rule_type.compiled  # (the traits under test)
+        state = Quota(mx.array([[1]]), np.array([[1]])) if issubclass(rule_type, LowConfidence) else None
+        plans = [
+            SimpleNamespace(
+                rule=Counting(**fields), rule_state=state, step=0, steps=4, masked=np.array([4]), takes_all=False
+            )
+            for _ in range(rows)
+        ]
+        probs = mx.softmax(mx.random.normal((rows, 4, 8)), axis=-1)
+        x0, prob = mx.argmax(probs, axis=-1), mx.max(probs, axis=-1)
+        fused_commit._select(plans, x0, prob, mx.log(probs), mx.ones((rows, 4), dtype=mx.bool_))
+        return calls
+
+    assert select_calls(Threshold, threshold=0.5) == [3] and select_calls(Factor) == [3]
+    assert select_calls(LowConfidence) == [3]
+    assert select_calls(RandomRemasking) == [1, 1, 1]  # (its draws are each row's own)
+    assert Undeclared.joint is None and not Undeclared.compiled and select_calls(Undeclared) == [1, 1, 1]
+    assert select_calls(Declared) == [3] and not Declared.compiled
+    # what a setting selects and which fields name a rule: from the rules' declarations
+    assert RULE_SETTINGS == ("threshold", "factor", "entropy_bound", "alg_temp")
+    assert (
+        IMPLIED_RULES
+        == {r.selected_by: n for n, r in RULES.items() if r.selected_by}
+        == {"threshold": "threshold", "factor": "factor", "entropy_bound": "entropy_bound"}
+    )
+    assert set(openai_requests._RULE_FIELDS) == {"strategy", "schedule", *IMPLIED_RULES}
+    assert generation_defaults.RULE_OPTIONS == {"strategy", "schedule", *RULE_SETTINGS}
+
+
 def test_a_compiled_commit_keeps_at_most_max_commit_traces_shapes(request, monkeypatch):
     """Past MAX_COMMIT_TRACES input shapes (rows joining and leaving change the row count) a
     compiled commit is made afresh, and the rows' tokens and forwards stay the op-by-op ones."""

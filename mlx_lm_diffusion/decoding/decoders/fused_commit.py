@@ -30,28 +30,19 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_lm_diffusion.decoding.commit_rules import (
-    BlockLengthQuota,
     DreamConfidence,
     DreamOrigin,
-    EntropyBound,
-    EntropyBounded,
-    Factor,
-    LowConfidence,
-    LowConfidenceDynamic,
-    LowConfidenceStatic,
     Quota,
     StepInputs,
-    Threshold,
 )
 from mlx_lm_diffusion.decoding.decoders.base import Forward, greedy_proposal, log_softmax, normalized_entropy
 from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket, read_positions, take_rows
 from mlx_lm_diffusion.decoding.decoders.kept_logprobs import KeptRows
 from model_adapters.runtime.batched import bounded_compile
 
-# Rules whose selection reads only a per-row quota at the step (stacked over rows here).
-QUOTA_RULES = (LowConfidence, BlockLengthQuota, LowConfidenceDynamic, LowConfidenceStatic)
-# Rules whose selection reads no state and no step.
-STATELESS_RULES = (Threshold, Factor, EntropyBound, EntropyBounded)
+# Which rules select for several rows at once, and how, each rule declares on itself
+# (CommitRule.joint: "quota", a per-row count at the step, stacked over rows here, or
+# "stateless", no state and no step; CommitRule.compiled: through one compiled function).
 
 
 @dataclass
@@ -244,10 +235,6 @@ def _commit_ops(plans: list, stacked: mx.array) -> tuple:
 
 # Commit a group whose rows share one rule through mx.compile (`_compiled_commit`)
 COMPILE_COMMITS = True
-# Rules whose selection reads nothing on the host (a compiled function cannot): the quota
-# rules at a quota that is a plain int (Quota.step_quota), and the threshold-like ones.
-# Not EntropyBounded: its per-row count goes to topk_transfer as an array, checked on the host.
-COMPILED_RULES = QUOTA_RULES + (Threshold, Factor, EntropyBound)
 MAX_COMMIT_FUNCTIONS = 32  # compiled commit functions kept (per rule, quota and bias kind)
 # distinct input shapes (rows, block width, vocabulary, dtype) one compiled commit keeps
 # traced before it is made afresh (its traces freed with it), as batched._compiled's forwards
@@ -265,13 +252,13 @@ def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tup
     for bit: tests/decoding/test_batch_ops.py). MLX keeps one trace per input shape."""
     selecting = [p for p in plans if not p.takes_all]
     rule = (selecting or plans)[0].rule
-    if type(rule) not in COMPILED_RULES or any(_rule_key(p.rule) != _rule_key(rule) for p in selecting):
+    if not type(rule).compiled or any(_rule_key(p.rule) != _rule_key(rule) for p in selecting):
         return None
     bias = plans[0].bias
     if any(p.bias is not bias for p in plans):
         return None
     quota = None
-    if type(rule) in QUOTA_RULES:
+    if _quota(rule):
         quotas = {int(p.rule_state.host[0, p.step]) for p in selecting}
         if len(quotas) > 1:
             return None
@@ -430,7 +417,11 @@ def _select(plans: list, x0, prob, logprobs, candidates) -> mx.array:
 
 
 def _joint(rule: Any) -> bool:
-    return type(rule) in QUOTA_RULES or type(rule) in STATELESS_RULES
+    return type(rule).joint is not None
+
+
+def _quota(rule: Any) -> bool:
+    return type(rule).joint == "quota"
 
 
 def _rule_key(rule: Any) -> tuple:
@@ -440,7 +431,7 @@ def _rule_key(rule: Any) -> tuple:
 def _joint_state(plans: list) -> tuple:
     """A state and step under which the rule selects every row as at its own step: the
     rows' quotas at their steps, as a one-column Quota read at step 0."""
-    if type(plans[0].rule) not in QUOTA_RULES:
+    if not _quota(plans[0].rule):
         return None, 0
     quotas = np.array([[int(p.rule_state.host[0, p.step])] for p in plans], dtype=np.int32)
     return Quota(mx.array(quotas), quotas), 0
