@@ -268,6 +268,11 @@ class Adapter:
     # Why text after the current block cannot condition it (infill with a suffix is then
     # refused, mlx_lm_diffusion.output.infill); None: the attention sees the whole canvas.
     suffix_refusal: ClassVar[Optional[str]] = None
+    # The likelihood bound its attention implies (mlx_lm_diffusion.evaluation.layout, also the
+    # training objective's blocks): "canvas" (the whole canvas attends to itself: this base
+    # class's forward), "aligned" (block-causal blocks on absolute positions), "prefix" (a
+    # block over a causally encoded prefix), or None (no masked bound: uniform noise, AR)
+    likelihood_layout: ClassVar[Optional[str]] = "canvas"
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model

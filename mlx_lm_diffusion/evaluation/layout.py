@@ -1,17 +1,16 @@
 """Which likelihood bound a family's decoding corresponds to, and over which blocks.
 
 A masked-diffusion model gives no exact likelihood, only a bound whose shape follows the
-attention it was trained with. The layout is read from what the adapter declares
-(model_adapters.base.Adapter), never from the family's name, so a family registered
-later gets the bound its attention implies:
+attention it was trained with. Each adapter declares it (`Adapter.likelihood_layout`,
+model_adapters.base), so a family registered later says which bound its attention implies:
 
-- `canvas` (LLaDA, Dream: the attention sees the whole canvas, `suffix_refusal` None):
+- `canvas` (LLaDA, Dream: the attention sees the whole canvas; the base adapter's):
   one block, the whole continuation, noised at once: LLaDA's bound.
-- `aligned` (SDAR, LLaDA2: block-causal attention on absolute positions, `align_blocks`):
+- `aligned` (SDAR, LLaDA2: block-causal attention on absolute positions):
   every attention block that holds continuation positions is noised in turn while the
   clean tokens before it stay in place: the block-diffusion bound (BD3-LM).
-- `prefix` (Nemotron-Labs Diffusion: a block attends bidirectionally to itself over a
-  causally encoded prefix): blocks of the family's block length from the end of the
+- `prefix` (Nemotron-Labs Diffusion, I-DLM, Trida2.0 / FLARE: a block attends
+  bidirectionally to itself over a causally encoded prefix): blocks of the family's block length from the end of the
   context, each noised over the clean prefix, as its decode lays them out.
 
 Refused: a uniform-noise canvas (DiffusionGemma: no mask token, so no masked bound) and
@@ -66,8 +65,11 @@ def bound_layout(adapter: Any) -> BoundLayout:
             f"{family}: an autoregressive model has an exact log-likelihood, not a diffusion bound; "
             "score it with mlx_lm.evaluate"
         )
-    if getattr(adapter, "align_blocks", False):
+    kind = getattr(adapter, "likelihood_layout", None)
+    if kind not in KINDS:
+        raise ValueError(f"{family}: its adapter declares no likelihood bound (likelihood_layout {kind!r})")
+    if kind == "aligned":
         return BoundLayout("aligned", int(getattr(adapter, "attention_block", None) or adapter.block_length))
-    if getattr(adapter, "suffix_refusal", None) is None:
+    if kind == "canvas":
         return BoundLayout("canvas", None, needs_context=bool(getattr(adapter, "shift", 0)))
     return BoundLayout("prefix", int(adapter.block_length), needs_context=True)

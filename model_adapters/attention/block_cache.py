@@ -88,6 +88,7 @@ class BlockCausalAdapter(_BaseAdapter):
 
     align_blocks = True
     suffix_refusal = "its attention is block-causal: a block attends only to the blocks before it"
+    likelihood_layout = "aligned"
     attention_block: int
 
     def __init__(self, model: Any, tokenizer: Any = None, use_cache: bool = True):

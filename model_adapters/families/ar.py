@@ -30,6 +30,7 @@ class ArAdapter(Adapter):
     # One position per block and one step per block: next-token decoding.
     defaults = FamilyDefaults(block_length=1, strategy="low_confidence")
     suffix_refusal = "its attention is causal: a token never sees text after it"
+    likelihood_layout = None
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         self.model = model

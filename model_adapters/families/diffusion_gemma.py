@@ -447,6 +447,7 @@ class Adapter(_BaseAdapter):
     # stable (1) and confident (0.005).
     defaults = FamilyDefaults(block_length=256, strategy="entropy_bound", steps=48, entropy_bound=0.1)
     decoder = "uniform_canvas"
+    likelihood_layout = None  # (uniform noise: no masked bound)
     options = (
         Option(
             "t_min", float, "DiffusionGemma: temperature at a canvas's last step", default=0.4, low=0.0, low_open=True

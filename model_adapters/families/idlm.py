@@ -112,6 +112,7 @@ class Adapter(_BaseAdapter):
     # The released serving setting: N = 4 tokens per round at most (2N - 1 = 7 positions per forward).
     defaults = FamilyDefaults(block_length=4, strategy="low_confidence")
     suffix_refusal = "its attention is causal: a token never sees text after it"
+    likelihood_layout = "prefix"
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         super().__init__(model, tokenizer)

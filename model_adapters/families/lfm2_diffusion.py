@@ -261,6 +261,7 @@ class Adapter(_BaseAdapter):
         ),
     )
     suffix_refusal = "its blocks read only the text before them"
+    likelihood_layout = None
 
     def __init__(self, model: nn.Module, tokenizer: Any = None):
         super().__init__(model, tokenizer)

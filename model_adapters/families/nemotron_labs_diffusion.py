@@ -129,6 +129,7 @@ class Adapter(_BaseAdapter):
     # always commits); causal context on.
     defaults = FamilyDefaults(block_length=32, strategy="threshold", threshold=0.9)
     suffix_refusal = "a block attends to its causal prefix and to itself, never to text after it"
+    likelihood_layout = "prefix"
     options = (
         Option(
             "causal_context",

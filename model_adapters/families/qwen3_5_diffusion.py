@@ -271,6 +271,7 @@ class Adapter(_BaseAdapter):
     # trida-stack's served setting (inference/configs/trida_self_spec_b7_g4.yaml: block 7, gen 4)
     defaults = FamilyDefaults(block_length=4, strategy="low_confidence")
     suffix_refusal = "its attention is causal: a token never sees text after it"
+    likelihood_layout = "prefix"
 
     def start(self, prompt: mx.array, reuse: Any = None) -> _State:
         if prompt.shape[0] != 1:

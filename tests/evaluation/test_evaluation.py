@@ -601,3 +601,20 @@ def test_the_plot_names_its_metric_with_error_bars_a_legend_and_the_front(grid):
             assert len(heatmaps[0].texts) == 4
     finally:
         plt.close(fig)
+
+
+def test_the_bound_is_the_layout_the_adapter_declares(llada):
+    """The likelihood bound (and the training objective's blocks) follow the adapter's
+    declared `likelihood_layout`, not its infill refusal message, from which it was inferred
+    (issue 52.2): a LLaDA adapter given a refusal stays on LLaDA's canvas bound."""
+    from mlx_lm_diffusion.evaluation.layout import BoundLayout, bound_layout
+    from model_adapters import adapter_for
+
+    adapter = adapter_for(*llada)
+    adapter.suffix_refusal = "a reason a suffix cannot be read"  # (before: any refusal meant "prefix")
+    assert bound_layout(adapter).kind == "canvas"
+    adapter.likelihood_layout = "prefix"
+    assert bound_layout(adapter) == BoundLayout("prefix", adapter.block_length, needs_context=True)
+    adapter.likelihood_layout = None
+    with pytest.raises(ValueError, match="declares no likelihood bound"):
+        bound_layout(adapter)
