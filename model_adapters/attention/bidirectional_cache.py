@@ -70,6 +70,7 @@ from model_adapters.runtime.batched import (
     stacked_head,
     token_matrix,
 )
+from model_adapters.runtime.thread_compiled import ThreadTables
 
 CACHE_MODES = ("prefix", "dual")
 
@@ -160,8 +161,15 @@ class CacheState:
     first_hidden: Optional[mx.array] = None  # Dream: (B, 1, H) the hidden state predicting the block's first position
     # `window_forward` over the adapter's backbone, compiled (MLX fuses the layers' elementwise
     # operations: on the CPU a small model's step costs about what it dispatches); traced once
-    # per window shape, with the weights the decode started with
-    forward: Optional[Callable] = None
+    # per window shape, with the weights the decode started with; kept per thread and released
+    # on the thread that traced it (runtime.thread_compiled): `forward()`
+    compiled: ThreadTables = field(default_factory=ThreadTables)
+
+    def forward(self, backbone: Callable) -> Callable:
+        table = self.compiled.table()
+        if "window" not in table:
+            table["window"] = mx.compile(partial(window_forward, backbone))
+        return table["window"]
 
 
 class BidirectionalCacheAdapter(_BaseAdapter):
@@ -182,7 +190,7 @@ class BidirectionalCacheAdapter(_BaseAdapter):
     def start(self, prompt: mx.array) -> Optional[CacheState]:
         if not self.cache_mode:
             return None
-        return CacheState(self.cache_mode, forward=mx.compile(partial(window_forward, self.model.backbone)))
+        return CacheState(self.cache_mode)
 
     def predict(self, state: Optional[CacheState], canvas: mx.array, start: int, end: int) -> mx.array:
         return self.model.head(self.block_hidden(state, canvas, start, end))
@@ -249,7 +257,8 @@ class BidirectionalCacheAdapter(_BaseAdapter):
         kept keys and values."""
         stop = end if state.mode == "dual" else canvas.shape[1]
         kept, state.kept[state.turn] = state.kept[state.turn], None  # (the write must hold its only reference)
-        hidden, *written = state.forward(canvas[:, start:stop], mx.array(start, mx.int32), *kept)
+        forward = state.forward(self.model.backbone)
+        hidden, *written = forward(canvas[:, start:stop], mx.array(start, mx.int32), *kept)
         del kept
         state.kept[state.turn], state.turn = written, 1 - state.turn
         if not self.shift:

@@ -37,6 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from model_adapters.runtime.stacked_prefix import stacked_prefix_of
+from model_adapters.runtime.thread_compiled import ThreadTables
 
 BUCKET = 16  # padded widths are multiples of this
 # Canvases batched into one call differ in width by at most this factor. A GPU builds its
@@ -170,10 +171,10 @@ def _compiled(adapter: Any, kind: tuple, make: Callable[[], Callable], *inputs: 
     and frees them with it. A server's rows come in many widths and counts (a LLaDA
     canvas is padded to its widest row only), so once MAX_TRACES shapes are held a new
     one makes the function afresh: memory stays bounded in a long-running server."""
-    table = getattr(adapter, "_compiled_backbones", None)
-    if table is None:
-        table = adapter._compiled_backbones = {}
-    return bounded_compile(table, kind, make, tuple(tuple(a.shape) for a in inputs), MAX_TRACES)
+    tables = getattr(adapter, "_compiled_backbones", None)
+    if tables is None:  # (per thread: thread_compiled)
+        tables = adapter._compiled_backbones = ThreadTables()
+    return bounded_compile(tables.table(), kind, make, tuple(tuple(a.shape) for a in inputs), MAX_TRACES)
 
 
 def bounded_compile(table: dict, key: Any, make: Callable[[], Callable], shapes: Any, max_traces: int) -> Callable:

@@ -20,6 +20,7 @@ from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 from model_adapters.runtime.batched import token_matrix
+from model_adapters.runtime.thread_compiled import ThreadTables
 
 # six prompts of different lengths: several rows of each kind share a record
 PROMPTS = [
@@ -210,7 +211,7 @@ def test_a_compiled_forward_keeps_at_most_max_traces_shapes(request, family, mon
     monkeypatch.setattr(batched, "MAX_TRACES", 2)
     adapter = adapter_for(model, tok)
     got = decode(True, adapter)
-    table = adapter._compiled_backbones
+    table = adapter._compiled_backbones.table()  # (this thread's: thread_compiled)
     assert table and all(len(shapes) <= 2 for _, shapes in table.values())
     assert len(made) > len(table)  # (some call met a third shape: made afresh)
     assert got == decode(False, adapter_for(model, tok))
@@ -364,7 +365,7 @@ def test_a_compiled_commit_keeps_at_most_max_commit_traces_shapes(request, monke
     """Past MAX_COMMIT_TRACES input shapes (rows joining and leaving change the row count) a
     compiled commit is made afresh, and the rows' tokens and forwards stay the op-by-op ones."""
     model, tok = request.getfixturevalue("sdar")
-    monkeypatch.setattr(fused_commit, "_commit_functions", {})
+    monkeypatch.setattr(fused_commit, "_commit_functions", ThreadTables())
     made = []  # (one _pure_commit per compiled commit function made)
     pure = fused_commit._pure_commit
     monkeypatch.setattr(fused_commit, "_pure_commit", lambda *a: made.append(a) or pure(*a))
@@ -376,5 +377,6 @@ def test_a_compiled_commit_keeps_at_most_max_commit_traces_shapes(request, monke
         options = [resolve(DecodeOptions(max_tokens=n), adapter, len(p)) for p, n in zip(PROMPTS, MAX_TOKENS)]
         results.append([kept_of(row, len(p))[1] for row, p in zip(batched_steps(adapter, options), PROMPTS)])
     assert results[0] == results[1]
-    assert all(len(shapes) <= 2 for _, shapes in fused_commit._commit_functions.values())
-    assert len(made) > len(fused_commit._commit_functions)  # (some function met a third shape: made afresh)
+    table = fused_commit._commit_functions.table()  # (this thread's: thread_compiled)
+    assert all(len(shapes) <= 2 for _, shapes in table.values())
+    assert len(made) > len(table)  # (some function met a third shape: made afresh)

@@ -407,7 +407,7 @@ def test_cli_image_flag(loaded, vision_path, picture_files):
 
 
 def test_chat_image_command_attaches_to_the_next_message(loaded, vision_path, picture_files, capsys):
-    from test_chat import ScriptedUI, args_for
+    from chat_script import ScriptedUI, args_for
 
     from mlx_lm_diffusion.cli import chat
 

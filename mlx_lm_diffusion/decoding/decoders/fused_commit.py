@@ -39,6 +39,7 @@ from mlx_lm_diffusion.decoding.decoders.base import Forward, greedy_proposal, lo
 from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket, read_positions, take_rows
 from mlx_lm_diffusion.decoding.decoders.kept_logprobs import KeptRows
 from model_adapters.runtime.batched import bounded_compile
+from model_adapters.runtime.thread_compiled import ThreadTables
 
 # Which rules select for several rows at once, and how, each rule declares on itself
 # (CommitRule.joint: "quota", a per-row count at the step, stacked over rows here, or
@@ -239,7 +240,8 @@ MAX_COMMIT_FUNCTIONS = 32  # compiled commit functions kept (per rule, quota and
 # distinct input shapes (rows, block width, vocabulary, dtype) one compiled commit keeps
 # traced before it is made afresh (its traces freed with it), as batched._compiled's forwards
 MAX_COMMIT_TRACES = 64
-_commit_functions: dict = {}  # key -> (compiled function, the input shapes it has traced)
+# per thread (thread_compiled): key -> (compiled function, the input shapes it has traced)
+_commit_functions = ThreadTables()
 
 
 def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tuple]:
@@ -265,10 +267,11 @@ def _compiled_commit(plans: list, stacked: mx.array, keep: bool) -> Optional[tup
         quota = quotas.pop() if quotas else 0
     steps = (selecting or plans)[0].steps  # (the step budget StepInputs shows, as _select's)
     key = (_rule_key(rule), quota, bias is not None, keep, steps)
-    if key not in _commit_functions and len(_commit_functions) >= MAX_COMMIT_FUNCTIONS:
-        _commit_functions.clear()
+    table = _commit_functions.table()
+    if key not in table and len(table) >= MAX_COMMIT_FUNCTIONS:
+        table.clear()
     function = bounded_compile(
-        _commit_functions,
+        table,
         key,
         lambda: _pure_commit(rule, quota, steps, keep),
         (tuple(stacked.shape), stacked.dtype),
