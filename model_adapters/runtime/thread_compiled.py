@@ -34,7 +34,13 @@ class ThreadTables:
         with _lock:
             released = _handed_back.pop(ident, None)
         del released
-        return self._tables.setdefault(ident, {})
+        table = self._tables.get(ident)
+        if table is None:  # (a thread's first use: the tables of threads that ended go, their traces with them)
+            live = {t.ident for t in threading.enumerate()}
+            for owner in [t for t in self._tables if t not in live]:
+                del self._tables[owner]
+            table = self._tables[ident] = {}
+        return table
 
     def __del__(self) -> None:
         ident = threading.get_ident()
