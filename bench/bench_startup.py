@@ -15,7 +15,6 @@ installed (the `test` extra installs it; a user's `pip install mlx-lm-diffusion`
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -25,34 +24,6 @@ import time
 from pathlib import Path
 
 REPEATS = 5
-
-
-def tiny_llama(path: Path) -> Path:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    from mlx_lm_diffusion.testing.checkpoints import EOS_ID, VOCAB, write_tokenizer
-
-    path.mkdir(parents=True)
-    config = dict(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-        eos_token_id=EOS_ID,
-    )
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
-    write_tokenizer(path)
-    return path
 
 
 def seconds(command: list, env: dict) -> float:
@@ -120,7 +91,9 @@ def import_shares(module: str, env: dict) -> dict:
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        llama_path = tiny_llama(Path(tmp) / "llama")
+        from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
+
+        llama_path = write_causal(Path(tmp) / "llama", "llama")  # (a stock mlx-lm checkpoint)
         rows = {"this environment (torch installed)": measure({**os.environ, "HF_HUB_OFFLINE": "1"}, llama_path)}
     for label, row in rows.items():
         print(f"\n{label} (median of {REPEATS}, seconds)")
