@@ -61,13 +61,12 @@ def engine(model, tok, prompt=PROMPT, vision=None, perturb=None, **options):
     `perturb`: scale the self-conditioning logits by (1 + perturb) (a control)."""
     adapter = adapter_for(model, tok)
     adapter.eos_ids = frozenset()
-    adapter.vision = vision
     if perturb is not None:
         condition = adapter.condition
         adapter.condition = lambda state, z: condition(state, z * (1.0 + perturb))
     resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
     last = None
-    for last in Engine(adapter, resolved, keep_logprobs=False).run(mx.array([prompt])):
+    for last in Engine(adapter, resolved, keep_logprobs=False, vision=vision).run(mx.array([prompt])):
         pass
     n = options["max_tokens"]
     return last.canvas[0, len(prompt) : len(prompt) + n].tolist(), last.forwards

@@ -40,6 +40,27 @@ class FamilyDefaults:
     entropy_bound: Optional[float] = None  # None: the entropy rules' own default
 
 
+@dataclass(frozen=True)
+class DecodeSetup:
+    """What one decode tells its adapter (`Adapter.start`, `Adapter.reuse_length`): its
+    resolved options (mlx_lm_diffusion.decoding.options.ResolvedOptions; the family's own
+    in `options.family`) and its inputs besides the token ids (`vision`: the images'
+    inputs, DiffusionGemma). An adapter keeps what it reads of it in the decode's state,
+    never on itself: one adapter serves every row of a running batch, and the rows may
+    differ in it. Without options: the family's defaults."""
+
+    options: Any = None
+    vision: Any = None
+
+    def family(self, name: str, default: Any = None) -> Any:
+        """The family option `name` of this decode (`default` where it has none)."""
+        family = getattr(self.options, "family", None) or {}
+        return family.get(name, default)
+
+
+NO_SETUP = DecodeSetup()  # (a decode started without options: the family's defaults)
+
+
 @dataclass
 class DiffusionArgs(BaseModelArgs):
     """config.json of a diffusion family. Subclasses declare the family's own fields
@@ -263,7 +284,7 @@ class Adapter:
     # The decoding paradigm (mlx_lm_diffusion.decoding.decoders): "masked_block" or "uniform_canvas".
     decoder: ClassVar[str] = "masked_block"
     # The family's own decoding options (model_adapters.option.Option), with their
-    # defaults; the resolved values reach `configure` and the decoder as `options.family`.
+    # defaults; the resolved values reach `start` (DecodeSetup) and the decoder as `options.family`.
     options: ClassVar[tuple] = ()
     # Why text after the current block cannot condition it (infill with a suffix is then
     # refused, mlx_lm_diffusion.output.infill); None: the attention sees the whole canvas.
@@ -311,20 +332,19 @@ class Adapter:
     def next_only_refusal(self, options: Any) -> str:
         return f"{self.family} predicts only the next token; unmask one token per step"
 
-    def configure(self, options: Any) -> None:
-        """Read the family's own switches from the resolved options (`options.family`)."""
-
-    def start(self, prompt: mx.array, reuse: Any = None) -> Any:
-        """Prepare a decode of `prompt` (B, P); returns the adapter's state. `reuse` (a
-        model_adapters.runtime.prefix_kv.PrefixKV, given only when `reuse_length` allowed it) holds
-        the keys and values of the prompt's first `reuse.length` positions: prefill the rest."""
+    def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> Any:
+        """Prepare a decode of `prompt` (B, P); returns the decode's state, which holds
+        whatever of `setup` (the decode's options and inputs) the family reads later.
+        `reuse` (a model_adapters.runtime.prefix_kv.PrefixKV, given only when
+        `reuse_length` allowed it) holds the keys and values of the prompt's first
+        `reuse.length` positions: prefill the rest."""
         return None
 
     # Prompt KV reused across decodes (model_adapters.runtime.prefix_kv). The families whose prompt
     # keys and values a cold prefill would compute identically override both; the others
     # (bidirectional attention: the KV depends on the whole canvas) reuse nothing.
-    def reuse_length(self, prefix: Any, prompt: mx.array) -> int:
-        """How many leading positions of `prompt` (B, P) this decode, as configured, can take
+    def reuse_length(self, prefix: Any, prompt: mx.array, setup: DecodeSetup = NO_SETUP) -> int:
+        """How many leading positions of `prompt` (B, P) this decode (`setup`) can take
         from `prefix` (the KV of the same leading tokens from an earlier decode); 0: none."""
         return 0
 

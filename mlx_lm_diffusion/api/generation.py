@@ -57,9 +57,7 @@ def decode_responses(
 ) -> Iterator[DiffusionResponse]:
     """`stream_generate`'s responses for a built Decode (the doors that built it themselves)."""
     adapter, options, ids = decode.adapter, decode.options, decode.ids
-    if decode.vision is not None:
-        adapter.vision = decode.vision  # encoded with the prompt (model_adapters.families.diffusion_gemma)
-    engine = Engine(adapter, options)
+    engine = Engine(adapter, options, vision=decode.vision)  # (images: encoded with the prompt)
     P = len(ids)
     detokenizer = answer_detokenizer(decode.tokenizer)
 

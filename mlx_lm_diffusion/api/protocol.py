@@ -186,7 +186,7 @@ def run_request(
     `validated`: the caller ran validate_request on this request already (a server does,
     before it waits for the model)."""
     decode = prepare_request(model, tokenizer, request, max_forwards, processor, image_policy, validated)
-    engine = Engine(decode.adapter, decode.options, keep_logprobs=False)
+    engine = Engine(decode.adapter, decode.options, keep_logprobs=False, vision=decode.vision)
     steps = engine.run(mx.array([decode.prompt]), decode.seed)
     return decode.response(steps if on_step is None else _watched(steps, on_step))
 
@@ -213,6 +213,7 @@ class ProtocolDecode:
     rule: "ScheduleWithEarlyExit"
     steps: int
     given: Optional[list] = None  # the request's prompt_tokens (None: `prompt`)
+    vision: Any = None  # the images' vision inputs, encoded with the prompt (DiffusionGemma)
 
     @property
     def uniform(self) -> bool:
@@ -287,10 +288,10 @@ def prepare_request(
     given = [int(t) for t in request["prompt_tokens"]]
     if adapter.mask_id in given or max(given) >= adapter.vocab_size:
         raise ValueError("prompt_tokens must be vocabulary ids other than the mask token")
-    prompt, adapter.vision = given, None
+    prompt, vision = given, None
     if request.get("images"):  # read in full before anything runs
         processor = processor if processor is not None else tokenizer
-        prompt, adapter.vision = image_inputs.protocol_prompt(model, processor, given, request["images"], image_policy)
+        prompt, vision = image_inputs.protocol_prompt(model, processor, given, request["images"], image_policy)
     shift = len(prompt) - len(given)  # the soft tokens the images' placeholders became
     P, total, steps = len(prompt), int(request["target_length"]) + shift, int(request["num_steps"])
     if adapter.max_length is not None and total > adapter.max_length:  # the engine would cap it
@@ -320,7 +321,7 @@ def prepare_request(
     seed = check_seed(adapter, start[:, P:], adapter.mask_id) if "seed_canvas" in request else None
     resolved = resolve(options, adapter, P)
     check_forward_budget(resolved, adapter, P, max_forwards)
-    return ProtocolDecode(adapter, resolved, prompt, seed, start, rule, steps, given)
+    return ProtocolDecode(adapter, resolved, prompt, seed, start, rule, steps, given, vision)
 
 
 def validate_response(response: dict) -> None:

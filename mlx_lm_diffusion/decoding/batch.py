@@ -12,8 +12,11 @@ the floating-point effect of padding on the attention's reduction order).
 
 Rows join with `add` at any step (their prefill, `Adapter.start`, runs when they first
 advance) and leave as soon as they are done (first done, first out) or with `remove`
-(a client that went away). Rows must share the family's own options (`options.family`:
-the adapter is configured once for all of them); generic options may differ per row.
+(a client that went away). Every option may differ per row, the family's own ones too
+(`options.family`): the adapter keeps what a row's decode reads of them in the row's
+state (`Adapter.start`, model_adapters.base.DecodeSetup), and its `predict_batch` puts
+rows that need different forwards (LLaDA's and Dream's cache modes, DiffusionGemma's
+top-k steps, Nemotron's verify passes) in calls of their own.
 
 Pipelining (as Engine.run pipelines one decode): with `pipeline` on, `step()` queues the
 forward and commits it builds with `mx.async_eval` and returns at once; the next `step()`
@@ -77,11 +80,6 @@ class RowEvent:
     finished: bool = False
 
 
-def family_key(options: ResolvedOptions) -> tuple:
-    """What rows must share to decode in one batch: the family's own options."""
-    return tuple(sorted((k, repr(v)) for k, v in (options.family or {}).items()))
-
-
 @dataclass
 class RunningBatch:
     """Rows decoding together over one adapter; `step()` runs one forward for all."""
@@ -89,7 +87,6 @@ class RunningBatch:
     adapter: Adapter
     keep_logprobs: bool = False
     rows: dict = field(default_factory=dict)  # id -> BatchRow, in joining order
-    family: Optional[tuple] = None
     forwards: int = 0  # batched forward calls so far
     fuse_commits: bool = True  # commit the rows' plain steps together (mlx_lm_diffusion.decoding.decoders.fused_commit)
     pipeline: bool = True  # step() returns with its forward in flight (see the module's docstring)
@@ -97,9 +94,6 @@ class RunningBatch:
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    def accepts(self, options: ResolvedOptions) -> bool:
-        return not self.rows or family_key(options) == self.family
 
     def add(
         self,
@@ -110,6 +104,7 @@ class RunningBatch:
         prefix: Optional[PrefixKV] = None,
         keep_logprobs: Optional[bool] = None,
         proposals: int = 0,
+        vision: Any = None,
     ) -> BatchRow:
         """A new row; it first advances at the next `step()`. `seed` (1, W): its canvas's
         pinned tokens (an infill's suffix; Engine.run). `prefix`: the KV of leading prompt
@@ -118,23 +113,17 @@ class RunningBatch:
         `row.prompt_kv.export(tokens)` is the KV the row leaves. `keep_logprobs`: whether
         its Steps carry each token's log-probs (None: the batch's `keep_logprobs`); a row
         whose caller reads none saves their writes and read-backs. `proposals`: the k most likely
-        tokens per position of each forward on its Steps (Step.proposals; 0: none)."""
-        if not self.accepts(options):
-            raise ValueError(
-                f"a row with the family options {dict(family_key(options))} cannot join a batch decoding "
-                f"{dict(self.family)}: decode it in another batch"
-            )
-        if not self.rows:
-            self.family = family_key(options)
+        tokens per position of each forward on its Steps (Step.proposals; 0: none). `vision`:
+        its images' vision inputs (DiffusionGemma), encoded with its prompt."""
         keep = self.keep_logprobs if keep_logprobs is None else keep_logprobs
-        engine = Engine(self.adapter, options, keep_logprobs=keep, pipeline=False, proposals=proposals)
+        engine = Engine(self.adapter, options, keep_logprobs=keep, pipeline=False, proposals=proposals, vision=vision)
         engine.decoder.queue_eagerly = False  # every row's step is evaluated at once (_settle)
         engine.decoder.fuse_commits = self.fuse_commits  # plain steps are committed by the batch
         # (a decode that draws nothing needs no key: swapping one in costs a read-back per resume)
         key = mx.random.key(options.seed) if options.seed is not None and draws(engine.decoder) else None
         ids = mx.array([list(prompt)])
         prompt_kv = PromptReuse(prefix)
-        reuse = prompt_kv.plan(self.adapter, engine, ids)  # (after the engine configured the adapter)
+        reuse = prompt_kv.plan(self.adapter, engine, ids)
         row = BatchRow(
             self._next_id,
             len(prompt),

@@ -34,6 +34,7 @@ from mlx_lm_diffusion.decoding.decoders.kept_logprobs import KeptLogprobs, kept_
 from mlx_lm_diffusion.decoding.interpreter_exit import computing
 from mlx_lm_diffusion.decoding.options import ResolvedOptions
 from model_adapters import Adapter
+from model_adapters.base import DecodeSetup
 
 
 @dataclass
@@ -156,9 +157,13 @@ class Engine:
         pipeline: bool = True,
         gather_rows: bool = True,
         proposals: int = 0,
+        vision: Any = None,
     ):
         self.adapter = adapter
         self.options = options
+        # what the adapter's `start` reads of this decode (its family options, its images'
+        # vision inputs): kept in the decode's state, never on the shared adapter
+        self.setup = DecodeSetup(options, vision)
         # Step.proposals: the model's `proposals` most likely tokens at each position of row 0's
         # latest forward (the studio's hover: what it hesitated between); 0: none
         self.proposals = min(max(int(proposals), 0), MAX_PROPOSALS)
@@ -170,7 +175,6 @@ class Engine:
         self.gather_rows = gather_rows
         self.state: Any = None  # the adapter's state of the latest run
         self.canvas: Optional[Canvas] = None  # ... and its canvas
-        adapter.configure(options)  # the family's own switches (its options)
 
     def run(self, prompt: mx.array, seed: Optional[np.ndarray] = None, reuse: Any = None) -> Iterator[Step]:
         """The decode's steps. `seed` (B, W), optional: the canvas after the prompt with
@@ -184,8 +188,7 @@ class Engine:
         if self.options.seed is not None:
             mx.random.seed(self.options.seed)
         canvas = Canvas(prompt, self.decoder.canvas_length(P), self.decoder.fill, seed)
-        # (reuse passed only when given: adapters written before it take the prompt alone)
-        state = self.adapter.start(prompt) if reuse is None else self.adapter.start(prompt, reuse=reuse)
+        state = self.adapter.start(prompt, reuse=reuse, setup=self.setup)
         self.state, self.canvas = state, canvas
         self.decoder.gather_rows = self.gather_rows
         queued = answered(self._blocks(state, canvas), self._predict)
@@ -208,7 +211,7 @@ class Engine:
             raise ValueError("a batch row's prompt must be a (1, P) array of token ids with P >= 1")
         canvas = Canvas(prompt, self.decoder.canvas_length(prompt.shape[1]), self.decoder.fill, seed)
         self.decoder.gather_rows = False  # (the batch driver answers whole blocks: predict_batch)
-        state = self.adapter.start(prompt) if reuse is None else self.adapter.start(prompt, reuse=reuse)
+        state = self.adapter.start(prompt, reuse=reuse, setup=self.setup)
         self.state, self.canvas = state, canvas
         requests = self._blocks(state, canvas)
         reply = None

@@ -42,12 +42,12 @@ class PromptReuse:
         self._engine: Any = None
 
     def plan(self, adapter: Any, engine: Any, prompt: Any) -> Optional[PrefixKV]:
-        """The part of `prefix` this decode starts from (None: a cold prefill), once the
-        engine has configured the adapter with the decode's options."""
+        """The part of `prefix` the engine's decode (its options and inputs: `engine.setup`)
+        starts from; None: a cold prefill."""
         self._adapter, self._engine = adapter, engine
         if self.prefix is None:
             return None
-        n = int(adapter.reuse_length(self.prefix, prompt))
+        n = int(adapter.reuse_length(self.prefix, prompt, setup=engine.setup))
         if n <= 0:
             return None
         reuse = self.prefix.trimmed(n)

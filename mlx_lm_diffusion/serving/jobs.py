@@ -12,14 +12,14 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from queue import Queue
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import mlx.core as mx
 from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _make_logits_processors, _make_sampler
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.decode import Decode
-from mlx_lm_diffusion.decoding.batch import RunningBatch, family_key
+from mlx_lm_diffusion.decoding.batch import RunningBatch
 from mlx_lm_diffusion.decoding.decoders.speculative import check_greedy
 from mlx_lm_diffusion.decoding.engine import Step
 from mlx_lm_diffusion.decoding.options import ResolvedOptions
@@ -72,9 +72,9 @@ class Job:
         """The most forwards its decode can take (options.forward_bound)."""
         return self.decode.forwards
 
-    @property
-    def group(self) -> tuple:
-        return family_key(self.options)
+    # The scheduler's group: jobs that may share a running batch (and its adapter). Every
+    # completion does, whatever its options (mlx_lm_diffusion.decoding.batch).
+    group: ClassVar[tuple] = ("completions",)
 
     @property
     def keeps_logprobs(self) -> bool:
@@ -175,9 +175,7 @@ class ProtocolJob:
     def options(self) -> ResolvedOptions:
         return self.decode.options
 
-    @property
-    def group(self) -> tuple:
-        return ("step-schedule protocol", family_key(self.options))
+    group: ClassVar[tuple] = ("step-schedule protocol",)  # (its adapter ignores EOS)
 
     def finish(self, error: Optional[BaseException]) -> None:
         self.ended = True

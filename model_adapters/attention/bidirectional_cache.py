@@ -59,6 +59,7 @@ from typing import Any, Callable, ClassVar, Optional
 import mlx.core as mx
 import numpy as np
 
+from model_adapters.base import NO_SETUP, DecodeSetup
 from model_adapters.base import Adapter as _BaseAdapter
 from model_adapters.option import Option
 from model_adapters.runtime.batched import (
@@ -70,6 +71,7 @@ from model_adapters.runtime.batched import (
     stacked_head,
     token_matrix,
 )
+from model_adapters.runtime.model_cache import model_cache
 from model_adapters.runtime.thread_compiled import ThreadTables
 
 CACHE_MODES = ("prefix", "dual")
@@ -180,17 +182,10 @@ class BidirectionalCacheAdapter(_BaseAdapter):
     options = (CACHE_OPTION,)
     presets = {"fast": FAST_PRESET}
 
-    def __init__(self, model: Any, tokenizer: Any = None):
-        super().__init__(model, tokenizer)
-        self.cache_mode: Optional[str] = None
-
-    def configure(self, options: Any) -> None:
-        self.cache_mode = options.family.get("cache")
-
-    def start(self, prompt: mx.array) -> Optional[CacheState]:
-        if not self.cache_mode:
-            return None
-        return CacheState(self.cache_mode)
+    def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> Optional[CacheState]:
+        """The decode's cache (its `cache` option), or None: no cache."""
+        mode = setup.family("cache")
+        return CacheState(mode) if mode else None
 
     def predict(self, state: Optional[CacheState], canvas: mx.array, start: int, end: int) -> mx.array:
         return self.model.head(self.block_hidden(state, canvas, start, end))
@@ -211,19 +206,21 @@ class BidirectionalCacheAdapter(_BaseAdapter):
             return super().predict_batch(requests)
         if any(r.start < self.shift for r in requests):
             raise ValueError(f"{self.family} needs at least one prompt token before the canvas")
-        if self.cache_mode is None:
-            return bidirectional_batch(self, requests, self.shift)
+        # each row decodes with its own cache mode: rows without a cache (the whole canvas),
         # rows at their block's first step (the whole canvas, keeping its keys and values) and
-        # rows at a later step (the window over them): one call for each kind
-        later = [r.state.start == r.start for r in requests]
-        groups = [[i for i, x in enumerate(later) if not x], [i for i, x in enumerate(later) if x]]
-        return answered(requests, groups, self._answer_cached)
+        # rows at a later step (the window over them, prefix and dual alike): a call each kind
+        kinds = [0 if r.state is None else 1 if r.state.start != r.start else 2 for r in requests]
+        groups = [[i for i, kind in enumerate(kinds) if kind == k] for k in range(3)]
+        return answered(requests, groups, self._answer_kind)
 
-    def _answer_cached(self, requests: list) -> list:
-        """Rows all at their block's first step, or all at a later step of it: one call
-        (a lone row: its own `predict`, whose later steps write its window in place)."""
+    def _answer_kind(self, requests: list) -> list:
+        """Rows all without a cache, all at their block's first step, or all at a later
+        step of it: one call (a lone row: its own `predict`, whose later steps write its
+        window in place)."""
         if len(requests) == 1:
             return super().predict_batch(requests)
+        if requests[0].state is None:
+            return bidirectional_batch(self, requests, self.shift)
         if requests[0].state.start != requests[0].start:
             return self._open_blocks(requests)
         return cached_window_batch(self, requests)
@@ -270,17 +267,21 @@ class BidirectionalCacheAdapter(_BaseAdapter):
 def cached_window_batch(adapter: BidirectionalCacheAdapter, requests: list) -> list:
     """The logits each row's `_cached_step` gives, from one forward: every row's window
     (dual: its block; prefix: its block to its canvas's end) right-padded to one width W,
-    over its kept keys and values stacked to one width K (`stacked_kept`). The padding's
-    keys (beyond a row's canvas) are masked out and its queries are not read; a row's
-    window is written over its own positions, so it attends to its keys in canvas order,
-    as alone."""
+    over its kept keys and values stacked to one width K (`stacked_kept`). A row's window
+    is written over its own positions, so it attends to its keys in canvas order, as
+    alone; its padding columns are written past its canvas's end, where its keys are
+    masked out (a dual row's padding written after its block would overwrite the kept
+    keys it attends to there), and their queries are not read."""
     lengths = np.array([r.canvas.shape[1] for r in requests])
     starts = np.array([r.start for r in requests])
     stops = np.array([r.end if r.state.mode == "dual" else r.canvas.shape[1] for r in requests])
-    width = int((stops - starts).max())
-    keys_width = int(max(lengths.max(), starts.max() + width))  # (padded windows stay inside)
+    windows = stops - starts
+    width = int(windows.max())
+    keys_width = int((lengths + width - windows).max())  # (every row's padding past its canvas)
     tokens = token_matrix([(r, r.start, int(stop), 0, width - int(stop) + r.start) for r, stop in zip(requests, stops)])
-    positions = mx.array((starts[:, None] + np.arange(width)[None, :]).astype(np.int32))[:, None, :, None]
+    column = np.arange(width)[None, :]
+    written = np.where(column < windows[:, None], starts[:, None] + column, (lengths - windows)[:, None] + column)
+    positions = mx.array(written.astype(np.int32))[:, None, :, None]
     mask = mx.array(np.arange(keys_width)[None, :] < lengths[:, None])[:, None, None, :]
     kept = stacked_kept(adapter, [r.state for r in requests], keys_width)
     forward = _compiled(
@@ -306,7 +307,8 @@ def stacked_kept(adapter: Any, states: list, width: int) -> list:
     later steps write only inside the block, which every window step writes over), and
     stacking costs a pad and a concatenation per row and layer."""
     blocks = [(state, state.start) for state in states]
-    memo = getattr(adapter, "_stacked_kept", None)
+    cache = model_cache(adapter.model)
+    memo = cache.get("stacked kept")
     # (the memo holds the states, so `is` compares live objects, never reused ids; not
     # their kept arrays, whose in-place window writes a second holder would turn into copies)
     if (
@@ -323,7 +325,7 @@ def stacked_kept(adapter: Any, states: list, width: int) -> list:
 
     rows = [state.kept[state.turn] for state in states]
     stacked = [mx.concatenate([padded(row[j]) for row in rows], axis=0) for j in range(len(rows[0]))]
-    adapter._stacked_kept = (width, blocks, stacked)
+    cache["stacked kept"] = (width, blocks, stacked)
     return stacked
 
 

@@ -24,8 +24,8 @@ import mlx.core as mx
 from mlx_arsenal.attention import block_causal_mask
 from mlx_lm.models.cache import KVCache
 
+from model_adapters.base import NO_SETUP, DecodeSetup, DiffusionModel
 from model_adapters.base import Adapter as _BaseAdapter
-from model_adapters.base import DiffusionModel
 from model_adapters.runtime.batched import block_causal_batch
 from model_adapters.runtime.prefix_kv import PrefixKV, block_causal, usable
 
@@ -97,7 +97,7 @@ class BlockCausalAdapter(_BaseAdapter):
         self.eos_ids = self.eos_ids - {self.mask_id}
         self.use_cache = use_cache
 
-    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> PrefixCache:
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None, setup: DecodeSetup = NO_SETUP) -> PrefixCache:
         if not self.use_cache:
             return PrefixCache(layers=[], final=prompt.shape[1])
         # A reused prefix holds whole attention blocks of the prompt: the first forward's
@@ -105,7 +105,7 @@ class BlockCausalAdapter(_BaseAdapter):
         layers = reuse.caches() if reuse is not None else [KVCache() for _ in self.model.layers]
         return PrefixCache(layers=layers, final=prompt.shape[1])
 
-    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array, setup: DecodeSetup = NO_SETUP) -> int:
         """Whole attention blocks of the prompt: a position's keys and values depend only on
         its block and the blocks before it, so a block of the same tokens at the same
         absolute place has the same KV in any prompt (the prompt's last partial block does

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from model_adapters.base import Adapter, FamilyDefaults, _stop_ids
+from model_adapters.base import NO_SETUP, Adapter, DecodeSetup, FamilyDefaults, _stop_ids
 from model_adapters.runtime import batched
 from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
 
@@ -66,12 +66,7 @@ class ArAdapter(Adapter):
             "prompt length, linear)"
         )
 
-    def configure(self, options: Any) -> None:
-        # Without editing a committed token never changes, so the cache never needs
-        # checking against the canvas.
-        self.editing = getattr(options, "editing_threshold", None) is not None
-
-    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> dict:
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None, setup: DecodeSetup = NO_SETUP) -> dict:
         if prompt.shape[0] != 1:
             raise ValueError("the autoregressive adapter decodes one prompt at a time")
         cache = make_prompt_cache(self.model) if reuse is None else reuse.caches()
@@ -81,9 +76,12 @@ class ArAdapter(Adapter):
         tokens = np.array(prompt[0, :fed]).astype(np.int64)
         # fed: positions in the cache; tokens: their ids (host, kept for editing);
         # next: the prediction for position `fed`; block: the block of the last predict
-        return {"cache": cache, "fed": fed, "tokens": tokens, "next": None, "block": None}
+        # editing: a committed token may change (without it the cache never needs checking
+        # against the canvas)
+        editing = getattr(setup.options, "editing_threshold", None) is not None
+        return {"cache": cache, "fed": fed, "tokens": tokens, "next": None, "block": None, "editing": editing}
 
-    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array, setup: DecodeSetup = NO_SETUP) -> int:
         """Causal attention: the same leading tokens have the same KV in any prompt. At least
         the last prompt token is fed again (it predicts the first generated token)."""
         if prompt.shape[0] != 1 or any(type(c) is not KVCache for c in make_prompt_cache(self.model)):
@@ -93,12 +91,12 @@ class ArAdapter(Adapter):
     def export_prefix(self, state: dict, length: int) -> Optional[PrefixKV]:
         """The fed positions: committed tokens, which never change without editing (with
         editing a token fed may be revised after its last feed: nothing is exported)."""
-        if state is None or getattr(self, "editing", False):
+        if state is None or state["editing"]:
             return None
         return PrefixKV.of(state["cache"], min(length, state["fed"]), CAUSAL)
 
     def predict(self, state: dict, canvas: mx.array, start: int, end: int) -> mx.array:
-        if state["block"] != start and not getattr(self, "editing", False):
+        if state["block"] != start and not state["editing"]:
             # A block's first step: the engine finished every block before it and this one
             # is all masks, so the first mask is `start` and the new tokens are fed straight
             # from the device canvas (no read-back: the engine may still be computing them).
@@ -145,7 +143,7 @@ class ArAdapter(Adapter):
         return (
             request.end - request.start == 1
             and state["block"] != request.start
-            and not getattr(self, "editing", False)
+            and not state["editing"]
             and request.start > state["fed"]
             and all(type(c) is KVCache for c in state["cache"])
         )
@@ -158,7 +156,7 @@ class ArAdapter(Adapter):
     def _sync_cache(self, state: dict, row: np.ndarray, first: int) -> None:
         """Make the cache hold exactly row[:first] and `next` the prediction for `first`."""
         fed = keep = state["fed"]
-        if getattr(self, "editing", False):  # a committed token may have changed
+        if state["editing"]:  # a committed token may have changed
             changed = np.flatnonzero(state["tokens"] != row[:fed])
             keep = int(changed[0]) if changed.size else fed
         if state["next"] is None or keep < fed or fed > first:

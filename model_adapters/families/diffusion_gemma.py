@@ -28,10 +28,10 @@ from mlx_lm.models.base import BaseModelArgs, create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from model_adapters import gemma_vision, gemma_weights
+from model_adapters.base import NO_SETUP, DecodeSetup, DiffusionModel, FamilyDefaults, _stop_ids
 from model_adapters.base import Adapter as _BaseAdapter
-from model_adapters.base import DiffusionModel, FamilyDefaults, _stop_ids
 from model_adapters.option import Option
-from model_adapters.runtime.batched import answered, by_width, stacked_head, stacked_prefix_views, token_matrix
+from model_adapters.runtime.batched import answered, stacked_head, stacked_prefix_views, token_matrix
 from model_adapters.runtime.embeddings import weighted_rows
 from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
 from model_adapters.runtime.sharding import SummedOverRanks, VocabShardedEmbedding, shard_in_place, shard_mlp
@@ -436,6 +436,8 @@ class _State:
     canvas: Optional[int] = None  # start of the canvas being denoised
     pending: Optional[tuple] = None  # a finished canvas not yet encoded
     vision: bool = False  # the prompt carried images: its KV is not kept for another prompt
+    top_k: int = 0  # k of the top-k self-conditioning (fast_self_conditioning, fast_step); 0: exact
+    top_k_step: int = 0  # k of the top-k step (fast_step): predict returns (values, ids); 0: exact
 
 
 class Adapter(_BaseAdapter):
@@ -495,16 +497,6 @@ class Adapter(_BaseAdapter):
         self.max_length = model.max_length
         self.eos_ids = frozenset(_eos_ids(model.args, tokenizer))
         self.defaults = replace(type(self).defaults, block_length=model.args.canvas_length)
-        self.vision: Optional[gemma_vision.VisionInputs] = None  # the next decode's images
-        self.top_k = 0  # 0: exact self-conditioning
-        self.top_k_step = 0  # 0: the exact step
-
-    def configure(self, options: Any) -> None:
-        family = options.family
-        fast = family.get("fast_self_conditioning") or family.get("fast_step")
-        self.top_k = min(family["self_conditioning_k"], self.vocab_size) if fast else 0
-        # the decoder reads `top_k_step`: predict then returns the top-k (values, ids)
-        self.top_k_step = self.top_k if family.get("fast_step") else 0
 
     def check_options(self, family: dict, values: dict) -> None:
         if family.get("fast_step"):
@@ -514,24 +506,30 @@ class Adapter(_BaseAdapter):
                         f"{name} does not combine with fast_step (its step sees only the top-k logits); drop one"
                     )
 
-    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
-        if self.vision is not None:  # image tokens' KV depend on the pixels, not on the ids
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None, setup: DecodeSetup = NO_SETUP) -> _State:
+        vision = setup.vision  # (gemma_vision.VisionInputs: the prompt's images)
+        if vision is not None:  # image tokens' KV depend on the pixels, not on the ids
             reuse = None
+        fast = setup.family("fast_self_conditioning") or setup.family("fast_step")
+        top_k = min(setup.family("self_conditioning_k", 256), self.vocab_size) if fast else 0
         state = _State(
-            reuse.caches() if reuse is not None else self.model.make_kv_cache(), vision=self.vision is not None
+            reuse.caches() if reuse is not None else self.model.make_kv_cache(),
+            vision=vision is not None,
+            top_k=top_k,
+            top_k_step=top_k if setup.family("fast_step") else 0,
         )
         rest = prompt[:, state.cache[0].offset :]
-        if self.vision is None:
+        if vision is None:
             self.model.encode(rest, state.cache)
         else:
-            self.model.encode(rest, state.cache, self.vision)
+            self.model.encode(rest, state.cache, vision)
         return state
 
-    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array, setup: DecodeSetup = NO_SETUP) -> int:
         """The encoder is causal (its sliding layers keep every position; the mask windows
         them): the same leading tokens have the same KV in any prompt. At least the last
         prompt token is encoded again, so every decode runs the encoder."""
-        if self.vision is not None:
+        if setup.vision is not None:
             return 0
         return usable(prefix, CAUSAL, prompt.shape[0], prompt.shape[1] - 1)
 
@@ -544,10 +542,10 @@ class Adapter(_BaseAdapter):
 
     def predict(self, state: _State, canvas: mx.array, start: int, end: int) -> mx.array:
         self._ready(state, canvas, start)
-        if self.top_k_step:  # the cheaper step: top-k (values, ids), see decode_top_k
-            return self.model.decode_top_k(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k_step)
-        if self.top_k:  # top-k self-conditioning only (opt-in); the exact one calls decode as before
-            return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning, self.top_k)
+        if state.top_k_step:  # the cheaper step: top-k (values, ids), see decode_top_k
+            return self.model.decode_top_k(canvas[:, start:end], state.cache, state.self_conditioning, state.top_k_step)
+        if state.top_k:  # top-k self-conditioning only (opt-in); the exact one calls decode as before
+            return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning, state.top_k)
         return self.model.decode(canvas[:, start:end], state.cache, state.self_conditioning)
 
     def _ready(self, state: _State, canvas: mx.array, start: int) -> None:
@@ -563,31 +561,36 @@ class Adapter(_BaseAdapter):
             state.canvas, state.self_conditioning = start, None
 
     def predict_batch(self, requests: list) -> list:
-        """Rows with canvases of one width share a decoder forward (model_adapters.runtime.batched's
-        stacked prefix views: each row's encoder cache, left-padded and masked, RoPE from its
-        own offset, each sliding layer's last window - 1 positions), each row with its own
-        self-conditioning. A finished canvas is still encoded per row (once a canvas)."""
+        """Rows with canvases of one width and one step kind (exact, or top-k with one k)
+        share a decoder forward (model_adapters.runtime.batched's stacked prefix views: each
+        row's encoder cache, left-padded and masked, RoPE from its own offset, each sliding
+        layer's last window - 1 positions), each row with its own self-conditioning. A
+        finished canvas is still encoded per row (once a canvas)."""
         if len(requests) == 1:
             return super().predict_batch(requests)
         for r in requests:
             self._ready(r.state, r.canvas, r.start)
-        return answered(requests, by_width(requests), self._decode_rows)
+        groups: dict = {}
+        for i, r in enumerate(requests):
+            groups.setdefault((r.end - r.start, r.state.top_k, r.state.top_k_step), []).append(i)
+        return answered(requests, list(groups.values()), self._decode_rows)
 
     def _decode_rows(self, requests: list) -> list:
-        model, width = self.model, requests[0].end - requests[0].start
+        model, width, first = self.model, requests[0].end - requests[0].start, requests[0].state
         views, masks = stacked_prefix_views([r.state.cache for r in requests], model.layer_windows(), width)
         canvas = token_matrix([(r, r.start, r.end, 0, 0) for r in requests])
         hidden = model.decoder_hidden(
-            canvas, views, self._stacked_soft([r.state.self_conditioning for r in requests]), masks
+            canvas, views, self._stacked_soft([r.state.self_conditioning for r in requests], first.top_k), masks
         )
-        if self.top_k_step:
-            values, ids = model.top_k_head(hidden, self.top_k_step)
+        if first.top_k_step:
+            values, ids = model.top_k_head(hidden, first.top_k_step)
             return [(values[i : i + 1], ids[i : i + 1]) for i in range(len(requests))]
         return stacked_head(self, hidden, [(0, width)] * len(requests))
 
-    def _stacked_soft(self, conditioning: list) -> Optional[mx.array]:
+    def _stacked_soft(self, conditioning: list, top_k: int) -> Optional[mx.array]:
         """The rows' self-conditioning inputs (B, C, H): from their stacked previous logits
-        (or top-k (values, ids)) at once; zeros for a row at its canvas's first step."""
+        (or top-k (values, ids)) at once, over their `top_k` (0: exact); zeros for a row at
+        its canvas's first step."""
         if all(c is None for c in conditioning):
             return None
         if all(c is not None for c in conditioning):
@@ -595,8 +598,8 @@ class Adapter(_BaseAdapter):
                 stacked = tuple(mx.concatenate(parts, axis=0) for parts in zip(*conditioning))
             else:
                 stacked = mx.concatenate(conditioning, axis=0)
-            return self.model.soft_input(stacked, self.top_k)
-        rows = [self.model.soft_input(c, self.top_k) for c in conditioning]
+            return self.model.soft_input(stacked, top_k)
+        rows = [self.model.soft_input(c, top_k) for c in conditioning]
         like = next(r for r in rows if r is not None)
         return mx.concatenate([mx.zeros_like(like) if r is None else r for r in rows], axis=0)
 

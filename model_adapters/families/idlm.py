@@ -27,8 +27,8 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
 from model_adapters import idlm_lora
+from model_adapters.base import NO_SETUP, DecodeSetup, DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
 from model_adapters.base import Adapter as _BaseAdapter
-from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
 from model_adapters.runtime import batched
 from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, keep_first, usable
 
@@ -118,12 +118,12 @@ class Adapter(_BaseAdapter):
         super().__init__(model, tokenizer)
         self.defaults = FamilyDefaults(block_length=model.args.block_size + 1, strategy="low_confidence")
 
-    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None, setup: DecodeSetup = NO_SETUP) -> _State:
         state = _State(reuse.caches() if reuse is not None else self.model.make_kv_cache())
         state.seed = self.verify(state, prompt[:, state.offset :])[:, -1]  # (the last prompt token at least)
         return state
 
-    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array, setup: DecodeSetup = NO_SETUP) -> int:
         """Causal: the same leading tokens have the same keys and values in any prompt; the
         last prompt token is encoded again (its logits give the first token)."""
         return usable(prefix, CAUSAL, prompt.shape[0], prompt.shape[1] - 1)

@@ -36,8 +36,8 @@ from mlx_lm.models import lfm2
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from model_adapters.base import NO_SETUP, DecodeSetup, FamilyDefaults, _check_numbers
 from model_adapters.base import Adapter as _BaseAdapter
-from model_adapters.base import FamilyDefaults, _check_numbers
 from model_adapters.option import Option
 from model_adapters.runtime.embeddings import weighted_rows
 from model_adapters.runtime.prompt_cache import TokenCache
@@ -272,7 +272,7 @@ class Adapter(_BaseAdapter):
             )
         self.fill_id = min(self.eos_ids) if self.eos_ids else 0
 
-    def start(self, prompt: mx.array, reuse: Any = None) -> "_State":
+    def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> "_State":
         state = _State(self.model.make_state())
         self.model(prompt, state.cache)  # the prompt, clean and causal, into the context cache
         state.length = prompt.shape[1]

@@ -23,8 +23,8 @@ from mlx_lm.models import ministral3
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
+from model_adapters.base import NO_SETUP, DecodeSetup, DiffusionArgs, DiffusionModel, FamilyDefaults
 from model_adapters.base import Adapter as _BaseAdapter
-from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults
 from model_adapters.option import Option
 from model_adapters.runtime import batched
 from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, keep_first, usable
@@ -115,6 +115,7 @@ class _State:
     cache: list
     seed: Optional[mx.array] = None  # (B, V) logits proposing the next block's first token
     pending: Optional[tuple] = None  # a final block not yet encoded into the cache
+    causal: bool = True  # the decode's causal_context: the prefix encoded causally
 
     @property
     def offset(self) -> int:
@@ -148,10 +149,6 @@ class Adapter(_BaseAdapter):
         ),
     )
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None):
-        super().__init__(model, tokenizer)
-        self.causal_context = True
-
     def decoder_for(self, family: Any) -> str:
         """Self-speculation (`self_spec`) has its own decoder; otherwise the masked blocks."""
         return "speculative" if family.get("self_spec") else self.decoder
@@ -163,16 +160,12 @@ class Adapter(_BaseAdapter):
                 "drop causal_context=False or self_spec"
             )
 
-    def configure(self, options: Any) -> None:
-        """Read the decode's causal_context (the engine calls this once per decode)."""
-        self.causal_context = bool(options.family.get("causal_context", True))
-
     def _encode(self, state: _State, tokens: mx.array) -> None:
         """Store `tokens` in the cache: causally (causal context) or bidirectionally."""
         cache = state.cache
-        mask = create_attention_mask(tokens, cache[0]) if self.causal_context else None
+        mask = create_attention_mask(tokens, cache[0]) if state.causal else None
         hidden = self.model.backbone(tokens, mask, cache)
-        state.seed = self.model.head(hidden[:, -1]) if self.causal_context else None
+        state.seed = self.model.head(hidden[:, -1]) if state.causal else None
 
     def _flush(self, state: _State, canvas: mx.array) -> None:
         if state.pending is not None:
@@ -182,24 +175,25 @@ class Adapter(_BaseAdapter):
             state.pending = None
             self._encode(state, canvas[:, start:end])
 
-    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None) -> _State:
-        state = _State(reuse.caches() if reuse is not None else self.model.make_kv_cache())
+    def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None, setup: DecodeSetup = NO_SETUP) -> _State:
+        caches = reuse.caches() if reuse is not None else self.model.make_kv_cache()
+        state = _State(caches, causal=bool(setup.family("causal_context", True)))
         self._encode(state, prompt[:, state.offset :])  # (at least the last prompt token)
         return state
 
-    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array) -> int:
+    def reuse_length(self, prefix: Optional[PrefixKV], prompt: mx.array, setup: DecodeSetup = NO_SETUP) -> int:
         """With causal context the prefix is encoded causally: the same leading tokens have
         the same KV in any prompt. The last prompt token is always encoded again (its causal
         pass seeds the first block). Without causal context the prompt is encoded
         bidirectionally, as a whole: nothing is reusable."""
-        if not self.causal_context:
+        if not setup.family("causal_context", True):
             return 0
         return usable(prefix, CAUSAL, prompt.shape[0], prompt.shape[1] - 1)
 
     def export_prefix(self, state: _State, length: int) -> Optional[PrefixKV]:
         """The cache: the prompt and the finished blocks, each encoded causally once final
         (the bidirectional passes over a block are trimmed away)."""
-        if not self.causal_context or state is None:
+        if state is None or not state.causal:
             return None
         return PrefixKV.of(state.cache, min(length, state.offset), CAUSAL)
 

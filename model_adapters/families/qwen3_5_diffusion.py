@@ -40,8 +40,8 @@ from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
+from model_adapters.base import NO_SETUP, DecodeSetup, FamilyDefaults, _check_numbers
 from model_adapters.base import Adapter as _BaseAdapter
-from model_adapters.base import FamilyDefaults, _check_numbers
 from model_adapters.runtime.prompt_cache import TokenCache
 
 SIDECAR = "block_diffusion.json"
@@ -273,7 +273,7 @@ class Adapter(_BaseAdapter):
     suffix_refusal = "its attention is causal: a token never sees text after it"
     likelihood_layout = "prefix"
 
-    def start(self, prompt: mx.array, reuse: Any = None) -> _State:
+    def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> _State:
         if prompt.shape[0] != 1:
             raise ValueError(f"{self.family} decodes one row at a time")
         state = _State(self.model.make_state())

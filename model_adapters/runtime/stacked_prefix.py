@@ -25,6 +25,8 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 
+from model_adapters.runtime.model_cache import model_cache
+
 POSITION_STEP = 256  # the buffers' position capacity grows in steps of this (KVCache's step)
 
 
@@ -124,8 +126,9 @@ class StackedPrefix:
 
 
 def stacked_prefix_of(adapter: Any) -> StackedPrefix:
-    """The adapter's StackedPrefix (made on first use)."""
-    stacked: Optional[StackedPrefix] = getattr(adapter, "_stacked_prefix", None)
+    """The StackedPrefix of the adapter's model (runtime.model_cache; made on first use)."""
+    cache = model_cache(adapter.model)
+    stacked: Optional[StackedPrefix] = cache.get("stacked prefix")
     if stacked is None:
-        stacked = adapter._stacked_prefix = StackedPrefix()
+        stacked = cache["stacked prefix"] = StackedPrefix()
     return stacked

@@ -142,13 +142,44 @@ def test_seeded_random_rows_do_not_depend_on_each_other(llada):
     check_ragged(*llada, block_length=8, strategy="random", seed=11)
 
 
-def test_family_options_must_match(llada):
-    model, tok = llada
+def check_mixed(model, tok, per_row, max_tokens=(16, 16, 10), **kw):
+    """Rows that differ in the family's own options (`per_row`: one dict each) share one
+    running batch, and each gives what it gives alone."""
     adapter = adapter_for(model, tok)
-    batch = RunningBatch(adapter)
-    batch.add(PROMPTS[0], resolve(DecodeOptions(max_tokens=8, cache="dual"), adapter, 3))
-    with pytest.raises(ValueError, match="cannot join"):
-        batch.add(PROMPTS[1], resolve(DecodeOptions(max_tokens=8), adapter, 7))
+    options = [
+        resolve(DecodeOptions(max_tokens=n, **kw, **extra), adapter, len(p))
+        for p, n, extra in zip(PROMPTS, max_tokens, per_row)
+    ]
+    assert batched(adapter, PROMPTS, options) == [alone(adapter, p, o) for p, o in zip(PROMPTS, options)]
+
+
+def test_rows_with_different_family_options_share_a_batch(llada, dream, nemotron, gemma, monkeypatch):
+    """Issue 52.2: a row's family options live in its decode's state, not on the adapter,
+    so rows of every cache mode, causal_context or self_spec, exact or top-k step share one
+    batch; the adapter puts the rows that need another forward in calls of their own."""
+    from model_adapters.attention import bidirectional_cache
+
+    calls = {
+        "canvas": record_batch_sizes(monkeypatch, bidirectional_cache, "bidirectional_batch"),
+        "window": record_batch_sizes(monkeypatch, bidirectional_cache, "cached_window_batch"),
+    }
+    for model in (llada, dream):
+        check_mixed(*model, [{}, {"cache": "prefix"}, {"cache": "dual"}], block_length=8)
+        check_mixed(*model, [{"cache": "dual"}, {"cache": "prefix"}, {"cache": "dual"}], block_length=8)
+        # dual rows with blocks of other widths: a narrow row's padding columns are written
+        # past its canvas, not over the kept keys after its block (which it attends to)
+        dual = {"cache": "dual"}
+        check_mixed(*model, [{**dual, "block_length": 8}, {**dual, "block_length": 4}, {**dual, "block_length": 8}])
+    assert max(calls["canvas"]) >= 2 and max(calls["window"]) >= 2, calls  # (shared calls, not one per row)
+    check_mixed(*nemotron, [{"causal_context": False}, {}, {"self_spec": True}], block_length=8)
+    check_mixed(
+        *gemma,
+        [{}, {"fast_self_conditioning": True}, {"fast_step": True}],
+        max_tokens=(40, 24, 20),
+        seed=3,
+        steps=4,
+        self_conditioning_k=8,
+    )
 
 
 def test_removed_row_frees_its_place(llada):

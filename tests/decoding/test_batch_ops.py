@@ -20,6 +20,7 @@ from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 from model_adapters.runtime.batched import token_matrix
+from model_adapters.runtime.model_cache import model_cache
 from model_adapters.runtime.thread_compiled import ThreadTables
 
 # six prompts of different lengths: several rows of each kind share a record
@@ -210,8 +211,9 @@ def test_a_compiled_forward_keeps_at_most_max_traces_shapes(request, family, mon
     monkeypatch.setattr(batched.mx, "compile", lambda f: made.append(f) or compile_(f))
     monkeypatch.setattr(batched, "MAX_TRACES", 2)
     adapter = adapter_for(model, tok)
+    model_cache(model).pop("compiled backbones", None)  # (the earlier tests' traces, kept with the model)
     got = decode(True, adapter)
-    table = adapter._compiled_backbones.table()  # (this thread's: thread_compiled)
+    table = model_cache(model)["compiled backbones"]  # (this thread's: runtime.model_cache)
     assert table and all(len(shapes) <= 2 for _, shapes in table.values())
     assert len(made) > len(table)  # (some call met a third shape: made afresh)
     assert got == decode(False, adapter_for(model, tok))

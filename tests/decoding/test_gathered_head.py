@@ -20,6 +20,7 @@ from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.testing.causal_checkpoints import write_causal
 from model_adapters import adapter_for
+from model_adapters.base import DecodeSetup
 
 PROMPT = [72, 101, 108, 108, 111, 5, 17]
 BUCKETS = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64}
@@ -314,9 +315,9 @@ def test_predict_rows_is_predict_at_those_rows(dream, cache):
     Dream's shift included (the block's first position from the kept hidden state)."""
     model, tok = dream
     adapter = adapter_for(model, tok)
-    adapter.configure(resolve(DecodeOptions(max_tokens=16, block_length=8, cache=cache), adapter, 5))
+    setup = DecodeSetup(resolve(DecodeOptions(max_tokens=16, block_length=8, cache=cache), adapter, 5))
     canvas = mx.array([PROMPT[:5] + [adapter.mask_id] * 16])
-    whole, gathered = adapter.start(canvas[:, :5]), adapter.start(canvas[:, :5])
+    whole, gathered = adapter.start(canvas[:, :5], setup=setup), adapter.start(canvas[:, :5], setup=setup)
     rows = mx.array([[0, 3, 5, 6]])
     for _ in range(2):  # the block's first forward, then (a token committed) a cached step
         full = adapter.predict(whole, canvas, 5, 13)

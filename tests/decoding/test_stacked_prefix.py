@@ -11,6 +11,7 @@ from test_batch import alone, batched
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 from model_adapters.attention.block_cache import PrefixCache
+from model_adapters.runtime.model_cache import model_cache
 from model_adapters.runtime.stacked_prefix import POSITION_STEP, StackedPrefix
 
 HEADS, DIM, LAYERS = 2, 8, 2
@@ -95,4 +96,6 @@ def test_rows_joining_and_leaving_over_a_long_decode_give_their_tokens_alone(sda
     expected = [alone(adapter, p, o) for p, o in zip(prompts, options)]
     joins = {0: [0, 1], 2: [2], 5: [3], 9: [4, 5]}  # step -> rows joining then
     assert batched(adapter, prompts, options, joins=joins) == expected
-    assert len(adapter._stacked_prefix.owners) < len(prompts)  # (slots of rows that left were reused)
+    assert len(model_cache(adapter.model)["stacked prefix"].owners) < len(
+        prompts
+    )  # (slots of rows that left were reused)

@@ -12,8 +12,8 @@ import numpy as np
 from toy_family import Model, ModelArgs  # noqa: F401  (the family's model: register_family reads them here)
 
 from model_adapters import register_family
+from model_adapters.base import NO_SETUP, DecodeSetup, FamilyDefaults
 from model_adapters.base import Adapter as BaseAdapter
-from model_adapters.base import FamilyDefaults
 
 MODEL_TYPE = "scripted_diffusion"
 SCRIPT = ""  # the answer every decode writes (a test sets it)
@@ -28,7 +28,7 @@ class Adapter(BaseAdapter):
         super().__init__(model, tokenizer)
         self.tokenizer = tokenizer
 
-    def start(self, prompt: mx.array, reuse: Any = None) -> Any:
+    def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> Any:
         return {"prompt_length": prompt.shape[1], "script": self.tokenizer.encode(SCRIPT, add_special_tokens=False)}
 
     def predict(self, state: Any, canvas: mx.array, start: int, end: int) -> mx.array:

@@ -15,8 +15,8 @@ import mlx.core as mx
 from mlx_lm.models import qwen2
 
 from model_adapters import register_family
+from model_adapters.base import NO_SETUP, DecodeSetup, DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
 from model_adapters.base import Adapter as BaseAdapter
-from model_adapters.base import DiffusionArgs, DiffusionModel, FamilyDefaults, LayerStack
 from model_adapters.option import Option
 
 MODEL_TYPE = "toy_diffusion"
@@ -42,12 +42,12 @@ class Adapter(BaseAdapter):
         ),
     )
 
-    def configure(self, options: Any) -> None:
-        self.shift = options.family["logit_shift"]
+    def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> int:
+        return setup.family("logit_shift", 1)  # (the decode's state: its shift)
 
-    def predict(self, state: Any, canvas: mx.array, start: int, end: int) -> mx.array:
+    def predict(self, shift: int, canvas: mx.array, start: int, end: int) -> mx.array:
         hidden = self.model.backbone(canvas)
-        return self.model.head(hidden[:, start - self.shift : end - self.shift])
+        return self.model.head(hidden[:, start - shift : end - shift])
 
 
 register_family(MODEL_TYPE, __name__)

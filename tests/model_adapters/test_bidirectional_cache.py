@@ -28,6 +28,7 @@ from mlx_lm_diffusion.decoding.options import DecodeOptions, named_options, reso
 from mlx_lm_diffusion.testing.checkpoints import MASK_ID
 from mlx_lm_diffusion.testing.engine_runs import engine_decode
 from model_adapters import adapter_for
+from model_adapters.base import DecodeSetup
 
 PROMPTS = [[72, 101, 108, 108, 111], [5, 17, 99, 200, 31, 7, 64, 250, 12], [33, 40]]
 MODES = ["prefix", "dual"]
@@ -124,13 +125,12 @@ def test_cached_step_is_exact_when_the_canvas_is_unchanged(family, mode, request
     gives the full forward's logits."""
     model, tok = request.getfixturevalue(family)
     adapter = adapter_for(model, tok)
-    adapter.configure(resolve(DecodeOptions(max_tokens=16, cache=mode), adapter, 5))
+    setup = DecodeSetup(resolve(DecodeOptions(max_tokens=16, cache=mode), adapter, 5))
     canvas = mx.array([PROMPTS[0] + [MASK_ID] * 16])
-    state = adapter.start(canvas[:, :5])
+    state = adapter.start(canvas[:, :5], setup=setup)
     first = adapter.predict(state, canvas, 9, 17)
     later = adapter.predict(state, canvas, 9, 17)
-    adapter.configure(resolve(DecodeOptions(max_tokens=16), adapter, 5))
-    full = adapter.predict(adapter.start(canvas[:, :5]), canvas, 9, 17)
+    full = adapter.predict(adapter.start(canvas[:, :5]), canvas, 9, 17)  # (no options: no cache)
     assert mx.abs(first - full).max().item() < 1e-4
     assert mx.abs(later - full).max().item() < 1e-4
 

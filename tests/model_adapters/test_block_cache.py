@@ -72,7 +72,7 @@ def decode(model, tok, prompt, use_cache, **options):
     adapter.model = spy = Spy(model)
     states = []
     start = adapter.start
-    adapter.start = lambda p: states.append(start(p)) or states[-1]
+    adapter.start = lambda p, **kw: states.append(start(p, **kw)) or states[-1]
     resolved = resolve(DecodeOptions(**options), adapter, len(prompt[0]))
     events = list(Engine(adapter, resolved).run(mx.array(prompt)))
     return events, spy.windows, states[0]

@@ -13,6 +13,7 @@ from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.testing.checkpoints import VOCAB
 from mlx_lm_diffusion.testing.gemma_vision_checkpoints import make_image, write_gemma_with_vision
 from model_adapters import adapter_for
+from model_adapters.base import DecodeSetup
 
 CANVAS = 16
 
@@ -86,10 +87,17 @@ def test_with_k_the_vocabulary_the_fast_step_is_the_exact_step(loaded, seed, wit
 def test_fast_step_is_opt_in_and_its_refusals(loaded):
     model, processor = loaded
     adapter = adapter_for(model, processor)
-    adapter.configure(resolve(DecodeOptions(max_tokens=CANVAS), adapter, 4))
-    assert adapter.top_k_step == 0 and adapter.top_k == 0
-    adapter.configure(resolve(DecodeOptions(max_tokens=CANVAS, fast_step=True), adapter, 4))
-    assert adapter.top_k_step == adapter.top_k == 256
+    prompt = mx.array([[5, 6, 7, 8]])
+
+    def started(**options):  # (a decode's state holds its k)
+        return adapter.start(
+            prompt, setup=DecodeSetup(resolve(DecodeOptions(max_tokens=CANVAS, **options), adapter, 4))
+        )
+
+    state = started()
+    assert state.top_k_step == 0 and state.top_k == 0
+    state = started(fast_step=True)
+    assert state.top_k_step == state.top_k == 256
     kw = dict(max_tokens=CANVAS, seed=0, block_length=CANVAS)
     small = mld.generate(model, processor, "Hello", fast_step=True, self_conditioning_k=4, **kw)
     assert small != mld.generate(model, processor, "Hello", **kw)

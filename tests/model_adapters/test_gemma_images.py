@@ -30,6 +30,7 @@ from mlx_lm_diffusion.testing.gemma_vision_checkpoints import (
     write_gemma_with_vision,
 )
 from model_adapters import adapter_for
+from model_adapters.base import DecodeSetup
 from model_adapters.gemma_vision import VisionInputs
 
 torch = pytest.importorskip("torch")
@@ -212,10 +213,9 @@ def mlx_vlm_decode(model, ids, pixels, types, max_tokens, seed):
 def engine_decode(model, tok, ids, vision, **options):
     adapter = adapter_for(model, tok)
     adapter.eos_ids = frozenset()  # the references fill every canvas
-    adapter.vision = vision
     resolved = resolve(DecodeOptions(**options), adapter, len(ids))
     last = None
-    for last in Engine(adapter, resolved).run(mx.array([ids])):
+    for last in Engine(adapter, resolved, vision=vision).run(mx.array([ids])):
         pass
     return last.canvas[0, len(ids) : len(ids) + options["max_tokens"]].tolist(), last.forwards
 
@@ -283,10 +283,10 @@ def templated_ids(processor, text="What is it?", n=1):
 def reference_tokens(model, processor, ids, out):
     """The engine with explicitly prepared inputs: what every door should produce."""
     adapter = adapter_for(model, processor)
-    adapter.vision = VisionInputs(out["pixel_values"], mx.array(out["mm_token_type_ids"]))
+    vision = VisionInputs(out["pixel_values"], mx.array(out["mm_token_type_ids"]))
     resolved = resolve(DecodeOptions(max_tokens=CANVAS, seed=0), adapter, len(ids))
     last = None
-    for last in Engine(adapter, resolved).run(mx.array([ids])):
+    for last in Engine(adapter, resolved, vision=vision).run(mx.array([ids])):
         pass
     tokens = last.canvas[0, len(ids) : len(ids) + last.final[0]].tolist()
     return tokens
@@ -581,15 +581,16 @@ def test_top_k_self_conditioning_matches_its_definition(loaded):
 def test_fast_self_conditioning_is_opt_in(loaded):
     model, processor = loaded
     adapter = adapter_for(model, processor)
-    exact = resolve(DecodeOptions(max_tokens=CANVAS), adapter, 4)
-    adapter.configure(exact)
-    assert adapter.top_k == 0  # the default is the reference's step
-    adapter.configure(resolve(DecodeOptions(max_tokens=CANVAS, fast_self_conditioning=True), adapter, 4))
-    assert adapter.top_k == 256
-    adapter.configure(
-        resolve(DecodeOptions(max_tokens=CANVAS, fast_self_conditioning=True, self_conditioning_k=2), adapter, 4)
-    )
-    assert adapter.top_k == 2
+    prompt = mx.array([[5, 6, 7, 8]])
+
+    def started(**options):  # (a decode's state holds its k)
+        return adapter.start(
+            prompt, setup=DecodeSetup(resolve(DecodeOptions(max_tokens=CANVAS, **options), adapter, 4))
+        )
+
+    assert started().top_k == 0  # the default is the reference's step
+    assert started(fast_self_conditioning=True).top_k == 256
+    assert started(fast_self_conditioning=True, self_conditioning_k=2).top_k == 2
     kw = dict(max_tokens=2 * CANVAS, seed=0)
     base = mld.generate(model, processor, "Hello", **kw)
     assert base == mld.generate(
@@ -705,8 +706,8 @@ def test_a_prompt_with_images_neither_reuses_nor_keeps_encoder_kv(loaded):
     text_state = adapter.start(mx.array(ids))
     kept = adapter.export_prefix(text_state, ids.shape[1])
     assert kept is not None  # text: the causal encoder's KV is kept
-    adapter.vision = VisionInputs(mx.array(pixels), mx.array(types))
-    assert adapter.reuse_length(kept, mx.array(ids)) == 0
-    state = adapter.start(mx.array(ids), reuse=kept)
+    setup = DecodeSetup(vision=VisionInputs(mx.array(pixels), mx.array(types)))
+    assert adapter.reuse_length(kept, mx.array(ids), setup=setup) == 0
+    state = adapter.start(mx.array(ids), reuse=kept, setup=setup)
     assert state.cache[0].offset == ids.shape[1]  # encoded whole, with the image
     assert adapter.export_prefix(state, ids.shape[1]) is None

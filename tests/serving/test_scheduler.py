@@ -326,17 +326,15 @@ def test_protocol_requests_join_the_scheduler(served, client, llada):
     assert scheduler.stats()["running_rows"] == before["running_rows"] == 0
 
 
-def test_a_group_keeps_its_adapter_and_compiled_forwards_across_its_batches(served, client, monkeypatch):
+def test_batches_keep_their_compiled_forwards_across_batches(served, client, monkeypatch):
     """Eight rounds of three concurrent requests, each round's max_tokens another of four
-    (its own lane: a new batch each round): the group's batches share one adapter, so its
-    batched forward compiles once (one trace per input shape). A fresh adapter per batch
-    compiled it again for every batch (8 here); the churn grew the server's resident memory
-    by ~26 MB per 1,000 mixed requests, still rising (bench/soak_server.py, issue 55.8)."""
+    (its own lane: a new batch each round, over its first request's adapter): the batched
+    forward compiles once (one trace per input shape), its compiled calls kept with the
+    model (model_adapters.runtime.model_cache), not with an adapter. Compiled again for
+    every batch (8 here), the churn grew the server's resident memory by ~26 MB per 1,000
+    mixed requests, still rising (bench/soak_server.py, issue 55.8)."""
     import mlx.core as mx
 
-    from mlx_lm_diffusion.serving.scheduler import MAX_ADAPTERS
-
-    scheduler = served[1].scheduler
     compiled = []
     real = mx.compile
     monkeypatch.setattr(mx, "compile", lambda f, *a, **k: compiled.append(f) or real(f, *a, **k))
@@ -346,37 +344,9 @@ def test_a_group_keeps_its_adapter_and_compiled_forwards_across_its_batches(serv
         )
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda _: ask(client, kw), range(3)))
-    adapters = list(scheduler.adapters.values())
-    assert 1 <= len(adapters) <= MAX_ADAPTERS
     # (the commit functions are compiled per rule and quota, for every adapter alike)
     forwards = [f for f in compiled if "_pure_commit" not in getattr(f, "__qualname__", "")]
     assert len(forwards) <= 1, forwards  # (before: one per batch, 8)
-
-
-def test_the_schedulers_adapters_are_bounded(llada):
-    """At most MAX_ADAPTERS groups keep their adapter (least recently used dropped); a group
-    gets the same adapter again."""
-    from types import SimpleNamespace
-
-    from mlx_lm_diffusion.serving.scheduler import MAX_ADAPTERS, Scheduler
-    from mlx_lm_diffusion.serving.turns import TurnLock
-
-    def job(i):  # (a job of group i whose Decode's adapter the group takes when it has none)
-        return SimpleNamespace(group=("g", i), decode=SimpleNamespace(adapter=object()))
-
-    scheduler = Scheduler(*llada, TurnLock())
-    try:
-        first = scheduler.adapter(job(0))
-        for i in range(1, 3 * MAX_ADAPTERS):
-            scheduler.adapter(job(i))
-            assert len(scheduler.adapters) <= MAX_ADAPTERS
-            if i < MAX_ADAPTERS - 1:  # (kept while it is among the most recent)
-                assert scheduler.adapter(job(0)) is first
-        assert ("g", 0) not in scheduler.adapters
-        last = scheduler.adapter(job(3 * MAX_ADAPTERS - 1))
-        assert scheduler.adapter(job(3 * MAX_ADAPTERS - 1)) is last
-    finally:
-        scheduler.stop()
 
 
 def test_the_scheduler_driven_directly_decodes_each_request_as_alone(llada):
@@ -410,5 +380,50 @@ def test_the_scheduler_driven_directly_decodes_each_request_as_alone(llada):
             return [r.token for run in runs(items) for r in run]
 
         assert [tokens(q) for q in queues] == alone
+    finally:
+        scheduler.stop()
+
+
+def test_rows_of_different_cache_modes_share_one_batch(llada, monkeypatch):
+    """Issue 52.2, measured at the scheduler: requests that differ only in the family's own
+    options (LLaDA's cache modes) join one running batch, where they took a batch (and a
+    lane) each while the adapter held those options; each still decodes as alone."""
+    import queue
+
+    import mlx_lm_diffusion as mld
+    from mlx_lm_diffusion.api.decode import build_decode
+    from mlx_lm_diffusion.decoding.batch import RunningBatch
+    from mlx_lm_diffusion.serving import scheduler as scheduler_module
+    from mlx_lm_diffusion.serving.jobs import direct_job
+    from mlx_lm_diffusion.serving.stream_batching import runs
+    from mlx_lm_diffusion.serving.turns import TurnLock
+
+    batches = []
+
+    class Counted(RunningBatch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            batches.append(self)
+
+    monkeypatch.setattr(scheduler_module, "RunningBatch", Counted)
+    model, tokenizer = llada
+    cases = [([5, 17, 99], {}), ([72, 101], {"cache": "prefix"}), ([33, 34, 35, 36], {"cache": "dual"})]
+    options = {"block_length": 4}
+    alone = [[r.token for r in mld.stream_generate(model, tokenizer, p, 8, **options, **o)] for p, o in cases]
+    lock = TurnLock()
+    scheduler = scheduler_module.Scheduler(model, tokenizer, lock)
+    try:
+        queues = [queue.Queue() for _ in cases]
+        lock.acquire()  # (every job queued before the first admission: they may all join at once)
+        for (prompt, extra), q in zip(cases, queues):
+            scheduler.submit(direct_job(build_decode(model, tokenizer, prompt, 8, **options, **extra), q))
+        lock.release()
+
+        def tokens(q):
+            items = iter(lambda: q.get(timeout=TIMEOUT), None)
+            return [r.token for run in runs(items) for r in run]
+
+        assert [tokens(q) for q in queues] == alone
+        assert len(batches) == 1 and scheduler.peak_rows == 3  # (before: 3 batches of one row)
     finally:
         scheduler.stop()

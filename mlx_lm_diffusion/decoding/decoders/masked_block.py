@@ -44,6 +44,7 @@ from mlx_lm_diffusion.decoding.decoders.kept_logprobs import (
     whole_block,
 )
 from mlx_lm_diffusion.decoding.decoders.vocab_stats import greedy_parts, logprob_rows
+from model_adapters.runtime.model_cache import model_cache
 
 # Temperatures below this decode greedily: log-probs divided by less can overflow float32.
 MIN_TEMPERATURE = 1e-4
@@ -51,22 +52,20 @@ MIN_TEMPERATURE = 1e-4
 
 def suppress_bias(adapter: Any) -> Optional[mx.array]:
     """(V,) -inf at the adapter's suppressed ids, 0 elsewhere (None: none), one array per
-    adapter: the rows of a running batch then share it, and their fused commit adds one
-    vector for all of them (fused_commit) instead of stacking one per row."""
+    model and ids (model_adapters.runtime.model_cache): the rows of a running batch then
+    share it, and their fused commit adds one vector for all of them (fused_commit)
+    instead of stacking one per row."""
     if not adapter.suppress_ids:
         return None
     key = (adapter.vocab_size, tuple(sorted(adapter.suppress_ids)))
-    cached = getattr(adapter, "_suppress_bias", None)
-    if cached is None or cached[0] != key:
+    biases = model_cache(adapter.model).setdefault("suppress bias", {})
+    bias = biases.get(key)
+    if bias is None:
         bias = mx.zeros((adapter.vocab_size,), mx.float32)
         bias[mx.array(sorted(adapter.suppress_ids))] = -mx.inf
         mx.eval(bias)
-        cached = (key, bias)
-        try:
-            adapter._suppress_bias = cached
-        except AttributeError:  # (an adapter that takes no attributes: each decoder its own)
-            pass
-    return cached[1]
+        biases[key] = bias
+    return bias
 
 
 class MaskedBlockDecoder(Decoder):

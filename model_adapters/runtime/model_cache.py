@@ -1,0 +1,39 @@
+"""What a loaded model keeps between forwards, for every adapter and decode over it.
+
+Adapters hold a family's facts and decodes hold their own state (model_adapters.base:
+`Adapter.start`, `DecodeSetup`); what depends only on the model (its compiled backbone
+calls: runtime.batched; the suppressed ids' bias: decoding's masked_block) and the memos
+of its latest batched forward (the rows' stacked prefix: runtime.stacked_prefix; their
+kept keys and values: attention.bidirectional_cache) live here, keyed by the model. So an
+adapter made for each request (the Python API makes one per call) finds the traces the
+previous one compiled instead of tracing them again.
+
+Per thread (runtime.thread_compiled): compiled functions must be released on the thread
+that traced them, and two threads decoding over one model each keep their own memos. A
+model's caches go with it (`weakref.finalize`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from model_adapters.runtime.thread_compiled import ThreadTables
+
+_lock = threading.Lock()
+_by_model: dict[int, ThreadTables] = {}  # id(model) -> its caches, while the model lives
+
+
+def model_cache(model: Any) -> dict:
+    """The calling thread's caches for `model` (a dict, made on first use)."""
+    key = id(model)
+    with _lock:
+        tables = _by_model.get(key)
+        if tables is None:
+            tables = _by_model[key] = ThreadTables()
+            weakref.finalize(model, _by_model.pop, key, None)
+    return tables.table()
+
+
+__all__ = ["model_cache"]
