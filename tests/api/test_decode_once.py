@@ -2,7 +2,8 @@
 server chat request (batched and serial) each build one adapter and resolve their
 options once (mlx_lm_diffusion.api.decode.build_decode); before, a server request built
 five adapters and resolved its options three times. The batch doors (`generate_batch`,
-evaluation's `generate_until`) build one adapter and each row with build_decode."""
+evaluation's `generate_until`) build one adapter and each row with build_decode, and a
+step-schedule protocol request's decode holds build_decode's Decode."""
 
 import collections
 import sys
@@ -13,6 +14,7 @@ from server_runs import demo_server, post_json
 import mlx_lm_diffusion as mld
 import model_adapters.base as adapter_base
 from mlx_lm_diffusion.api import decode as decode_module
+from mlx_lm_diffusion.api.protocol import run_request
 from mlx_lm_diffusion.decoding import options as options_module
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.evaluation.generation import generate_until
@@ -99,3 +101,22 @@ def test_an_evaluation_builds_one_adapter_and_resolves_once_per_request(counts, 
         assert generation.tokens == [r.token for r in alone]
         assert generation.text == "".join(r.text for r in alone) and generation.text
         assert generation.forwards == alone[-1].forwards
+
+
+def test_a_protocol_request_builds_one_adapter_and_resolves_once(counts, built):
+    """The step-schedule protocol's decode holds a Decode from build_decode (its options
+    resolved by the same function as every other door's)."""
+    model, tokenizer = mld.load(str(DEMO_MODEL_PATH))
+    prompt = tokenizer.encode("357+468=")
+    request = {
+        "prompt_tokens": prompt,
+        "target_length": len(prompt) + 8,
+        "num_steps": 8,
+        "mask_schedule": "linear",
+        "temperature_schedule": [0.0] * 8,
+        "top_p": 1.0,
+    }
+    counts.clear()
+    response = run_request(model, tokenizer, request)
+    assert counts == {"adapters": 1, "resolutions": 1} and built == {"decodes": 1}
+    assert response["final_tokens"][: len(prompt)] == prompt and response["termination_reason"]
