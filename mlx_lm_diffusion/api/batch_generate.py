@@ -125,7 +125,7 @@ def generate_batch(
     results = {}
     for prompt, limit, row_kwargs in zip(ids, limits, processors):
         decode = build_decode(model, tokenizer, prompt, limit, adapter=adapter, suffix=suffix, **kwargs, **row_kwargs)
-        results[batch.add(decode.ids, decode.options, seed=decode.seed).id] = _RowResult(decode.ids)
+        results[batch.add_decode(decode).id] = _RowResult(decode.ids)
     stats = _drive(batch, results, adapter.eos_ids, verbose)
     rows = list(results.values())
     token_ids = [_without_eos(r, adapter.eos_ids) for r in rows]

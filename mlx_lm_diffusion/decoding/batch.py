@@ -10,9 +10,9 @@ the log-softmax, proposal and rule selection of every such row over the stacked 
 therefore gives exactly the tokens and forward count of its decode alone (greedy; up to
 the floating-point effect of padding on the attention's reduction order).
 
-Rows join with `add` at any step (their prefill, `Adapter.start`, runs when they first
-advance) and leave as soon as they are done (first done, first out) or with `remove`
-(a client that went away). Rows must share the family's own options (`options.family`:
+Rows join with `add` (or `add_decode`: a request's Decode) at any step (their prefill,
+`Adapter.start`, runs when they first advance) and leave as soon as they are done (first
+done, first out) or with `remove` (a client that went away). Rows must share the family's own options (`options.family`:
 the adapter is configured once for all of them); generic options may differ per row.
 
 Pipelining (as Engine.run pipelines one decode): with `pipeline` on, `step()` queues the
@@ -148,6 +148,12 @@ class RunningBatch:
         self._next_id += 1
         self.rows[row.id] = row
         return row
+
+    def add_decode(self, decode: Any, **row: Any) -> BatchRow:
+        """A row for a request built once (mlx_lm_diffusion.api.decode.Decode: its `ids`,
+        `options` and `seed`, read by name: decoding does not import the API); `row`: `add`'s
+        other keywords (payload, prefix, keep_logprobs, proposals)."""
+        return self.add(decode.ids, decode.options, seed=decode.seed, **row)
 
     def remove(self, row: BatchRow) -> None:
         """Drop a row now (its client left); its generator is closed."""

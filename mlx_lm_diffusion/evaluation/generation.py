@@ -94,7 +94,7 @@ def generate_until(
             i = waiting.popleft()
             prompt = fit_prompt(list(prompts[i]), max_tokens[i], adapter.max_length)
             decode = build_decode(model, tokenizer, prompt, max_tokens[i], adapter=adapter, **options)
-            live[batch.add(decode.ids, decode.options).id] = i
+            live[batch.add_decode(decode).id] = i
         for event in batch.step():
             i = live[event.row.id]
             if _collect(event, results[i], adapter.eos_ids, tokenizer, until[i]) and not event.finished:
