@@ -4,8 +4,9 @@ Prompts of any lengths (strings or token ids) decode together in one
 `RunningBatch` (one model forward per step for every live row); each row stops at its
 own EOS or max_tokens and leaves the batch then. The return value is mlx-lm's
 `BatchResponse` (texts, `BatchStats`, caches, token_ids, logprobs), with the forward
-count of each row added (`forwards`). After `install()`, `mlx_lm.batch_generate`
-comes here for diffusion models.
+count of each row added (`forwards`). Each row is a request built by `build_decode`
+(mlx_lm_diffusion.api.decode) over the batch's one adapter. After `install()`,
+`mlx_lm.batch_generate` comes here for diffusion models.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from mlx_lm.generate import BatchResponse
 from mlx_lm.generate_utils import BatchStats
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from mlx_lm_diffusion.api.prompts import check_prompt, drop_cache_options, encode_prompt
+from mlx_lm_diffusion.api.decode import build_decode
+from mlx_lm_diffusion.api.prompts import drop_cache_options, encode_prompt
 from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch
-from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.media.images import text_tokenizer
-from mlx_lm_diffusion.output.infill import encode_suffix, suffix_seed
 from model_adapters import adapter_for
 from model_adapters.runtime.prompt_cache import TokenCache
 
@@ -76,6 +76,19 @@ def row_processors(processors: Optional[Sequence], n_rows: int) -> List[dict]:
     return [{"logits_processors": list(p)} for p in processors]
 
 
+# build_decode's keywords that are not decoding options, which a batch's rows do not take
+# (text prompts only; no context fitting, forward budget or grammar): unknown options here,
+# as they were before its rows were built by build_decode
+NOT_ROW_OPTIONS = ("fit_context", "max_forwards", "response_format", "image", "video", "vision")
+
+
+def refuse_non_options(kwargs: dict) -> None:
+    """TypeError (DecodeOptions' for an unknown name) for a keyword in NOT_ROW_OPTIONS."""
+    unknown = sorted(set(kwargs) & set(NOT_ROW_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected options {unknown}; generate_batch takes the decoding options only")
+
+
 def generate_batch(
     model: nn.Module,
     tokenizer: Any,
@@ -105,19 +118,14 @@ def generate_batch(
     limits = [max_tokens] * len(ids) if isinstance(max_tokens, int) else list(max_tokens)
     if len(limits) != len(ids):
         raise ValueError(f"max_tokens has {len(limits)} entries for {len(ids)} prompts")
-    adapter = adapter_for(model, tokenizer)
+    refuse_non_options(kwargs)
+    adapter = adapter_for(model, tokenizer)  # (one for every row: build_decode builds none)
     batch = RunningBatch(adapter, keep_logprobs=return_logprobs)
-    suffix_ids = encode_suffix(tokenizer, suffix) or []
     processors = row_processors(kwargs.pop("logits_processors", None), len(ids))
     results = {}
     for prompt, limit, row_kwargs in zip(ids, limits, processors):
-        check_prompt(prompt, adapter.mask_id, adapter.vocab_size)
-        # (the suffix takes room in the context after the middle)
-        options = resolve(
-            DecodeOptions(max_tokens=limit, **kwargs, **row_kwargs), adapter, len(prompt), len(suffix_ids)
-        )
-        seed = suffix_seed(adapter, options, suffix_ids, 1) if suffix_ids else None
-        results[batch.add(prompt, options, seed=seed).id] = _RowResult(prompt)
+        decode = build_decode(model, tokenizer, prompt, limit, adapter=adapter, suffix=suffix, **kwargs, **row_kwargs)
+        results[batch.add_decode(decode).id] = _RowResult(decode.ids)
     stats = _drive(batch, results, adapter.eos_ids, verbose)
     rows = list(results.values())
     token_ids = [_without_eos(r, adapter.eos_ids) for r in rows]

@@ -1,10 +1,12 @@
 """One request, resolved once: `Decode`, built by `build_decode`.
 
-Every door that decodes one prompt builds its request here: the Python API's
-`stream_generate` / `generate`, mlx-lm's calling convention (`compat.stream_generate`:
-the CLI, `mlx_lm.chat`, mlx-lm's server), and the diffusion server, which builds it on
-the request's own path before the decode (its serial decode is handed the same object,
-its running batch takes the object's parts). Building it does every check a decode
+Every door builds its requests here: the Python API's `stream_generate` / `generate`,
+mlx-lm's calling convention (`compat.stream_generate`: the CLI, `mlx_lm.chat`, mlx-lm's
+server), the diffusion server, which builds it on the request's own path before the
+decode (its serial decode is handed the same object, its running batch takes the
+object's parts), the batch doors (`generate_batch`, evaluation's `generate_until`: one
+Decode per row, over the batch's one adapter) and the step-schedule protocol
+(`protocol.ProtocolDecode` holds one). Building it does every check a decode
 would fail on (the options and their fit in the context, the forward bound, the
 prompt's ids, the suffix, the response format, images), so bad input fails here,
 before a lock or a stream, and nothing below checks or resolves it again.
@@ -40,7 +42,7 @@ class Decode:
     ids: list  # the whole prompt's token ids
     options: ResolvedOptions
     suffix: list  # an infill's suffix ids ([] for none)
-    seed: Optional[np.ndarray]  # (1, W) the canvas's pinned tokens (the suffix), or None
+    seed: Optional[np.ndarray]  # (1, W) the canvas's pinned tokens (the suffix; the protocol's seed_canvas), or None
     vision: Any  # the images' vision inputs (DiffusionGemma), or None
     forwards: int  # the most forwards the decode can take
 

@@ -35,17 +35,18 @@ Corrections to the spec, each deliberate:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Optional
 
 import jsonschema
 import mlx.core as mx
 import numpy as np
 
+from mlx_lm_diffusion.api.decode import Decode, build_decode
 from mlx_lm_diffusion.decoding.commit_rules import Quota, StepInputs
 from mlx_lm_diffusion.decoding.decoders.base import FREE
 from mlx_lm_diffusion.decoding.engine import Engine, Step
-from mlx_lm_diffusion.decoding.options import DecodeOptions, check_forward_budget, resolve, schema
+from mlx_lm_diffusion.decoding.options import schema
 from mlx_lm_diffusion.decoding.schedules import GAMMAS, ScheduleQuota
 from mlx_lm_diffusion.media import images as image_inputs
 from mlx_lm_diffusion.output.infill import check_seed
@@ -199,21 +200,40 @@ def _watched(steps, on_step: Callable[[Step], None]):
 
 @dataclass
 class ProtocolDecode:
-    """A validated InferenceRequest, ready to decode: its adapter (EOS ignored: the
-    protocol fills target_length), resolved options, prompt and seeded canvas; `response`
-    builds the InferenceResponse from the decode's steps (Engine.run's, or a batch row's:
-    mlx_lm_diffusion.serving.scheduler). With images, `prompt` holds their soft tokens and `given`
-    the request's own prompt_tokens (the response keeps the request's positions)."""
+    """A validated InferenceRequest, ready to decode: its `Decode` (build_decode's, as every
+    door's: its adapter, EOS ignored: the protocol fills target_length; its resolved options,
+    prompt, seed canvas's pinned tokens and forward bound), the canvas it starts from and its
+    schedule's rule; `response` builds the InferenceResponse from the decode's steps
+    (Engine.run's, or a batch row's: mlx_lm_diffusion.serving.scheduler). With images,
+    `prompt` holds their soft tokens and `given` the request's own prompt_tokens (the
+    response keeps the request's positions)."""
 
-    adapter: Any
-    options: Any
-    prompt: list
-    seed: Optional[np.ndarray]
+    decode: Decode
     start: np.ndarray  # (1, len(prompt) + generated) the canvas the decode starts from
     rule: "ScheduleWithEarlyExit"
     steps: int
     given: Optional[list] = None  # the request's prompt_tokens (None: `prompt`)
-    vision: Any = None  # the images' vision inputs, encoded with the prompt (DiffusionGemma)
+
+    @property
+    def adapter(self) -> Any:
+        return self.decode.adapter
+
+    @property
+    def options(self) -> Any:
+        return self.decode.options
+
+    @property
+    def prompt(self) -> list:
+        return self.decode.ids
+
+    @property
+    def seed(self) -> Optional[np.ndarray]:
+        return self.decode.seed
+
+    @property
+    def vision(self) -> Any:
+        """The images' vision inputs, encoded with the prompt (DiffusionGemma), or None."""
+        return self.decode.vision
 
     @property
     def uniform(self) -> bool:
@@ -300,8 +320,16 @@ def prepare_request(
             f"{adapter.max_length} tokens{' with the images' if shift else ''}; lower it"
         )
     rule = ScheduleWithEarlyExit(request["mask_schedule"], request.get("confidence_threshold"))
-    options = DecodeOptions(
-        max_tokens=total - P,
+    start = np.array([request.get("seed_canvas") or prompt + [adapter.mask_id] * (total - P)])
+    seed = check_seed(adapter, start[:, P:], adapter.mask_id) if "seed_canvas" in request else None
+    decode = build_decode(
+        model,
+        tokenizer,
+        prompt,
+        total - P,
+        adapter=adapter,
+        max_forwards=max_forwards,
+        vision=vision,
         # one block: the whole generated region, which the schedule unmasks. A family whose
         # blocks sit on absolute positions (align_blocks) takes a block of the canvas's own
         # length: its one aligned block [0, total) is that region (a block of total - P would
@@ -317,11 +345,8 @@ def prepare_request(
         # (a family with token edits on by default, LLaDA2.2's, is asked for none)
         **({"edit_ops": ()} if any(o.name == "edit_ops" for o in adapter.options) else {}),
     )
-    start = np.array([request.get("seed_canvas") or prompt + [adapter.mask_id] * (total - P)])
-    seed = check_seed(adapter, start[:, P:], adapter.mask_id) if "seed_canvas" in request else None
-    resolved = resolve(options, adapter, P)
-    check_forward_budget(resolved, adapter, P, max_forwards)
-    return ProtocolDecode(adapter, resolved, prompt, seed, start, rule, steps, given, vision)
+    # (the seed canvas pins tokens where it likes: the Decode's pinned tokens, not a suffix's)
+    return ProtocolDecode(replace(decode, seed=seed), start, rule, steps, given)
 
 
 def validate_response(response: dict) -> None:

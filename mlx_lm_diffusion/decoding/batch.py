@@ -10,13 +10,13 @@ the log-softmax, proposal and rule selection of every such row over the stacked 
 therefore gives exactly the tokens and forward count of its decode alone (greedy; up to
 the floating-point effect of padding on the attention's reduction order).
 
-Rows join with `add` at any step (their prefill, `Adapter.start`, runs when they first
-advance) and leave as soon as they are done (first done, first out) or with `remove`
-(a client that went away). Every option may differ per row, the family's own ones too
-(`options.family`): the adapter keeps what a row's decode reads of them in the row's
-state (`Adapter.start`, model_adapters.base.DecodeSetup), and its `predict_batch` puts
-rows that need different forwards (LLaDA's and Dream's cache modes, DiffusionGemma's
-top-k steps, Nemotron's verify passes) in calls of their own.
+Rows join with `add` (or `add_decode`: a request's Decode) at any step (their prefill,
+`Adapter.start`, runs when they first advance) and leave as soon as they are done (first
+done, first out) or with `remove` (a client that went away). Every option may differ per
+row, the family's own ones too (`options.family`): the adapter keeps what a row's decode
+reads of them in the row's state (`Adapter.start`, model_adapters.base.DecodeSetup), and
+its `predict_batch` puts rows that need different forwards (LLaDA's and Dream's cache
+modes, DiffusionGemma's top-k steps, Nemotron's verify passes) in calls of their own.
 
 Pipelining (as Engine.run pipelines one decode): with `pipeline` on, `step()` queues the
 forward and commits it builds with `mx.async_eval` and returns at once; the next `step()`
@@ -137,6 +137,12 @@ class RunningBatch:
         self._next_id += 1
         self.rows[row.id] = row
         return row
+
+    def add_decode(self, decode: Any, **row: Any) -> BatchRow:
+        """A row for a request built once (mlx_lm_diffusion.api.decode.Decode: its `ids`,
+        `options`, `seed` and `vision`, read by name: decoding does not import the API);
+        `row`: `add`'s other keywords (payload, prefix, keep_logprobs, proposals)."""
+        return self.add(decode.ids, decode.options, seed=decode.seed, vision=decode.vision, **row)
 
     def remove(self, row: BatchRow) -> None:
         """Drop a row now (its client left); its generator is closed."""

@@ -3,7 +3,8 @@
     python -m mlx_lm_diffusion.demo.evaluate [--model DIR] [--problems N]
         [--max-tokens 8 64 512] [--threshold 0.9] [--json FILE]
 
-Problems are decoded in batches of equal prompt length. Per row it records the
+Problems are decoded in batches of equal prompt length, each batch with the options of
+its first problem's request (api.decode.build_decode's). Per row it records the
 forwards the row needed (the forward at which its final prefix reached EOS) and the
 tokens it emitted (answer digits plus the stopping EOS), so that tokens per forward
 is what a single-prompt decode of that row would report. "At its defaults" means the
@@ -24,10 +25,10 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from mlx_lm_diffusion.api.decode import build_decode
 from mlx_lm_diffusion.api.loading import load
 from mlx_lm_diffusion.decoding.decoders.base import FREE
 from mlx_lm_diffusion.decoding.engine import Engine
-from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.demo.problems import (
     EDGE_CASES,
@@ -132,9 +133,21 @@ def evaluate(
     for group in group_by_prompt_length(list(pairs), form):
         P, S = group.prompts.shape[1], group.suffixes.shape[1]
         rows = batch_size or max(8, min(512, 2**15 // (P + S + max_tokens)))
+        # the group's options: its first problem's request (build_decode's, as every door's),
+        # which holds for every row (a resolution reads the prompt's and suffix's lengths only)
+        suffix = group.suffixes[0].tolist() or None
+        first = build_decode(
+            model,
+            tokenizer,
+            group.prompts[0].tolist(),
+            max(1, max_tokens - forced),
+            adapter=adapter,
+            suffix=suffix,
+            **options,
+        )
+        resolved = first.options
         for lo in range(0, len(group.a), rows):
             prompts = group.prompts[lo : lo + rows]
-            resolved = resolve(DecodeOptions(max_tokens=max(1, max_tokens - forced), **options), adapter, P, S)
             seed = None
             if S:  # an infill: the middle free, each row's suffix pinned after it
                 seed = np.full((len(prompts), resolved.max_tokens + S), FREE, dtype=np.int64)

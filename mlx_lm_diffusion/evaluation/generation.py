@@ -18,9 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from mlx_lm_diffusion.api.prompts import check_prompt
+from mlx_lm_diffusion.api.decode import build_decode
 from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch
-from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 
 
@@ -82,7 +81,8 @@ def generate_until(
     batch_size: int = 8,
 ) -> GenerationRun:
     """Decode `prompts` (token ids) with `options` (DecodeOptions keywords: sampler, seed,
-    the decoding options), at most `batch_size` rows at a time."""
+    the decoding options), at most `batch_size` rows at a time. Each row is a request built
+    by `build_decode` (mlx_lm_diffusion.api.decode) over the batch's one adapter."""
     adapter = adapter_for(model, tokenizer)
     batch = RunningBatch(adapter, keep_logprobs=False)
     results = [Generation() for _ in prompts]
@@ -93,9 +93,8 @@ def generate_until(
         while waiting and len(batch) < max(batch_size, 1):
             i = waiting.popleft()
             prompt = fit_prompt(list(prompts[i]), max_tokens[i], adapter.max_length)
-            check_prompt(prompt, adapter.mask_id, adapter.vocab_size)
-            resolved = resolve(DecodeOptions(max_tokens=max_tokens[i], **options), adapter, len(prompt))
-            live[batch.add(prompt, resolved).id] = i
+            decode = build_decode(model, tokenizer, prompt, max_tokens[i], adapter=adapter, **options)
+            live[batch.add_decode(decode).id] = i
         for event in batch.step():
             i = live[event.row.id]
             if _collect(event, results[i], adapter.eos_ids, tokenizer, until[i]) and not event.finished:

@@ -83,9 +83,8 @@ class Job:
 
     def join(self, batch: RunningBatch) -> None:
         """Its row in `batch`: from its cached prompt prefix, keeping the log-probs it sends."""
-        self.row = batch.add(
-            self.prompt,
-            self.options,
+        self.row = batch.add_decode(
+            self.decode,
             payload=self,
             prefix=self.prefix,
             keep_logprobs=self.keeps_logprobs,
@@ -159,7 +158,7 @@ class ProtocolJob:
     keeps_logprobs = False  # (its response is built from its steps' tokens)
 
     def join(self, batch: RunningBatch) -> None:
-        self.row = batch.add(self.prompt, self.options, payload=self, seed=self.decode.seed)
+        self.row = batch.add_decode(self.decode.decode, payload=self)  # (the protocol decode's Decode)
 
     def take(self, step: Step, eos_ids: Any, tokenizer: Any) -> bool:
         """Its steps make its response, at its end; a cancelled request stops at its next step."""

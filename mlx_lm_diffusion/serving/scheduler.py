@@ -48,7 +48,6 @@ from typing import Any, Callable, Optional
 
 from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch
 from mlx_lm_diffusion.decoding.interpreter_exit import thread_streams
-from mlx_lm_diffusion.decoding.options import forward_bound
 from mlx_lm_diffusion.serving import peers
 from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone
 from mlx_lm_diffusion.serving.jobs import Job, ProtocolJob
@@ -100,7 +99,7 @@ class Scheduler:
     def submit_protocol(self, decode: Any, check: Callable[[], None]) -> Future:
         """A step-schedule protocol request (protocol.prepare_request's decode): its
         InferenceResponse arrives on the returned future."""
-        job = ProtocolJob(decode, check, forwards=forward_bound(decode.options, decode.adapter, len(decode.prompt)))
+        job = ProtocolJob(decode, check, forwards=decode.decode.forwards)  # (its Decode's forward bound)
         self.submit(job)
         return job.future
 
