@@ -42,9 +42,9 @@ _LAZY = {
     "DiffusionResponse": "mlx_lm_diffusion.api.generation",
     "install": "mlx_lm_diffusion.api.install",
     "uninstall": "mlx_lm_diffusion.api.install",
-    "Engine": "mlx_lm_diffusion.decoding.engine",
-    "Step": "mlx_lm_diffusion.decoding.engine",
-    "DecodeOptions": "mlx_lm_diffusion.decoding.options",
+    "Engine": "mlx_lm_diffusion.decoding",
+    "Step": "mlx_lm_diffusion.decoding",
+    "DecodeOptions": "mlx_lm_diffusion.decoding",
     "FAMILIES": "model_adapters",
 }
 

@@ -16,8 +16,18 @@ from typing import Any
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from model_adapters.base import Adapter, FamilyDefaults
+from model_adapters.base import Adapter, DecodeSetup, FamilyDefaults
 from model_adapters.families.ar import ArAdapter
+
+# The runtime's face: what the engine and the doors may use of the machinery the families run
+# on (.importlinter's "runtime-private": mlx_lm_diffusion imports these from here, never from
+# model_adapters.runtime): the prompt's keys and values across decodes, the prompt cache's
+# token list, compiled calls kept per thread and per model.
+from model_adapters.runtime.batched import bounded_compile
+from model_adapters.runtime.model_cache import model_cache
+from model_adapters.runtime.prefix_kv import PrefixKV
+from model_adapters.runtime.prompt_cache import TokenCache
+from model_adapters.runtime.thread_compiled import ThreadTables
 
 # model_type (as written in config.json) -> the module that defines its family
 FAMILIES: dict[str, str] = {
@@ -133,7 +143,13 @@ def adapter_for(model: nn.Module, tokenizer: Any = None) -> Adapter:
 __all__ = [
     "check_weights",
     "Adapter",
+    "DecodeSetup",
     "FamilyDefaults",
+    "PrefixKV",
+    "TokenCache",
+    "ThreadTables",
+    "bounded_compile",
+    "model_cache",
     "FAMILIES",
     "adapter_for",
     "register",

@@ -34,7 +34,7 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess:
 def test_the_import_contracts_hold():
     r = lint_imports(ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "BROKEN" not in r.stdout and r.stdout.count("KEPT") == 6, r.stdout
+    assert "BROKEN" not in r.stdout and r.stdout.count("KEPT") == 8, r.stdout
 
 
 @pytest.fixture
@@ -69,6 +69,25 @@ def test_a_circle_breaks_the_contracts(tree_copy):
     assert "No import circles between sibling modules or packages, at any depth BROKEN" in " ".join(r.stdout.split())
 
 
+def test_a_door_reaching_past_the_faces_breaks_them(tree_copy):
+    """Issue 52.5: the packages above decoding use its public face (decoding/__init__.py),
+    mlx_lm_diffusion uses model_adapters' face, never the runtime's modules."""
+    _add_import(tree_copy / "mlx_lm_diffusion/api/prompts.py", "from mlx_lm_diffusion.decoding.engine import Engine")
+    _add_import(tree_copy / "mlx_lm_diffusion/output/infill.py", "from model_adapters.runtime.prefix_kv import usable")
+    r = lint_imports(tree_copy)
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 1, r.stdout
+    assert "The packages above decoding import its public face, never its modules BROKEN" in out, r.stdout
+    assert "The adapters' runtime is private to them (mlx_lm_diffusion uses model_adapters' face) BROKEN" in out
+
+
+def test_the_decoding_face_names_what_it_imports():
+    """Every name of the face resolves (a typo in its table fails here, not at a door)."""
+    import mlx_lm_diffusion.decoding as decoding
+
+    assert all(getattr(decoding, name) is not None for name in decoding.__all__)
+
+
 def test_a_family_importing_another_breaks_independence(tree_copy):
     _add_import(tree_copy / "model_adapters/families/dream.py", "from model_adapters.families import llada")
     r = lint_imports(tree_copy)
@@ -89,7 +108,7 @@ def test_a_new_family_is_one_module_and_one_line(tree_copy):
     assert line in text
     registry.write_text(text.replace(line, line + '    "toy_diffusion": f"{__name__}.families.toy",\n'))
     r = lint_imports(tree_copy)
-    assert r.returncode == 0 and r.stdout.count("KEPT") == 6, r.stdout + r.stderr
+    assert r.returncode == 0 and r.stdout.count("KEPT") == 8, r.stdout + r.stderr
     probe = (
         "import model_adapters; m = model_adapters.family_module('toy_diffusion'); "
         "print(m.__name__, m.Adapter.__name__)"

@@ -23,10 +23,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from mlx_lm_diffusion.api.decode import build_decode
 from mlx_lm_diffusion.api.prompts import drop_cache_options, encode_prompt
-from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch
+from mlx_lm_diffusion.decoding import RowEvent, RunningBatch
 from mlx_lm_diffusion.media.images import text_tokenizer
-from model_adapters import adapter_for
-from model_adapters.runtime.prompt_cache import TokenCache
+from model_adapters import TokenCache, adapter_for
 
 
 @dataclass

@@ -39,16 +39,9 @@ from mlx_lm_diffusion.api.prompts import (  # noqa: F401 (mlx-lm's refused keywo
     encode_prompt,
 )
 from mlx_lm_diffusion.api.request_options import current_request_options, hand_decode, request_options
-from mlx_lm_diffusion.decoding.engine import Step
-from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
-from mlx_lm_diffusion.decoding.options import (
-    add_arguments,
-    check_fields,
-    named_options,
-)
+from mlx_lm_diffusion.decoding import PromptReuse, Step, add_arguments, check_fields, named_options
 from mlx_lm_diffusion.output import request_constraints
-from model_adapters import adapter_for, is_diffusion_model
-from model_adapters.runtime.prompt_cache import TokenCache
+from model_adapters import TokenCache, adapter_for, is_diffusion_model
 
 # The decoding options a caller may set by name (the server's JSON fields, the CLI
 # flags) are the options schema's named options: see mlx_lm_diffusion.decoding.options.

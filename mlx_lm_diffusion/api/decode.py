@@ -20,13 +20,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from mlx_lm_diffusion.api.prompts import check_prompt, encode_prompt
-from mlx_lm_diffusion.decoding.options import (
-    DecodeOptions,
-    ResolvedOptions,
-    check_forward_budget,
-    forward_bound,
-    resolve,
-)
+from mlx_lm_diffusion.decoding import DecodeOptions, ResolvedOptions, check_forward_budget, forward_bound, resolve
 from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.output.grammar import response_format_processor
 from mlx_lm_diffusion.output.infill import encode_suffix, suffix_seed

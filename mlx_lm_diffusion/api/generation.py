@@ -12,8 +12,7 @@ from mlx_lm.generate import GenerationResponse
 
 from mlx_lm_diffusion.api.batch_generate import DiffusionBatchResponse, generate_batch  # noqa: F401 (mlx_lm.batch_generate's)
 from mlx_lm_diffusion.api.decode import Decode, build_decode
-from mlx_lm_diffusion.decoding.engine import Engine, Step
-from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
+from mlx_lm_diffusion.decoding import Engine, PromptReuse, Step
 from mlx_lm_diffusion.output.detokenize import answer_detokenizer
 
 

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.batch_generate import generate_batch
-from mlx_lm_diffusion.decoding import generation_defaults
+from mlx_lm_diffusion.decoding import attach_generation_defaults
 from model_adapters import FAMILIES, check_weights, evidence, is_diffusion_model, register
 
 # (module, attribute) -> the diffusion implementation it dispatches to
@@ -173,7 +173,7 @@ def _loads_generation_defaults(original: Callable[..., Any]) -> Callable[..., An
             args, kwargs = call.args[1:], call.kwargs
         loaded = original(model_path, *args, **kwargs)
         check_weights(loaded[0])
-        generation_defaults.attach(loaded[0], model_path)
+        attach_generation_defaults(loaded[0], model_path)
         return loaded
 
     load_model.__mlx_lm_diffusion__ = True

@@ -16,7 +16,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from mlx_lm_diffusion.api.checkpoint_dir import is_write_failure
 from mlx_lm_diffusion.api.install import quiet_config_warnings
-from mlx_lm_diffusion.decoding import generation_defaults
+from mlx_lm_diffusion.decoding import attach_generation_defaults
 from mlx_lm_diffusion.media.images import load_processor
 from mlx_lm_diffusion.parallel.distributed import shard_loaded
 from model_adapters import FAMILIES, check_weights, evidence, family_module, idlm_lora
@@ -177,7 +177,7 @@ def _load(
             shard_loaded(model, group)
         processor = _processor(model, model_path, config)
     # the checkpoint's decoding defaults (generation_config.json), below explicit options
-    generation_defaults.attach(model, model_path)
+    attach_generation_defaults(model, model_path)
     if processor is None:
         return model, tokenizer
     processor._mlx_lm_tokenizer = tokenizer  # the text doors keep mlx-lm's wrapper

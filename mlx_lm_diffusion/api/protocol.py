@@ -43,11 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_lm_diffusion.api.decode import Decode, build_decode
-from mlx_lm_diffusion.decoding.commit_rules import Quota, StepInputs
-from mlx_lm_diffusion.decoding.decoders.base import FREE
-from mlx_lm_diffusion.decoding.engine import Engine, Step
-from mlx_lm_diffusion.decoding.options import schema
-from mlx_lm_diffusion.decoding.schedules import GAMMAS, ScheduleQuota
+from mlx_lm_diffusion.decoding import FREE, GAMMAS, Engine, Quota, ScheduleQuota, Step, StepInputs, schema
 from mlx_lm_diffusion.media import images as image_inputs
 from mlx_lm_diffusion.output.infill import check_seed
 from model_adapters import adapter_for

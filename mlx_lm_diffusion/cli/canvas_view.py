@@ -14,7 +14,7 @@ import shutil
 import sys
 from typing import Any, Optional, TextIO
 
-from mlx_lm_diffusion.decoding.engine import Step
+from mlx_lm_diffusion.decoding import Step
 from mlx_lm_diffusion.output.frames import MASK_GLYPH
 
 EMPTY_GLYPH = "\u00b7"  # middle dot: a committed token without text (the demo's <blank> padding)

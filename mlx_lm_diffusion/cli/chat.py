@@ -36,7 +36,7 @@ from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.cli.canvas_view import CanvasView
 from mlx_lm_diffusion.cli.generate import load_for_cli
 from mlx_lm_diffusion.cli.plain_output import plain_unless_terminal
-from mlx_lm_diffusion.decoding.options import default_max_tokens
+from mlx_lm_diffusion.decoding import default_max_tokens
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.flags import one_line_errors, refuse_flags, refused_flag
 from mlx_lm_diffusion.media import images

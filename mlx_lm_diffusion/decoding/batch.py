@@ -47,8 +47,7 @@ from mlx_lm_diffusion.decoding.engine import Engine, Step
 from mlx_lm_diffusion.decoding.interpreter_exit import computing
 from mlx_lm_diffusion.decoding.kv_reuse import PromptReuse
 from mlx_lm_diffusion.decoding.options import ResolvedOptions
-from model_adapters import Adapter
-from model_adapters.runtime.prefix_kv import PrefixKV
+from model_adapters import Adapter, PrefixKV
 
 
 @dataclass

@@ -33,8 +33,7 @@ from mlx_lm_diffusion.decoding.decoders import Canvas, Forward, Queued, ReadBack
 from mlx_lm_diffusion.decoding.decoders.kept_logprobs import KeptLogprobs, kept_arrays
 from mlx_lm_diffusion.decoding.interpreter_exit import computing
 from mlx_lm_diffusion.decoding.options import ResolvedOptions
-from model_adapters import Adapter
-from model_adapters.base import DecodeSetup
+from model_adapters import Adapter, DecodeSetup
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from model_adapters.runtime.prefix_kv import PrefixKV
+from model_adapters import PrefixKV
 
 
 class PromptReuse:

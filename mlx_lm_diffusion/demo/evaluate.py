@@ -27,8 +27,7 @@ import numpy as np
 
 from mlx_lm_diffusion.api.decode import build_decode
 from mlx_lm_diffusion.api.loading import load
-from mlx_lm_diffusion.decoding.decoders.base import FREE
-from mlx_lm_diffusion.decoding.engine import Engine
+from mlx_lm_diffusion.decoding import FREE, Engine
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.demo.problems import (
     EDGE_CASES,

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Optional, Sequence
 from mlx_lm_diffusion import kernel_cache
 from mlx_lm_diffusion.api.compat import add_decode_arguments, decode_defaults
 from mlx_lm_diffusion.api.loading import load
-from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding import DecodeOptions, resolve
 from mlx_lm_diffusion.demo import MODEL_HELP, model_or_demo
 from mlx_lm_diffusion.evaluation import report, sweep
 from mlx_lm_diffusion.evaluation.generation import generate_until

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from mlx_lm_diffusion.api.decode import build_decode
-from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch
+from mlx_lm_diffusion.decoding import RowEvent, RunningBatch
 from model_adapters import adapter_for
 
 

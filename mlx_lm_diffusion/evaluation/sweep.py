@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Optional, Sequence
 
-from mlx_lm_diffusion.decoding.option_schema import named_options, schema
+from mlx_lm_diffusion.decoding import named_options, schema
 
 UNSET = ("none", "default")
 _TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from mlx_lm_diffusion.decoding.engine import Step
+from mlx_lm_diffusion.decoding import Step
 
 MASK_GLYPH = "\u2591"  # light shade: a position still masked
 

@@ -30,8 +30,7 @@ from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
-from mlx_lm_diffusion.decoding.decoders import decoder_class
-from mlx_lm_diffusion.decoding.decoders.base import FREE
+from mlx_lm_diffusion.decoding import FREE, decoder_class
 
 
 def check_suffix(adapter: Any, suffix: Sequence[int]) -> None:

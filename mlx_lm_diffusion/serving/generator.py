@@ -21,9 +21,7 @@ from mlx_lm.server import (
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.protocol import prepare_request, run_request, validate_request
-from mlx_lm_diffusion.decoding.engine import Step
-from mlx_lm_diffusion.decoding.interpreter_exit import release_thread_streams, thread_streams
-from mlx_lm_diffusion.decoding.kv_reuse import CachedTokensTap, cache_occupancy
+from mlx_lm_diffusion.decoding import CachedTokensTap, Step, cache_occupancy, release_thread_streams, thread_streams
 from mlx_lm_diffusion.media import images
 from mlx_lm_diffusion.output import request_constraints
 from mlx_lm_diffusion.parallel import distributed

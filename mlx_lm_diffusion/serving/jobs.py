@@ -19,15 +19,12 @@ from mlx_lm.server import GenerationContext, Response, _format_top_logprobs, _ma
 
 from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.api.decode import Decode
-from mlx_lm_diffusion.decoding.batch import RunningBatch
-from mlx_lm_diffusion.decoding.decoders.speculative import check_greedy
-from mlx_lm_diffusion.decoding.engine import Step
-from mlx_lm_diffusion.decoding.options import ResolvedOptions
+from mlx_lm_diffusion.decoding import ResolvedOptions, RunningBatch, Step, check_greedy
 from mlx_lm_diffusion.output.detokenize import answer_detokenizer
 from mlx_lm_diffusion.serving.errors import RequestError
 from mlx_lm_diffusion.serving.openai_requests import check_sampling_against_vocabulary
 from mlx_lm_diffusion.serving.stream_batching import ResponseSender
-from model_adapters.runtime.prompt_cache import TokenCache
+from model_adapters import TokenCache
 
 
 @dataclass

@@ -15,8 +15,7 @@ from mlx_lm.server import (
 )
 
 from mlx_lm_diffusion.api import compat
-from mlx_lm_diffusion.decoding.engine import MAX_PROPOSALS
-from mlx_lm_diffusion.decoding.options import IMPLIED_RULES, default_max_tokens
+from mlx_lm_diffusion.decoding import IMPLIED_RULES, MAX_PROPOSALS, default_max_tokens
 from mlx_lm_diffusion.output import request_constraints
 from mlx_lm_diffusion.serving import distributed_server, tool_choice
 from mlx_lm_diffusion.serving.errors import RequestError

@@ -46,8 +46,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
-from mlx_lm_diffusion.decoding.batch import RowEvent, RunningBatch
-from mlx_lm_diffusion.decoding.interpreter_exit import thread_streams
+from mlx_lm_diffusion.decoding import RowEvent, RunningBatch, thread_streams
 from mlx_lm_diffusion.serving import peers
 from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone
 from mlx_lm_diffusion.serving.jobs import Job, ProtocolJob

@@ -13,8 +13,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Optional
 
-from mlx_lm_diffusion.decoding.option_schema import GENERIC_NAMES, MAX_TEMPERATURE, schema
-from mlx_lm_diffusion.decoding.options import DecodeOptions, default_max_tokens, resolve
+from mlx_lm_diffusion.decoding import GENERIC_NAMES, MAX_TEMPERATURE, DecodeOptions, default_max_tokens, resolve, schema
 from model_adapters import adapter_for
 
 STUDIO_PATH = "/studio"

@@ -2,8 +2,7 @@
 
 import mlx.core as mx
 
-from mlx_lm_diffusion.decoding.engine import Engine
-from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
+from mlx_lm_diffusion.decoding import DecodeOptions, Engine, resolve
 from model_adapters import adapter_for
 
 

@@ -38,8 +38,7 @@ from mlx_lm_diffusion.decoding.commit_rules import (
 from mlx_lm_diffusion.decoding.decoders.base import Forward, greedy_proposal, log_softmax, normalized_entropy
 from mlx_lm_diffusion.decoding.decoders.gathered_rows import bucket, read_positions, take_rows
 from mlx_lm_diffusion.decoding.decoders.kept_logprobs import KeptRows
-from model_adapters.runtime.batched import bounded_compile
-from model_adapters.runtime.thread_compiled import ThreadTables
+from model_adapters import ThreadTables, bounded_compile
 
 # Which rules select for several rows at once, and how, each rule declares on itself
 # (CommitRule.joint: "quota", a per-row count at the step, stacked over rows here, or

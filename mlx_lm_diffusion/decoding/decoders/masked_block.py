@@ -44,7 +44,7 @@ from mlx_lm_diffusion.decoding.decoders.kept_logprobs import (
     whole_block,
 )
 from mlx_lm_diffusion.decoding.decoders.vocab_stats import greedy_parts, logprob_rows
-from model_adapters.runtime.model_cache import model_cache
+from model_adapters import model_cache
 
 # Temperatures below this decode greedily: log-probs divided by less can overflow float32.
 MIN_TEMPERATURE = 1e-4
