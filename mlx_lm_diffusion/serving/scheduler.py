@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
@@ -50,6 +50,8 @@ from mlx_lm_diffusion.decoding import RowEvent, RunningBatch, thread_streams
 from mlx_lm_diffusion.serving import peers
 from mlx_lm_diffusion.serving.errors import Cancelled, ClientGone
 from mlx_lm_diffusion.serving.jobs import Job, ProtocolJob
+
+MAX_ADAPTERS = 16  # groups whose adapter (and the forwards it compiled) the scheduler keeps
 
 
 def lane_of(job: Any) -> tuple:
@@ -83,6 +85,7 @@ class Scheduler:
         self.used: dict = {}  # lane -> seconds of steps it has run (the fair share's measure)
         self.last: dict = {}  # lane -> seconds its latest step took
         self.peak_rows = 0  # the most rows decoded at once since the start
+        self.adapters: OrderedDict = OrderedDict()  # group -> its adapter, kept across its batches (adapter)
         self._cond = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="diffusion-scheduler", daemon=True)
@@ -180,9 +183,7 @@ class Scheduler:
                 continue
             batch = self.batches.get(lane)
             if batch is None:  # (a lane's jobs are of one kind: its group says so)
-                # (the first job's adapter: a protocol row's ignores EOS; the forwards it compiles are
-                # kept with the model, not with it: model_adapters.runtime.model_cache)
-                batch = self.batches[lane] = RunningBatch(job.decode.adapter, keep_logprobs=job.keeps_logprobs)
+                batch = self.batches[lane] = RunningBatch(self.adapter(job), keep_logprobs=job.keeps_logprobs)
             job.join(batch)
             if lane not in self.turns:
                 # one step ahead of the least served lane: no credit for the time it was idle
@@ -191,6 +192,22 @@ class Scheduler:
                 self.turns.append(lane)
         self.queued = waiting
         self.peak_rows = max(self.peak_rows, sum(len(b) for b in self.batches.values()))
+
+    def adapter(self, job: Any) -> Any:
+        """The adapter of `job`'s group, the same for each batch the group runs (at most
+        MAX_ADAPTERS groups kept, the least recently used dropped). An adapter compiles its
+        forwards once per input shape (model_adapters.runtime.batched): made afresh for each
+        batch, as lanes emptied and filled again, they were compiled again and again, and the
+        churn grew the server's resident memory by ~26 MB per 1,000 mixed requests, still
+        rising (issue 55.8). A row's options live in its decode's state, not on the adapter
+        (model_adapters.base.DecodeSetup): any row of the group can use it."""
+        adapter = self.adapters.pop(job.group, None)
+        if adapter is None:  # (the first job's decode's: a protocol row's adapter ignores EOS)
+            adapter = job.decode.adapter
+        self.adapters[job.group] = adapter
+        while len(self.adapters) > MAX_ADAPTERS:
+            self.adapters.popitem(last=False)
+        return adapter
 
     def _long(self, job: Any) -> bool:
         return self.long_forwards is not None and job.forwards > self.long_forwards

@@ -36,8 +36,8 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from model_adapters.runtime.model_cache import model_cache
 from model_adapters.runtime.stacked_prefix import stacked_prefix_of
+from model_adapters.runtime.thread_compiled import ThreadTables
 
 BUCKET = 16  # padded widths are multiples of this
 # Canvases batched into one call differ in width by at most this factor. A GPU builds its
@@ -166,13 +166,18 @@ MAX_TRACES = 64  # distinct input shapes one compiled backbone call keeps before
 
 
 def _compiled(adapter: Any, kind: tuple, make: Callable[[], Callable], *inputs: mx.array) -> Callable:
-    """The compiled backbone call `kind` of the adapter's model (mx.compile(make()), made on
-    first use and kept with the model: runtime.model_cache) for these inputs. MLX keeps one trace per distinct input shape with a compiled function
+    """The adapter's compiled backbone call `kind` (mx.compile(make()), made on first use)
+    for these inputs. Kept with the adapter, not with the model (runtime.model_cache):
+    mx.compile keeps the weights the traced call captures as constants, so a trace kept
+    past a change of the model's weights in place (a training step, a fuse) would decode
+    with the old ones; adapters are made per request, or for a server's lifetime. MLX keeps one trace per distinct input shape with a compiled function
     and frees them with it. A server's rows come in many widths and counts (a LLaDA
     canvas is padded to its widest row only), so once MAX_TRACES shapes are held a new
     one makes the function afresh: memory stays bounded in a long-running server."""
-    table = model_cache(adapter.model).setdefault("compiled backbones", {})
-    return bounded_compile(table, kind, make, tuple(tuple(a.shape) for a in inputs), MAX_TRACES)
+    tables = getattr(adapter, "_compiled_backbones", None)
+    if tables is None:  # (per thread: thread_compiled)
+        tables = adapter._compiled_backbones = ThreadTables()
+    return bounded_compile(tables.table(), kind, make, tuple(tuple(a.shape) for a in inputs), MAX_TRACES)
 
 
 def bounded_compile(table: dict, key: Any, make: Callable[[], Callable], shapes: Any, max_traces: int) -> Callable:

@@ -1,12 +1,14 @@
 """What a loaded model keeps between forwards, for every adapter and decode over it.
 
 Adapters hold a family's facts and decodes hold their own state (model_adapters.base:
-`Adapter.start`, `DecodeSetup`); what depends only on the model (its compiled backbone
-calls: runtime.batched; the suppressed ids' bias: decoding's masked_block) and the memos
-of its latest batched forward (the rows' stacked prefix: runtime.stacked_prefix; their
-kept keys and values: attention.bidirectional_cache) live here, keyed by the model. So an
-adapter made for each request (the Python API makes one per call) finds the traces the
-previous one compiled instead of tracing them again.
+`Adapter.start`, `DecodeSetup`); what depends only on the model (the suppressed ids'
+bias: decoding's masked_block) and the memos of its latest batched forward (the rows'
+stacked prefix: runtime.stacked_prefix; their kept keys and values:
+attention.bidirectional_cache, each checked against the rows it was made for) live here,
+keyed by the model. Not its compiled backbone calls: mx.compile keeps the arrays a traced
+call captures (the weights) as constants, so a trace kept with the model would outlive a
+change of its weights in place (a training step, a fuse) and decode with the old ones;
+they stay with the adapter (runtime.batched._compiled; tests/decoding/test_batch_ops.py).
 
 Per thread (runtime.thread_compiled): compiled functions must be released on the thread
 that traced them, and two threads decoding over one model each keep their own memos. A

@@ -20,7 +20,6 @@ from mlx_lm_diffusion.decoding.engine import Engine
 from mlx_lm_diffusion.decoding.options import DecodeOptions, resolve
 from model_adapters import adapter_for
 from model_adapters.runtime.batched import token_matrix
-from model_adapters.runtime.model_cache import model_cache
 from model_adapters.runtime.thread_compiled import ThreadTables
 
 # six prompts of different lengths: several rows of each kind share a record
@@ -211,12 +210,39 @@ def test_a_compiled_forward_keeps_at_most_max_traces_shapes(request, family, mon
     monkeypatch.setattr(batched.mx, "compile", lambda f: made.append(f) or compile_(f))
     monkeypatch.setattr(batched, "MAX_TRACES", 2)
     adapter = adapter_for(model, tok)
-    model_cache(model).pop("compiled backbones", None)  # (the earlier tests' traces, kept with the model)
     got = decode(True, adapter)
-    table = model_cache(model)["compiled backbones"]  # (this thread's: runtime.model_cache)
+    table = adapter._compiled_backbones.table()  # (this thread's: thread_compiled)
     assert table and all(len(shapes) <= 2 for _, shapes in table.values())
     assert len(made) > len(table)  # (some call met a third shape: made afresh)
     assert got == decode(False, adapter_for(model, tok))
+
+
+def test_new_weights_are_decoded_with_after_a_compiled_forward(tmp_path, monkeypatch):
+    """mx.compile keeps the arrays a traced function captures (the model's weights) as
+    constants: a compiled backbone call kept past a change of the weights in place (a
+    training step, a fuse, model.update) would decode with the old ones. Its owner is the
+    adapter, made for each request or a server's lifetime; an adapter made after the
+    change decodes with the new weights, compiled or not."""
+    from mlx.utils import tree_map
+
+    import mlx_lm_diffusion as mld
+    from mlx_lm_diffusion.testing.checkpoints import write_llada
+    from model_adapters.runtime import batched
+
+    model, tok = mld.load(str(write_llada(tmp_path)))  # (its own model: its weights change here)
+
+    def decode(compiled: bool):
+        monkeypatch.setattr(batched, "COMPILE_WINDOWS", compiled)
+        adapter = adapter_for(model, tok)
+        options = [
+            resolve(DecodeOptions(max_tokens=n, block_length=8), adapter, len(p)) for p, n in zip(PROMPTS, MAX_TOKENS)
+        ]
+        return [kept_of(row, len(p))[1] for row, p in zip(batched_steps(adapter, options), PROMPTS)]
+
+    before = decode(True)
+    model.update(tree_map(lambda w: -w if w.dtype == mx.float32 else w, model.parameters()))
+    after = decode(True)
+    assert after == decode(False) and after != before
 
 
 def confidences_of(steps) -> list:

@@ -326,15 +326,17 @@ def test_protocol_requests_join_the_scheduler(served, client, llada):
     assert scheduler.stats()["running_rows"] == before["running_rows"] == 0
 
 
-def test_batches_keep_their_compiled_forwards_across_batches(served, client, monkeypatch):
+def test_a_group_keeps_its_adapter_and_compiled_forwards_across_its_batches(served, client, monkeypatch):
     """Eight rounds of three concurrent requests, each round's max_tokens another of four
-    (its own lane: a new batch each round, over its first request's adapter): the batched
-    forward compiles once (one trace per input shape), its compiled calls kept with the
-    model (model_adapters.runtime.model_cache), not with an adapter. Compiled again for
-    every batch (8 here), the churn grew the server's resident memory by ~26 MB per 1,000
-    mixed requests, still rising (bench/soak_server.py, issue 55.8)."""
+    (its own lane: a new batch each round): the group's batches share one adapter, so its
+    batched forward compiles once (one trace per input shape). A fresh adapter per batch
+    compiled it again for every batch (8 here); the churn grew the server's resident memory
+    by ~26 MB per 1,000 mixed requests, still rising (bench/soak_server.py, issue 55.8)."""
     import mlx.core as mx
 
+    from mlx_lm_diffusion.serving.scheduler import MAX_ADAPTERS
+
+    scheduler = served[1].scheduler
     compiled = []
     real = mx.compile
     monkeypatch.setattr(mx, "compile", lambda f, *a, **k: compiled.append(f) or real(f, *a, **k))
@@ -344,9 +346,37 @@ def test_batches_keep_their_compiled_forwards_across_batches(served, client, mon
         )
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda _: ask(client, kw), range(3)))
+    adapters = list(scheduler.adapters.values())
+    assert 1 <= len(adapters) <= MAX_ADAPTERS
     # (the commit functions are compiled per rule and quota, for every adapter alike)
     forwards = [f for f in compiled if "_pure_commit" not in getattr(f, "__qualname__", "")]
     assert len(forwards) <= 1, forwards  # (before: one per batch, 8)
+
+
+def test_the_schedulers_adapters_are_bounded(llada):
+    """At most MAX_ADAPTERS groups keep their adapter (least recently used dropped); a group
+    gets the same adapter again."""
+    from types import SimpleNamespace
+
+    from mlx_lm_diffusion.serving.scheduler import MAX_ADAPTERS, Scheduler
+    from mlx_lm_diffusion.serving.turns import TurnLock
+
+    def job(i):  # (a job of group i whose Decode's adapter the group takes when it has none)
+        return SimpleNamespace(group=("g", i), decode=SimpleNamespace(adapter=object()))
+
+    scheduler = Scheduler(*llada, TurnLock())
+    try:
+        first = scheduler.adapter(job(0))
+        for i in range(1, 3 * MAX_ADAPTERS):
+            scheduler.adapter(job(i))
+            assert len(scheduler.adapters) <= MAX_ADAPTERS
+            if i < MAX_ADAPTERS - 1:  # (kept while it is among the most recent)
+                assert scheduler.adapter(job(0)) is first
+        assert ("g", 0) not in scheduler.adapters
+        last = scheduler.adapter(job(3 * MAX_ADAPTERS - 1))
+        assert scheduler.adapter(job(3 * MAX_ADAPTERS - 1)) is last
+    finally:
+        scheduler.stop()
 
 
 def test_the_scheduler_driven_directly_decodes_each_request_as_alone(llada):
