@@ -18,7 +18,6 @@ from mlx_lm.server import (
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, Cancelled, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     MAX_JSON_DEPTH,
-    RequestFields,
     _depth_exceeds,
     _finite_float,
     _reject_constant,
@@ -46,7 +45,7 @@ class _Discard:
         pass
 
 
-class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
+class DiffusionAPIHandler(Routes, APIHandler):
     """mlx_lm.server's handler with decoding fields, drafts, bounded bodies, the
     served-model and browser checks, and OpenAI-shaped errors everywhere."""
 

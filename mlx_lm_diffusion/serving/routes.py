@@ -12,17 +12,20 @@ from urllib.parse import unquote
 
 from mlx_lm.server import CompletionRequest, Response, ResponseGenerator
 
-from mlx_lm_diffusion.api import compat
 from mlx_lm_diffusion.demo import DEMO_MODEL_PATH
 from mlx_lm_diffusion.media import images
-from mlx_lm_diffusion.serving import choices, memory, pictures, stream_batching, studio, template_sandbox, tool_choice
-from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body, excerpt
-from mlx_lm_diffusion.serving.openai_requests import (
-    _BODY_FIELDS,
-    IGNORED_OPENAI_FIELDS,
-    DiffusionRequest,
-    check_unknown_fields,
+from mlx_lm_diffusion.serving import (
+    choices,
+    memory,
+    pictures,
+    request_body,
+    stream_batching,
+    studio,
+    template_sandbox,
+    tool_choice,
 )
+from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, ClientGone, RequestError, _param_of, error_body
+from mlx_lm_diffusion.serving.openai_requests import DiffusionRequest
 from mlx_lm_diffusion.serving.responses import json_safe
 
 # The decoding fields are the options schema's named options, looked up per request (a
@@ -31,15 +34,7 @@ PROTOCOL_PATH = "/v1/diffusion/generate"  # the step-schedule protocol (shared/s
 STATS_PATH = "/v1/stats"  # running decodes, queued requests, prompt cache occupancy
 POST_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")
 GET_PATHS = ("/v1/models", "/health", STATS_PATH)  # (the studio's files too, which no client POSTs to)
-# every field a body may carry by name (the decoding options' are added per request)
-KNOWN_FIELDS = _BODY_FIELDS + ("suffix", "response_format") + IGNORED_OPENAI_FIELDS
 NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
-
-
-def _token_ids(value: Any) -> bool:
-    return (
-        isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
 
 
 class _Answered(BaseException):
@@ -181,6 +176,7 @@ class Routes:
 
     def do_POST(self):
         self._request = None
+        self.request_body = None
         if not self._gate():
             return
         if self.path == pictures.RENDER_PATH:
@@ -199,102 +195,82 @@ class Routes:
             return self._send_error(503, f"{short}; retry later", code="out_of_memory")
         if self.path == PROTOCOL_PATH:
             return self.handle_protocol(body)
-        if not isinstance(body, dict):
-            logging.warning(f"Invalid Request Body: {excerpt(json.dumps(body).encode())}")
-            return self._send_error(400, "the request body must be a JSON object")
-        self.body = body
-        try:
-            check_unknown_fields(body, KNOWN_FIELDS + compat.DECODE_FIELDS)
-            self._read_fields(body)
-            self.validate_model_parameters()
-            stop_words = self._stop_words(body.get("stop"))
+        try:  # (the body's one reading: everything below is handed the RequestBody)
+            parsed = request_body.parse_body(body, self.path, self.response_generator)
         except RequestError as e:
             return self._send_error(e.status, str(e), param=e.param, code=e.code)
         except (ValueError, TypeError) as e:
-            return self._send_error(400, str(e), param=_param_of(str(e), _BODY_FIELDS + compat.DECODE_FIELDS))
-        factories = {
-            "/v1/completions": self.handle_text_completions,
-            "/v1/chat/completions": self.handle_chat_completions,
-            "/chat/completions": self.handle_chat_completions,
-        }
+            return self._send_error(400, str(e), param=_param_of(str(e), request_body.known_fields()))
+        self._adopt(parsed)
         try:
-            requests = factories[self.path]()
+            if parsed.route == "chat":
+                requests = self.handle_chat_completions(parsed)
+            else:
+                requests = self.handle_text_completions(parsed)
         except RequestError as e:
             return self._send_error(e.status, str(e), param=e.param, code=e.code)
         except Exception as e:
             message = str(e) or type(e).__name__
-            return self._send_error(400, message, param=_param_of(message, _BODY_FIELDS + compat.DECODE_FIELDS))
-        if len(requests) == 1 and self.choice_count == 1:
-            return self.handle_completion(requests[0], stop_words)
-        choices.answer_choices(self, requests, stop_words)
+            return self._send_error(400, message, param=_param_of(message, request_body.known_fields()))
+        if len(requests) == 1 and parsed.n == 1:
+            return self.handle_completion(requests[0], list(parsed.stop))
+        choices.answer_choices(self, parsed, requests)
 
-    def handle_chat_completions(self) -> CompletionRequest:
-        messages = self.body.get("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise RequestError("messages must be a list of message objects", param="messages")
+    def _adopt(self, parsed: request_body.RequestBody) -> None:
+        """This handler answers `parsed`: mlx_lm.server's APIHandler reads its fields off
+        the handler (`self.temperature`, `self.stream`, ...), set here and nowhere else."""
+        self.request_body = parsed
+        for name, value in request_body.stock_attributes(parsed, self.response_generator.cli_args).items():
+            setattr(self, name, value)
+
+    def handle_chat_completions(self, parsed: request_body.RequestBody) -> List[DiffusionRequest]:
         generator = self.response_generator
         try:  # read in full here, before anything runs (mlx_lm_diffusion.media.images)
             pictures = images.check_served_messages(
-                messages,
+                parsed.messages,
                 images.server_policy(generator.cli_args),
-                takes_images=lambda: generator.takes_images(self.requested_model),
+                takes_images=lambda: generator.takes_images(parsed.model),
             )
         except images.ImageError as e:
             raise RequestError(str(e), status=e.status, param="messages") from None
-        if pictures and (self.chat_template_kwargs or {}).get("chat_template") is not None:
+        template_kwargs = parsed.chat_template_kwargs or {}
+        if pictures and template_kwargs.get("chat_template") is not None:
             raise RequestError(
                 "a client chat template cannot be combined with images (the processor renders "
                 "those prompts in the server)",
                 param="chat_template_kwargs",
             )
-        if self.body.get("tool_choice") == "none":  # (the model is not told of the tools: it calls none)
-            self.body = {**self.body, "tools": None}
-        request = self._diffusion_request(super().handle_chat_completions())
+        request = self._diffusion_request(super().handle_chat_completions(), parsed)  # (reads self.body: _adopt)
         request.images = pictures
         tokenizer = generator.model_provider.tokenizer
-        if tokenizer is not None and (self.chat_template_kwargs or {}).get("chat_template") is not None:
+        if tokenizer is not None and template_kwargs.get("chat_template") is not None:
             try:  # (here, on this request's thread: a render may take seconds)
-                request.prompt_ids = generator.client_template_prompt(tokenizer, request, self.chat_template_kwargs)
+                request.prompt_ids = generator.client_template_prompt(tokenizer, request, template_kwargs)
             except template_sandbox.TemplateError as e:
                 raise RequestError(str(e), param="chat_template_kwargs") from e
         return [request]
 
-    def handle_text_completions(self) -> List[CompletionRequest]:
-        """One request per prompt: `prompt` is a string, a list of token ids, or a list of
-        those (one choice per prompt, in order: routes' choices)."""
-        prompt = self.body.get("prompt")
-        prompts = prompt if isinstance(prompt, list) and prompt and not _token_ids(prompt) else [prompt]
-        if not all(isinstance(p, str) or _token_ids(p) for p in prompts):
-            raise RequestError(
-                "prompt must be a string, a list of token ids, or a non-empty list of those", param="prompt"
-            )
-        most = self.max_choices  # (RequestFields._read_fields, with n)
-        if len(prompts) * self.choice_count > most:
-            raise RequestError(
-                f"{len(prompts)} prompts x n = {self.choice_count} is "
-                f"{len(prompts) * self.choice_count} choices; this server answers at most {most} "
-                "(--max-choices)",
-                param="prompt",
-            )
+    def handle_text_completions(self, parsed: request_body.RequestBody) -> List[DiffusionRequest]:
+        """One request per prompt (one choice per prompt and n, in order: serving.choices)."""
         requests = []
-        for one in prompts:
-            self.body = {**self.body, "prompt": one}
-            request = self._diffusion_request(super().handle_text_completions())
+        for one in parsed.prompts:
+            self.body = {"prompt": one}  # (mlx_lm.server's handle_text_completions reads it)
+            request = self._diffusion_request(super().handle_text_completions(), parsed)
             if not isinstance(one, str):
                 request.prompt_ids = list(one)  # (taken as they are: generator._tokenize)
             requests.append(request)
         return requests
 
-    def _diffusion_request(self, request: CompletionRequest) -> DiffusionRequest:
+    def _diffusion_request(self, request: CompletionRequest, parsed: request_body.RequestBody) -> DiffusionRequest:
         stock = {f.name: getattr(request, f.name) for f in dataclasses.fields(CompletionRequest)}
         self._request = DiffusionRequest(
             **stock,
-            options=self.decode_options,
-            drafts=self.drafts,
-            proposals=self.proposals,
-            draft_sink=self._send_draft if self.drafts else None,
+            options=dict(parsed.options),
+            drafts=parsed.drafts,
+            proposals=parsed.proposals,
+            draft_sink=self._send_draft if parsed.drafts else None,
             connection=self.connection,
-            peer_probe=self._interim_answer if not self.stream and self.request_version == "HTTP/1.1" else None,
+            peer_probe=self._interim_answer if not parsed.stream and self.request_version == "HTTP/1.1" else None,
         )
         if self.cancel.is_set():
             self._request.cancel_error = self.cancel_error
@@ -374,6 +350,7 @@ class Routes:
         defines them (mlx_lm.server's entries were the first of an unsorted top-k, often
         not the generated token, and streams carried none): one entry per token the
         response or chunk adds."""
+        parsed = self.request_body
         response = self._as_openai(super().generate_response(*args, **kwargs))
         self._made_tool_call = self._made_tool_call or bool(kwargs.get("tool_calls"))
         if response.get("choices"):
@@ -381,7 +358,7 @@ class Routes:
             if choice.get("finish_reason") == "length" and self._finish:  # (handed on as "length": _Guarded._iterate)
                 tool_call = self._finish == "stop" and self._made_tool_call  # (as mlx_lm.server reports one)
                 choice["finish_reason"] = "tool_calls" if tool_call else self._finish
-            if getattr(self, "forced_tool_call", False):
+            if parsed.forced_tool_call:
                 self._answer_as_tool_call(choice)
             choice["logprobs"] = None  # (OpenAI's answers carry the field, null when not asked)
             if isinstance(choice.get("message"), dict):
@@ -393,9 +370,9 @@ class Routes:
                 if self._role_sent:
                     del delta["role"]
                 self._role_sent = True
-            if self.object_type.startswith("chat.completion") and (self.logprobs or self.top_logprobs > 0):
+            if parsed.route == "chat" and (parsed.logprobs or parsed.top_logprobs > 0):
                 choice["logprobs"] = {"content": self._logprob_entries(), "refusal": None}
-            elif self.object_type == "text_completion" and getattr(self, "legacy_logprobs", None) is not None:
+            elif parsed.route == "text" and parsed.legacy_logprobs is not None:
                 choice["logprobs"] = self._legacy_logprobs()
         return json_safe(response)
 
@@ -403,13 +380,14 @@ class Routes:
         """A required tool call (serving.tool_choice): the answer's JSON, held back from a
         stream's deltas, comes back as the message's tool_calls once it is whole; an answer
         cut short stays text, with its finish reason."""
-        message = choice.get("delta") if self.stream else choice.get("message")
+        stream = self.request_body.stream
+        message = choice.get("delta") if stream else choice.get("message")
         if not isinstance(message, dict):
             return
         self._tool_text += message.pop("content", None) or ""
         if choice.get("finish_reason") is None:
             return
-        calls = tool_choice.as_tool_calls(self._tool_text, self.stream) if choice["finish_reason"] == "stop" else None
+        calls = tool_choice.as_tool_calls(self._tool_text, stream) if choice["finish_reason"] == "stop" else None
         if calls is None:
             message["content"] = self._tool_text
         else:
@@ -474,7 +452,9 @@ class Routes:
 
         entries = []
         for gen, text in generated:
-            top = sorted(gen.top_tokens or (), key=lambda t: -t["logprob"]) if self.top_logprobs > 0 else []
+            top = (
+                sorted(gen.top_tokens or (), key=lambda t: -t["logprob"]) if self.request_body.top_logprobs > 0 else []
+            )
             alternatives = [
                 entry(gen.token, gen.logprob, text)
                 if t["id"] == gen.token
