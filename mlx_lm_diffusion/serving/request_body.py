@@ -17,6 +17,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from mlx_lm_diffusion.api import compat
@@ -100,7 +101,8 @@ SAMPLING_FIELDS = (
 class RequestBody:
     """One completions or chat completions request, as its body asked, checked and with
     the server's defaults in. `route` is "chat" or "text"; a completion's `prompts` are
-    its prompts (one choice per prompt and n), a chat's `messages` its turns."""
+    its prompts (one choice per prompt and n), a chat's `messages` its turns. Read-only
+    (its mappings too); a choice's copy with its own seed is `dataclasses.replace`'s."""
 
     route: str
     model: str
@@ -170,24 +172,10 @@ def parse_body(body: Any, path: str, generator: Any) -> RequestBody:
     stream_options = _stream_options(_get(body, "stream_options"))
     chat_template_kwargs = _chat_template_kwargs(_get(body, "chat_template_kwargs"), cli)
     stream, model = _get(body, "stream", False), _get(body, "model", "default_model")
-    # (mlx_lm.server's own checks, with its messages)
-    if not isinstance(stream, bool):
-        raise ValueError("stream must be of type bool")
-    if not isinstance(logprobs, bool):
-        raise ValueError("logprobs must be of type bool")
-    if not isinstance(model, str):
-        raise ValueError("requested_model must be of type str")
+    _check_types(stream, logprobs, model)
     logit_bias = _logit_bias(_get(body, "logit_bias"))
     check_prompt_length(body, generator)
-    options, drafts = parse_request_options(body)
-    proposals = parse_proposals(body, drafts)
-    forced = tool_choice.forced_call_format(body) if route == "chat" else None
-    if forced is not None:
-        options["response_format"] = forced  # (checked and compiled as any other)
-    if drafts and not stream:
-        raise ValueError("drafts are sent as SSE comments of a stream; set stream to true")
-    if drafts and n > 1:
-        raise RequestError("drafts are one decode's canvas: ask for them with n = 1", param="drafts")
+    options, drafts, proposals, forced = _decoding(body, route, stream, n)
     stop = stop_words(body.get("stop"))
     messages = _messages(body) if route == "chat" else None
     prompts = _prompts(body, n, most) if route == "text" else ()
@@ -200,7 +188,7 @@ def parse_body(body: Any, path: str, generator: Any) -> RequestBody:
         role_mapping=body.get("role_mapping"),
         stream=stream,
         stream_options=stream_options,
-        sampling=sampling,
+        sampling=MappingProxyType(sampling),
         logit_bias=logit_bias,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -210,11 +198,38 @@ def parse_body(body: Any, path: str, generator: Any) -> RequestBody:
         seed=seed,
         stop=tuple(stop),
         chat_template_kwargs=chat_template_kwargs,
-        options=options,
+        options=MappingProxyType(options),
         drafts=drafts,
         proposals=proposals,
         forced_tool_call=forced is not None,
     )
+
+
+def _check_types(stream: Any, logprobs: Any, model: Any) -> None:
+    """mlx_lm.server's own checks of these fields (APIHandler.validate_model_parameters),
+    with its messages."""
+    if not isinstance(stream, bool):
+        raise ValueError("stream must be of type bool")
+    if not isinstance(logprobs, bool):
+        raise ValueError("logprobs must be of type bool")
+    if not isinstance(model, str):
+        raise ValueError("requested_model must be of type str")
+
+
+def _decoding(body: dict, route: str, stream: bool, n: int) -> tuple:
+    """(options, drafts, proposals, forced): the decoding fields by their Option declarations,
+    with suffix and response_format, or a required tool call's format (a chat's tool_choice);
+    the draft frames and their proposals."""
+    options, drafts = parse_request_options(body)
+    proposals = parse_proposals(body, drafts)
+    forced = tool_choice.forced_call_format(body) if route == "chat" else None
+    if forced is not None:
+        options["response_format"] = forced  # (checked and compiled as any other)
+    if drafts and not stream:
+        raise ValueError("drafts are sent as SSE comments of a stream; set stream to true")
+    if drafts and n > 1:
+        raise RequestError("drafts are one decode's canvas: ask for them with n = 1", param="drafts")
+    return options, drafts, proposals, forced
 
 
 def _logprobs(body: dict, route: str) -> tuple:

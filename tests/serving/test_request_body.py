@@ -78,6 +78,8 @@ def test_fields_read_from_the_body(generator):
     assert parsed.options == {"steps": 4, "block_length": 8} and parsed.logit_bias == {3: 1.0}
     with pytest.raises(dataclasses.FrozenInstanceError):
         parsed.n = 3
+    with pytest.raises(TypeError):
+        parsed.options["steps"] = 5  # (read-only: the request's DiffusionRequest gets a copy)
 
 
 def test_each_sampling_field_has_its_bounds(generator):
