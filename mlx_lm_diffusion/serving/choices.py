@@ -60,14 +60,14 @@ class _Choice:
     done: bool = False
 
 
-def _choice_handler(handler, choice: _Choice):
+def _choice_handler(handler, parsed, choice: _Choice):
     """A copy of the handler that answers one choice into its sink: its own seed (the
     request's plus the choice's index, so sampled choices differ and repeat with a seed)
-    and its own header buffer; the socket, cancel event and fields are the request's."""
+    and its own header buffer; the socket, cancel event and other fields are the request's."""
     twin = copy.copy(handler)
     twin.wfile = choice.sink
     twin._headers_buffer = []
-    twin.seed = (handler.seed + choice.index) % (SEED_MAX + 1)
+    twin._adopt(dataclasses.replace(parsed, seed=(parsed.seed + choice.index) % (SEED_MAX + 1)))
     twin._request = choice.request
     return twin
 
@@ -79,16 +79,16 @@ def _cancel(choices: List[_Choice], error: BaseException) -> None:
             choice.request.cancel.set()
 
 
-def answer_choices(handler, requests: list, stop_words: List[str]) -> None:
-    """Answer `requests` (one per prompt) with handler.choice_count choices each."""
-    n = handler.choice_count
+def answer_choices(handler, parsed, requests: list) -> None:
+    """Answer `requests` (one per prompt of the RequestBody `parsed`) with its n choices each."""
+    n, stop_words = parsed.n, list(parsed.stop)
     events: "queue.Queue" = queue.Queue()
     choices = []
     for p, request in enumerate(requests):
         for j in range(n):
             index = p * n + j
             mine = request if j == 0 else dataclasses.replace(request, cancel=threading.Event(), ctx=None)
-            choices.append(_Choice(index, mine, ChoiceSink(index, events, bool(handler.stream))))
+            choices.append(_Choice(index, mine, ChoiceSink(index, events, parsed.stream)))
 
     def run(choice: _Choice) -> None:
         try:
@@ -97,10 +97,10 @@ def answer_choices(handler, requests: list, stop_words: List[str]) -> None:
             events.put((choice.index, "done", None))
 
     for choice in choices:
-        choice.handler = _choice_handler(handler, choice)
+        choice.handler = _choice_handler(handler, parsed, choice)
     for choice in choices:
         threading.Thread(target=run, args=(choice,), daemon=True, name=f"choice-{choice.index}").start()
-    merge = _merge_stream if handler.stream else _merge_body
+    merge = _merge_stream if parsed.stream else _merge_body
     try:
         merge(handler, choices, events, n)
     except _CLIENT_ERRORS:

@@ -1,5 +1,6 @@
-"""The HTTP handler: mlx_lm.server's APIHandler with bounded bodies, the Host and Origin
-gates, cancellation and OpenAI-shaped errors everywhere."""
+"""The HTTP side of the handler: mlx_lm.server's APIHandler with bounded bodies, the Host
+and Origin gates, cancellation and OpenAI-shaped errors everywhere. The answers are built
+over it (serving/answers.py), the routes over those (serving/routes.py: DiffusionAPIHandler)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,13 @@ from mlx_lm.server import (
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, Cancelled, error_body, excerpt
 from mlx_lm_diffusion.serving.openai_requests import (
     MAX_JSON_DEPTH,
-    RequestFields,
     _depth_exceeds,
     _finite_float,
     _reject_constant,
 )
-from mlx_lm_diffusion.serving.routes import NO_BODY, Routes
 
 DEFAULT_MAX_BODY_BYTES = 10 * 1000 * 1000
+NO_BODY = object()  # _read_body's "no body to act on: the error was answered"
 
 
 def _host_of(header: str) -> str:
@@ -46,9 +46,9 @@ class _Discard:
         pass
 
 
-class DiffusionAPIHandler(RequestFields, Routes, APIHandler):
-    """mlx_lm.server's handler with decoding fields, drafts, bounded bodies, the
-    served-model and browser checks, and OpenAI-shaped errors everywhere."""
+class HTTPHandler(APIHandler):
+    """mlx_lm.server's handler with bounded bodies, the served-model and browser checks,
+    the server's cancellation and OpenAI-shaped errors everywhere."""
 
     # -- connection bookkeeping (the server's watchdog, shutdown and caps)
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from mlx_lm.server import ResponseGenerator
 
 from mlx_lm_diffusion.serving.errors import _CLIENT_ERRORS, Cancelled, RequestError, error_body
-from mlx_lm_diffusion.serving.handler import DiffusionAPIHandler
+from mlx_lm_diffusion.serving.routes import DiffusionAPIHandler
 
 DEFAULT_READ_TIMEOUT = 30.0
 DEFAULT_MAX_CONNECTIONS = 512

@@ -1,5 +1,7 @@
-"""OpenAI requests as the server reads them: the JSON body's limits, each field checked
-(numbers finite and in range, ids in the vocabulary), the decoding fields, a seed."""
+"""OpenAI requests' parts: the JSON body's limits, the checks `request_body.parse_body`
+builds on (unknown fields, the decoding fields, proposals, a prompt's length), the seed of a
+request that names none, the sampling ids against the vocabulary (generation thread), and
+the DiffusionRequest handed to the generator."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from mlx_lm.server import (
 )
 
 from mlx_lm_diffusion.api import compat
-from mlx_lm_diffusion.decoding import IMPLIED_RULES, MAX_PROPOSALS, default_max_tokens
+from mlx_lm_diffusion.decoding import IMPLIED_RULES, MAX_PROPOSALS
 from mlx_lm_diffusion.output import request_constraints
-from mlx_lm_diffusion.serving import distributed_server, tool_choice
+from mlx_lm_diffusion.serving import distributed_server
 from mlx_lm_diffusion.serving.errors import RequestError
 
 SEED_MAX = 2**64 - 1  # mx.random.seed takes an unsigned 64-bit integer
@@ -243,28 +245,7 @@ _BODY_FIELDS = (
 )
 
 
-# finite-number fields and their ranges (low, high), checked before mlx_lm.server's own
-_NUMBER_RANGES = {
-    "temperature": (0.0, 2.0),  # OpenAI's range
-    "top_p": (0.0, 1.0),
-    "min_p": (0.0, 1.0),
-    "repetition_penalty": (0.0, 100.0),
-    "presence_penalty": (-100.0, 100.0),
-    "frequency_penalty": (-100.0, 100.0),
-    "xtc_probability": (0.0, 1.0),
-    "xtc_threshold": (0.0, 1.0),
-}
-
-
 TOP_LOGPROBS_MAX = 20  # OpenAI's bound (mlx_lm.server's is 11)
-
-_INTEGER_RANGES = {
-    "max_tokens": (1, None),
-    "top_k": (0, None),
-    "repetition_context_size": (0, CONTEXT_SIZE_MAX),
-    "presence_context_size": (0, CONTEXT_SIZE_MAX),
-    "frequency_context_size": (0, CONTEXT_SIZE_MAX),
-}
 
 
 def _reject_constant(name: str):
@@ -288,150 +269,3 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
             children = node.values() if isinstance(node, dict) else node
             stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return False
-
-
-class RequestFields:
-    """The handler's reading and checking of an OpenAI body's fields (a mixin of
-    DiffusionAPIHandler: mlx_lm.server's APIHandler reads them in do_POST)."""
-
-    def _read_fields(self, body: dict) -> None:
-        """mlx_lm.server's field extraction (APIHandler.do_POST), unchanged in meaning but
-        for null: an explicit null is the field left out, as in OpenAI's API (mlx_lm.server
-        answered `"temperature": null` with a 400)."""
-        cli = self.response_generator.cli_args
-
-        def get(name: str, default: Any = None) -> Any:
-            value = body.get(name)
-            return default if value is None else value
-
-        self.stream = get("stream", False)
-        self.stream_options = get("stream_options")
-        self.requested_model = get("model", "default_model")
-        for name in ("draft_model", "adapters", "num_draft_tokens"):
-            if body.get(name) is not None:
-                raise RequestError(
-                    f"{name} is not accepted: speculative decoding and adapters do "
-                    "not apply to this server's diffusion models",
-                    param=name,
-                )
-        self.requested_draft_model = "default_model"
-        self.num_draft_tokens = cli.num_draft_tokens
-        self.adapter = None
-        self.max_tokens = get("max_completion_tokens")
-        if self.max_tokens is None:
-            self.max_tokens = get("max_tokens", cli.max_tokens)
-        if self.max_tokens is None:  # neither the request nor --max-tokens: the model's own default
-            self.max_tokens = default_max_tokens(self.response_generator.model_provider.model)
-        self.temperature = get("temperature", cli.temp)
-        self.top_p = get("top_p", cli.top_p)
-        self.top_k = get("top_k", cli.top_k)
-        self.min_p = get("min_p", cli.min_p)
-        self.repetition_penalty = get("repetition_penalty", 0.0)
-        self.repetition_context_size = get("repetition_context_size", 20)
-        self.presence_penalty = get("presence_penalty", 0.0)
-        self.presence_context_size = get("presence_context_size", 20)
-        self.frequency_penalty = get("frequency_penalty", 0.0)
-        self.frequency_context_size = get("frequency_context_size", 20)
-        self.xtc_probability = get("xtc_probability", 0.0)
-        self.xtc_threshold = get("xtc_threshold", 0.1)
-        self.logit_bias = get("logit_bias")
-        self.logprobs = get("logprobs", False)
-        self.top_logprobs = get("top_logprobs", -1)
-        self.legacy_logprobs = None  # /v1/completions' integer logprobs: top alternatives per token
-        if self.path == "/v1/completions" and isinstance(self.logprobs, int) and self.logprobs is not False:
-            legacy = 0 if self.logprobs is True else self.logprobs  # (true: the tokens' own log-probs)
-            if not 0 <= legacy <= MAX_LEGACY_LOGPROBS:
-                raise RequestError(
-                    f"logprobs must be an integer in [0, {MAX_LEGACY_LOGPROBS}] for completions, got {self.logprobs!r}",
-                    param="logprobs",
-                )
-            self.legacy_logprobs, self.logprobs = legacy, True
-            self.top_logprobs = legacy if legacy > 0 else -1
-        if get("echo", False) is not False:
-            raise RequestError("echo is not supported: the answer holds the completion only", param="echo")
-        n = get("n", 1)
-        self.max_choices = most = getattr(cli, "max_choices", None) or DEFAULT_MAX_CHOICES
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
-            raise RequestError(
-                f"n must be an integer in [1, {most}], got {n!r} (the server's --max-choices)", param="n"
-            )
-        self.choice_count = n
-        if get("best_of", n) != n:  # (no candidates beyond the n choices are decoded)
-            raise RequestError(f"best_of must equal n ({n}): this server decodes no extra candidates", param="best_of")
-        self.seed = get("seed")
-        self.chat_template_kwargs = get("chat_template_kwargs")
-
-    @staticmethod
-    def _stop_words(stop: Any) -> List[str]:
-        if stop is None:
-            return []
-        if isinstance(stop, str):
-            stop = [stop]
-        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise RequestError("stop must be a string or a list of strings", param="stop")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise RequestError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", param="stop")
-        long = next((s for s in stop if len(s) > MAX_STOP_CHARS), None)
-        if long is not None:
-            raise RequestError(f"a stop string has {len(long)} characters; at most {MAX_STOP_CHARS}", param="stop")
-        return [s for s in stop if s]
-
-    def validate_model_parameters(self) -> None:
-        for name, (low, high) in _NUMBER_RANGES.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise RequestError(f"{name} must be a number", param=name)
-            if not math.isfinite(value) or not low <= value <= high:
-                raise RequestError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value!r}", param=name)
-            setattr(self, name, float(value))  # mlx_lm.server wants floats for xtc_*
-        for name, (low, high) in _INTEGER_RANGES.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise RequestError(f"{name} must be an integer", param=name)
-            if value < low or (high is not None and value > high):
-                span = f">= {low}" if high is None else f"in [{low}, {high}]"
-                raise RequestError(f"{name} must be an integer {span}, got {value!r}", param=name)
-        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
-            raise RequestError("top_logprobs must be an integer", param="top_logprobs")
-        if self.top_logprobs != -1 and not 0 <= self.top_logprobs <= TOP_LOGPROBS_MAX:
-            raise RequestError(
-                f"top_logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}], got {self.top_logprobs}",
-                param="top_logprobs",
-            )
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= SEED_MAX
-        ):
-            raise RequestError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}", param="seed")
-        if self.seed is None:
-            self.seed = request_seed()
-        if self.stream_options is not None:
-            if not isinstance(self.stream_options, dict):
-                raise RequestError("stream_options must be an object", param="stream_options")
-            include = self.stream_options.get("include_usage", False)
-            if not isinstance(include, bool):
-                raise RequestError("stream_options.include_usage must be a boolean", param="stream_options")
-            self.stream_options = {**self.stream_options, "include_usage": include}
-        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
-            raise RequestError("chat_template_kwargs must be an object", param="chat_template_kwargs")
-        if (self.chat_template_kwargs or {}).get("chat_template") is not None and not getattr(
-            self.response_generator.cli_args, "allow_client_chat_templates", False
-        ):
-            raise RequestError(
-                "a client-supplied chat_template is refused (a template is code this "
-                "server would run); start it with --allow-client-chat-templates",
-                param="chat_template_kwargs",
-            )
-        top_logprobs, self.top_logprobs = self.top_logprobs, -1  # (mlx_lm.server stops at 11; OpenAI at 20)
-        super().validate_model_parameters()
-        self.top_logprobs = top_logprobs
-        check_prompt_length(self.body, self.response_generator)
-        self.decode_options, self.drafts = parse_request_options(self.body)
-        self.proposals = parse_proposals(self.body, self.drafts)
-        forced = tool_choice.forced_call_format(self.body) if self.path != "/v1/completions" else None
-        if forced is not None:
-            self.decode_options["response_format"] = forced  # (checked and compiled as any other)
-        self.forced_tool_call = forced is not None
-        if self.drafts and not self.stream:
-            raise ValueError("drafts are sent as SSE comments of a stream; set stream to true")
-        if self.drafts and self.choice_count > 1:
-            raise RequestError("drafts are one decode's canvas: ask for them with n = 1", param="drafts")
