@@ -125,9 +125,10 @@ def generate_batch(
     for prompt, limit, row_kwargs in zip(ids, limits, processors):
         decode = build_decode(model, tokenizer, prompt, limit, adapter=adapter, suffix=suffix, **kwargs, **row_kwargs)
         results[batch.add_decode(decode).id] = _RowResult(decode.ids)
-    stats = _drive(batch, results, adapter.eos_ids, verbose)
+    eos_ids = decode.options.eos_ids  # (every row's: the rows share their options but max_tokens)
+    stats = _drive(batch, results, eos_ids, verbose)
     rows = list(results.values())
-    token_ids = [_without_eos(r, adapter.eos_ids) for r in rows]
+    token_ids = [_without_eos(r, eos_ids) for r in rows]
     texts = [tokenizer.decode(t) for t in token_ids]
     caches = [[TokenCache(r.prompt + t)] for r, t in zip(rows, token_ids)] if return_prompt_caches else None
     if verbose:

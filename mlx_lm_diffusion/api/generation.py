@@ -75,7 +75,7 @@ def decode_responses(
             token = int(step.canvas[0, P + emitted])
             logprobs = step.logprobs(0, P + emitted)
             emitted += 1
-            stop = token in adapter.eos_ids
+            stop = token in options.eos_ids
             finish = "stop" if stop else ("length" if emitted == options.max_tokens else None)
             if not stop:
                 detokenizer.add_token(token)

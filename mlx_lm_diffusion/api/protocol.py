@@ -197,12 +197,12 @@ def _watched(steps, on_step: Callable[[Step], None]):
 @dataclass
 class ProtocolDecode:
     """A validated InferenceRequest, ready to decode: its `Decode` (build_decode's, as every
-    door's: its adapter, EOS ignored: the protocol fills target_length; its resolved options,
-    prompt, seed canvas's pinned tokens and forward bound), the canvas it starts from and its
-    schedule's rule; `response` builds the InferenceResponse from the decode's steps
-    (Engine.run's, or a batch row's: mlx_lm_diffusion.serving.scheduler). With images,
-    `prompt` holds their soft tokens and `given` the request's own prompt_tokens (the
-    response keeps the request's positions)."""
+    door's: its adapter; its resolved options, with ignore_eos: the protocol fills
+    target_length; its prompt, seed canvas's pinned tokens and forward bound), the canvas it
+    starts from and its schedule's rule; `response` builds the InferenceResponse from the
+    decode's steps (Engine.run's, or a batch row's: mlx_lm_diffusion.serving.scheduler).
+    With images, `prompt` holds their soft tokens and `given` the request's own
+    prompt_tokens (the response keeps the request's positions)."""
 
     decode: Decode
     start: np.ndarray  # (1, len(prompt) + generated) the canvas the decode starts from
@@ -300,7 +300,6 @@ def prepare_request(
             f"seed_canvas marks free positions with the mask token; {adapter.family} has "
             "none (its canvas is uniform noise): drop seed_canvas"
         )
-    adapter.eos_ids = frozenset()  # the protocol fills target_length
     given = [int(t) for t in request["prompt_tokens"]]
     if adapter.mask_id in given or max(given) >= adapter.vocab_size:
         raise ValueError("prompt_tokens must be vocabulary ids other than the mask token")
@@ -337,6 +336,7 @@ def prepare_request(
         top_p=request["top_p"],
         seed=request.get("seed"),
         cache=request.get("cache"),
+        ignore_eos=True,  # the protocol fills target_length
         # the protocol's contract: its schedule decides every commit and no token is edited
         # (a family with token edits on by default, LLaDA2.2's, is asked for none)
         **({"edit_ops": ()} if any(o.name == "edit_ops" for o in adapter.options) else {}),

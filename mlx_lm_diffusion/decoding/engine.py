@@ -294,7 +294,7 @@ class Engine:
         including its first EOS; a row is done once that prefix holds an EOS or covers
         max_tokens. Final tokens never change, so each call scans only the tokens after
         the last call's final prefix."""
-        P, a = canvas.prompt_len, self.adapter
+        P, a, eos_ids = canvas.prompt_len, self.adapter, self.options.eos_ids
         N = min(canvas.generated, self.options.max_tokens)  # (a canvas may run past it)
         limit = min(horizon - P, N)
         final, done = canvas.final.copy(), canvas.done.copy()
@@ -306,7 +306,7 @@ class Engine:
                 if token == a.mask_id:
                     break
                 final[b] += 1
-                if token in a.eos_ids:
+                if token in eos_ids:
                     done[b] = True
                     break
             done[b] = done[b] or final[b] == N

@@ -101,6 +101,13 @@ GENERIC_OPTIONS: tuple[Option, ...] = (
     ),
     Option("allowed_tokens", tuple, "Only these token ids may be generated (EOS always may)", item=int, low=0),
     Option("seed", int, "PRNG seed", low=0, high=2**64 - 1, named=False),  # (mx.random.seed's range)
+    Option(
+        "ignore_eos",
+        bool,
+        "Decode to max_tokens past the model's EOS (vLLM's name; the step-schedule protocol fills its target length)",
+        default=False,
+        named=False,
+    ),
 )
 
 

@@ -90,6 +90,9 @@ class ResolvedOptions:
     seed: Optional[int]
     family: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     allowed_tokens: Optional[tuple] = None  # None: every id may be generated
+    # the ids that end this decode: the adapter's EOS ids, none with ignore_eos (a request's
+    # setting, kept here and not on the adapter, which every row of a batch shares)
+    eos_ids: frozenset = frozenset()
 
 
 def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int, suffix_len: int = 0) -> ResolvedOptions:
@@ -134,6 +137,7 @@ def resolve(options: DecodeOptions, adapter: Adapter, prompt_len: int, suffix_le
         seed=get("seed"),
         family=MappingProxyType(family),
         allowed_tokens=get("allowed_tokens"),
+        eos_ids=frozenset() if get("ignore_eos") else frozenset(adapter.eos_ids),
     )
     adapter.check_resolved(resolved)
     if adapter.predicts_next_only and not commits_next_only(resolved.rule, block_length, steps, adapter.vocab_size):

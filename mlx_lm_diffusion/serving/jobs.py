@@ -139,7 +139,7 @@ class Job:
 @dataclass
 class ProtocolJob:
     """A step-schedule protocol request (mlx_lm_diffusion.api.protocol) in the scheduler: its
-    row decodes in a batch of protocol rows (their adapter ignores EOS), its steps are
+    row decodes in a batch of protocol rows (each ignoring EOS: options.eos_ids), its steps are
     kept, and `future` gets the InferenceResponse (or the error) once it ends."""
 
     decode: Any  # protocol.ProtocolDecode
@@ -171,7 +171,7 @@ class ProtocolJob:
     def options(self) -> ResolvedOptions:
         return self.decode.options
 
-    group: ClassVar[tuple] = ("step-schedule protocol",)  # (its adapter ignores EOS)
+    group: ClassVar[tuple] = ("step-schedule protocol",)  # (lanes of their own, beside the completions')
 
     def finish(self, error: Optional[BaseException]) -> None:
         self.ended = True

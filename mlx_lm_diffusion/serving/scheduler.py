@@ -3,8 +3,8 @@
 mlx_lm.server's generation thread hands each diffusion request to `Scheduler.submit`
 (the server's `_serve_single` hook) instead of decoding it there; the scheduler's own
 thread keeps one `RunningBatch` per group of requests that can share a forward (the
-completions, and the step-schedule protocol's requests, whose adapter ignores EOS: each
-job's `group`; every option, the family's own ones too, may differ per row). Each turn:
+completions, and the step-schedule protocol's requests: each job's `group`; every option,
+the family's own ones too, may differ per row). Each turn:
 
 1. queued requests join their group's batch (FIFO, at most `max_rows` rows a batch:
    `--decode-concurrency`); a request whose batch is full waits for a row to leave, and
@@ -202,7 +202,7 @@ class Scheduler:
         rising (issue 55.8). A row's options live in its decode's state, not on the adapter
         (model_adapters.base.DecodeSetup): any row of the group can use it."""
         adapter = self.adapters.pop(job.group, None)
-        if adapter is None:  # (the first job's decode's: a protocol row's adapter ignores EOS)
+        if adapter is None:  # (the first job's decode's)
             adapter = job.decode.adapter
         self.adapters[job.group] = adapter
         while len(self.adapters) > MAX_ADAPTERS:
@@ -271,7 +271,7 @@ class Scheduler:
         if event.error is not None:
             self._end(batch, job, event.error)
             return
-        if event.step is not None and job.take(event.step, batch.adapter.eos_ids, self.tokenizer):
+        if event.step is not None and job.take(event.step, job.options.eos_ids, self.tokenizer):
             self._end(batch, job, None)
             return
         if event.finished and not job.ended:

@@ -103,7 +103,7 @@ class IntrospectiveDecoder(SpeculativeDecoder):
         # the accepted drafts are the verify rows' own argmaxes; the next pending token (the
         # row after the last accepted: the full acceptance's next token or the correction) too
         tokens = verified[: min(accepted + 1, end - position - 1)]
-        stops = [i for i, t in enumerate(tokens.tolist()) if t in a.eos_ids]
+        stops = [i for i, t in enumerate(tokens.tolist()) if t in self.options.eos_ids]
         if stops:  # nothing is written past an EOS
             tokens = tokens[: stops[0] + 1]
         canvas.write(mx.array(tokens[None].astype(np.int32)), position + 1)

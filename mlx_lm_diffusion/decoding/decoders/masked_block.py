@@ -84,7 +84,7 @@ class MaskedBlockDecoder(Decoder):
         self.ordered = None
         if options.logits_processors:
             greedy = options.sampler is None and options.temperature_schedule is None
-            self.ordered = LeftToRight(options.logits_processors, adapter.eos_ids, greedy)
+            self.ordered = LeftToRight(options.logits_processors, options.eos_ids, greedy)
 
     def canvas_length(self, prompt_len: int) -> int:
         return aligned_canvas_length(self.adapter, self.options, prompt_len)

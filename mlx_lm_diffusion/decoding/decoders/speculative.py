@@ -199,7 +199,7 @@ class SpeculativeDecoder(Decoder):
         while accepted < width and verified[accepted - 1] == drafts[accepted]:
             accepted += 1
         tokens = verified[:accepted]
-        stops = [i for i, t in enumerate(tokens.tolist()) if t in a.eos_ids]
+        stops = [i for i, t in enumerate(tokens.tolist()) if t in self.options.eos_ids]
         if stops:  # nothing is written past an EOS
             tokens = tokens[: stops[0] + 1]
         canvas.write(mx.array(tokens[None].astype(np.int32)), position + 1)
