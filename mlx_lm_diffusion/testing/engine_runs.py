@@ -9,8 +9,8 @@ from model_adapters import adapter_for
 def engine_decode(model, tokenizer, prompt, **options):
     """(generated tokens of the whole canvas, forwards) of one prompt, EOS not stopping it."""
     adapter = adapter_for(model, tokenizer)
-    adapter.eos_ids = frozenset()  # fill the whole canvas, as the references do
-    resolved = resolve(DecodeOptions(**options), adapter, len(prompt))
+    # fill the whole canvas, as the references do
+    resolved = resolve(DecodeOptions(**options, ignore_eos=True), adapter, len(prompt))
     last = None
     for last in Engine(adapter, resolved).run(mx.array([prompt])):
         pass
