@@ -9,6 +9,7 @@ import collections
 import sys
 
 import pytest
+from protocol_requests import greedy_linear
 from server_runs import demo_server, post_json
 
 import mlx_lm_diffusion as mld
@@ -108,14 +109,7 @@ def test_a_protocol_request_builds_one_adapter_and_resolves_once(counts, built):
     resolved by the same function as every other door's)."""
     model, tokenizer = mld.load(str(DEMO_MODEL_PATH))
     prompt = tokenizer.encode("357+468=")
-    request = {
-        "prompt_tokens": prompt,
-        "target_length": len(prompt) + 8,
-        "num_steps": 8,
-        "mask_schedule": "linear",
-        "temperature_schedule": [0.0] * 8,
-        "top_p": 1.0,
-    }
+    request = greedy_linear(prompt)
     counts.clear()
     response = run_request(model, tokenizer, request)
     assert counts == {"adapters": 1, "resolutions": 1} and built == {"decodes": 1}

@@ -4,6 +4,7 @@ a running batch shares. The step-schedule protocol, which fills its target lengt
 user; Python callers may set it too (vLLM's name)."""
 
 import mlx.core as mx
+from protocol_requests import greedy_linear
 
 import mlx_lm_diffusion as mld
 from mlx_lm_diffusion.api import protocol
@@ -51,14 +52,7 @@ def test_rows_that_stop_at_eos_and_rows_that_do_not_share_a_batch():
 def test_the_protocol_leaves_the_adapters_eos_ids_alone():
     model, tokenizer = load_demo()
     prompt = tokenizer.encode(PROMPT)
-    request = {
-        "prompt_tokens": prompt,
-        "target_length": len(prompt) + 8,
-        "num_steps": 8,
-        "mask_schedule": "linear",
-        "temperature_schedule": [0.0] * 8,
-        "top_p": 1.0,
-    }
+    request = greedy_linear(prompt)
     decode = protocol.prepare_request(model, tokenizer, request)
     assert decode.adapter.eos_ids and decode.options.eos_ids == frozenset()
     response = protocol.run_request(model, tokenizer, request)

@@ -612,23 +612,14 @@ def test_trace_png_from_the_generate_cli(tmp_path):
 
 
 def test_the_picture_of_a_protocol_response(tmp_path):
+    from protocol_requests import greedy_linear
+
     import mlx_lm_diffusion as mld
     from mlx_lm_diffusion.api import protocol
 
     model, tokenizer = mld.load(str(DEMO_MODEL_PATH))
     prompt = tokenizer.encode("357+468=")
-    response = protocol.run_request(
-        model,
-        tokenizer,
-        {
-            "prompt_tokens": prompt,
-            "target_length": len(prompt) + 8,
-            "num_steps": 8,
-            "mask_schedule": "linear",
-            "temperature_schedule": [0.0] * 8,
-            "top_p": 1.0,
-        },
-    )
+    response = protocol.run_request(model, tokenizer, greedy_linear(prompt))
     order = unmask_order.from_protocol(response)
     committed = {i - len(prompt) for step in response["per_step_unmasked"] for i in step["token_indices"]}
     assert len(order.forward) == 8 and set(np.flatnonzero(order.forward).tolist()) == committed
