@@ -22,7 +22,7 @@ from model_adapters.families.ar import ArAdapter
 # The runtime's face: what the engine and the doors may use of the machinery the families run
 # on (.importlinter's "runtime-private": mlx_lm_diffusion imports these from here, never from
 # model_adapters.runtime): the prompt's keys and values across decodes, the prompt cache's
-# token list, compiled calls kept per thread and per model.
+# token list, tables of compiled calls kept per thread, what a model keeps between forwards.
 from model_adapters.runtime.batched import bounded_compile
 from model_adapters.runtime.model_cache import model_cache
 from model_adapters.runtime.prefix_kv import PrefixKV

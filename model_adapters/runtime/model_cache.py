@@ -10,9 +10,8 @@ call captures (the weights) as constants, so a trace kept with the model would o
 change of its weights in place (a training step, a fuse) and decode with the old ones;
 they stay with the adapter (runtime.batched._compiled; tests/decoding/test_batch_ops.py).
 
-Per thread (runtime.thread_compiled): compiled functions must be released on the thread
-that traced them, and two threads decoding over one model each keep their own memos. A
-model's caches go with it (`weakref.finalize`).
+Per thread (runtime.thread_compiled's tables): two threads decoding over one model each
+keep their own memos. A model's caches go with it (`weakref.finalize`).
 """
 
 from __future__ import annotations
