@@ -332,6 +332,12 @@ class Adapter:
     def next_only_refusal(self, options: Any) -> str:
         return f"{self.family} predicts only the next token; unmask one token per step"
 
+    def family_option(self, setup: DecodeSetup, name: str) -> Any:
+        """The decode's value of this family's option `name`: its resolved options', or the
+        option's declared default (a decode started without options)."""
+        declared = next(o for o in self.options if o.name == name)
+        return setup.family(name, declared.default)
+
     def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> Any:
         """Prepare a decode of `prompt` (B, P); returns the decode's state, which holds
         whatever of `setup` (the decode's options and inputs) the family reads later.

@@ -184,7 +184,7 @@ class BidirectionalCacheAdapter(_BaseAdapter):
 
     def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> Optional[CacheState]:
         """The decode's cache (its `cache` option), or None: no cache."""
-        mode = setup.family("cache")
+        mode = self.family_option(setup, "cache")
         return CacheState(mode) if mode else None
 
     def predict(self, state: Optional[CacheState], canvas: mx.array, start: int, end: int) -> mx.array:

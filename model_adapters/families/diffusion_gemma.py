@@ -31,7 +31,7 @@ from model_adapters import gemma_vision, gemma_weights
 from model_adapters.base import NO_SETUP, DecodeSetup, DiffusionModel, FamilyDefaults, _stop_ids
 from model_adapters.base import Adapter as _BaseAdapter
 from model_adapters.option import Option
-from model_adapters.runtime.batched import answered, stacked_head, stacked_prefix_views, token_matrix
+from model_adapters.runtime.batched import answered, by_width, stacked_head, stacked_prefix_views, token_matrix
 from model_adapters.runtime.embeddings import weighted_rows
 from model_adapters.runtime.prefix_kv import CAUSAL, PrefixKV, usable
 from model_adapters.runtime.sharding import SummedOverRanks, VocabShardedEmbedding, shard_in_place, shard_mlp
@@ -510,13 +510,14 @@ class Adapter(_BaseAdapter):
         vision = setup.vision  # (gemma_vision.VisionInputs: the prompt's images)
         if vision is not None:  # image tokens' KV depend on the pixels, not on the ids
             reuse = None
-        fast = setup.family("fast_self_conditioning") or setup.family("fast_step")
-        top_k = min(setup.family("self_conditioning_k", 256), self.vocab_size) if fast else 0
+        option = lambda name: self.family_option(setup, name)  # noqa: E731
+        fast = option("fast_self_conditioning") or option("fast_step")
+        top_k = min(option("self_conditioning_k"), self.vocab_size) if fast else 0
         state = _State(
             reuse.caches() if reuse is not None else self.model.make_kv_cache(),
             vision=vision is not None,
             top_k=top_k,
-            top_k_step=top_k if setup.family("fast_step") else 0,
+            top_k_step=top_k if option("fast_step") else 0,
         )
         rest = prompt[:, state.cache[0].offset :]
         if vision is None:
@@ -570,10 +571,8 @@ class Adapter(_BaseAdapter):
             return super().predict_batch(requests)
         for r in requests:
             self._ready(r.state, r.canvas, r.start)
-        groups: dict = {}
-        for i, r in enumerate(requests):
-            groups.setdefault((r.end - r.start, r.state.top_k, r.state.top_k_step), []).append(i)
-        return answered(requests, list(groups.values()), self._decode_rows)
+        steps = by_width(requests, also=lambda r: (r.state.top_k, r.state.top_k_step))
+        return answered(requests, steps, self._decode_rows)
 
     def _decode_rows(self, requests: list) -> list:
         model, width, first = self.model, requests[0].end - requests[0].start, requests[0].state

@@ -177,7 +177,7 @@ class Adapter(_BaseAdapter):
 
     def start(self, prompt: mx.array, reuse: Optional[PrefixKV] = None, setup: DecodeSetup = NO_SETUP) -> _State:
         caches = reuse.caches() if reuse is not None else self.model.make_kv_cache()
-        state = _State(caches, causal=bool(setup.family("causal_context", True)))
+        state = _State(caches, causal=bool(self.family_option(setup, "causal_context")))
         self._encode(state, prompt[:, state.offset :])  # (at least the last prompt token)
         return state
 
@@ -186,7 +186,7 @@ class Adapter(_BaseAdapter):
         the same KV in any prompt. The last prompt token is always encoded again (its causal
         pass seeds the first block). Without causal context the prompt is encoded
         bidirectionally, as a whole: nothing is reusable."""
-        if not setup.family("causal_context", True):
+        if not self.family_option(setup, "causal_context"):
             return 0
         return usable(prefix, CAUSAL, prompt.shape[0], prompt.shape[1] - 1)
 

@@ -94,11 +94,12 @@ def answered(requests: Sequence[Any], groups: Sequence[Sequence[int]], answer: C
     return out
 
 
-def by_width(requests: Sequence[Any]) -> list:
-    """Indices of the requests grouped by the width of their blocks (end - start)."""
+def by_width(requests: Sequence[Any], also: Optional[Callable[[Any], Any]] = None) -> list:
+    """Indices of the requests grouped by the width of their blocks (end - start), and by
+    `also(request)` where given (what else one call needs equal)."""
     groups: dict = {}
     for i, r in enumerate(requests):
-        groups.setdefault(r.end - r.start, []).append(i)
+        groups.setdefault((r.end - r.start, also(r) if also is not None else None), []).append(i)
     return list(groups.values())
 
 

@@ -43,7 +43,7 @@ class Adapter(BaseAdapter):
     )
 
     def start(self, prompt: mx.array, reuse: Any = None, setup: DecodeSetup = NO_SETUP) -> int:
-        return setup.family("logit_shift", 1)  # (the decode's state: its shift)
+        return self.family_option(setup, "logit_shift")  # (the decode's state: its shift)
 
     def predict(self, shift: int, canvas: mx.array, start: int, end: int) -> mx.array:
         hidden = self.model.backbone(canvas)
